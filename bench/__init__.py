@@ -1,0 +1,1 @@
+"""Microbenchmarks (installed as ``collectives.bench``; from a checkout: ``python -m bench``)."""

@@ -1,0 +1,89 @@
+"""What an algorithm sees of one collective call.
+
+An algorithm is a plain function ``f(ctx, ...)`` over point-to-point calls.
+:class:`CallContext` carries the transport, this call's tag and its deadline,
+so algorithms never thread timeouts or tags through their code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .errors import CollectiveTimeout
+from .transport import Request, Transport
+
+__all__ = ["CallContext", "SEGMENT_BYTES"]
+
+#: Large buffers are cut into pieces of this many bytes so that
+#: communication and reduction overlap (pipelined algorithms, window paths).
+SEGMENT_BYTES = 1 << 20
+
+
+class CallContext:
+    """One collective call: transport, tag, deadline and scratch space.
+
+    Attributes:
+        transport: the transport the call runs on.
+        rank, size: this rank and the number of ranks.
+        tag: the tag every message of this call carries.
+        deadline: ``time.monotonic()`` past which waits raise CollectiveTimeout.
+        segment_bytes: pipeline segment size for large messages.
+    """
+
+    __slots__ = ("transport", "rank", "size", "tag", "deadline", "segment_bytes", "_scratch")
+
+    def __init__(self, transport: Transport, tag: int, deadline: float,
+                 segment_bytes: int = SEGMENT_BYTES, scratch: dict | None = None) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.size = transport.size
+        self.tag = tag
+        self.deadline = deadline
+        self.segment_bytes = segment_bytes
+        self._scratch = scratch if scratch is not None else {}
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline; raises CollectiveTimeout if none."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeout(f"rank {self.rank}: collective (tag {self.tag}) timed out")
+        return left
+
+    def isend(self, arr: np.ndarray, peer: int) -> Request:
+        return self.transport.isend(arr, peer, self.tag)
+
+    def irecv(self, arr: np.ndarray, peer: int) -> Request:
+        return self.transport.irecv(arr, peer, self.tag)
+
+    def send(self, arr: np.ndarray, peer: int) -> None:
+        self.transport.isend(arr, peer, self.tag).wait(self.remaining())
+
+    def recv(self, arr: np.ndarray, peer: int) -> None:
+        self.transport.irecv(arr, peer, self.tag).wait(self.remaining())
+
+    def sendrecv(self, sendarr: np.ndarray, dst: int, recvarr: np.ndarray, src: int) -> None:
+        """Send to ``dst`` and receive from ``src`` at the same time."""
+        r = self.transport.irecv(recvarr, src, self.tag)
+        s = self.transport.isend(sendarr, dst, self.tag)
+        self.transport.waitall((r, s), self.remaining())
+
+    def waitall(self, requests: Sequence[Request]) -> None:
+        if requests:
+            self.transport.waitall(requests, self.remaining())
+
+    def scratch(self, count: int, dtype: np.dtype, slot: int = 0) -> np.ndarray:
+        """A reusable scratch array of ``count`` elements of ``dtype``.
+
+        Distinct ``slot`` numbers give distinct memory; the same slot may be
+        reused by a later call, so never keep a scratch array across calls.
+        """
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        buf = self._scratch.get(slot)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 64), dtype=np.uint8)
+            self._scratch[slot] = buf
+        return buf[:nbytes].view(dtype)

@@ -1,0 +1,146 @@
+"""The plugin registry: algorithms by (collective, name), transports by name.
+
+Transports and algorithm modules are found through Python entry points
+(groups ``collectives.transports`` and ``collectives.algorithms``), the same
+way a third-party plugin is found; the core never imports a concrete
+transport by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Callable
+
+from .errors import BadArgument, TransportUnavailable
+
+__all__ = [
+    "COLLECTIVES",
+    "Algorithm",
+    "register",
+    "algorithm",
+    "algorithms_for",
+    "all_algorithms",
+    "transport_class",
+    "transport_names",
+]
+
+#: Every collective the library implements, in the order the docs list them.
+COLLECTIVES = (
+    "bcast", "scatter", "gather", "allgather", "reduce", "allreduce",
+    "reduce_scatter", "alltoall", "barrier",
+)
+
+TRANSPORT_GROUP = "collectives.transports"
+ALGORITHM_GROUP = "collectives.algorithms"
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A registered algorithm.
+
+    Attributes:
+        collective: which collective it implements.
+        name: the name users type (``algorithm="ring"``).
+        func: the implementation, ``func(ctx, ...)``.
+        needs: transport capabilities it requires (e.g. ``{"window"}``).
+        description: one line for ``explain`` and docs.
+    """
+
+    collective: str
+    name: str
+    func: Callable = field(compare=False)
+    needs: frozenset[str] = frozenset()
+    description: str = ""
+
+
+_ALGORITHMS: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
+_loaded = False
+
+
+def register(collective: str, name: str, needs: tuple[str, ...] = (),
+             description: str = "") -> Callable[[Callable], Callable]:
+    """Decorator: register ``func`` as algorithm ``name`` of ``collective``."""
+    if collective not in _ALGORITHMS:
+        raise ValueError(f"unknown collective {collective!r}")
+
+    def deco(func: Callable) -> Callable:
+        doc = description or (func.__doc__ or "").strip().split("\n")[0]
+        _ALGORITHMS[collective][name] = Algorithm(collective, name, func, frozenset(needs), doc)
+        return func
+
+    return deco
+
+
+def _load_plugins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    eps = entry_points(group=ALGORITHM_GROUP)
+    if not any(ep.value == "collectives.algorithms" for ep in eps):
+        # Running from a source tree without installed metadata.
+        importlib.import_module("collectives.algorithms")
+    for ep in eps:
+        ep.load()
+
+
+def algorithms_for(collective: str) -> dict[str, Algorithm]:
+    """Every algorithm registered for ``collective``, by name."""
+    _load_plugins()
+    try:
+        return _ALGORITHMS[collective]
+    except KeyError:
+        raise BadArgument(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}") from None
+
+
+def all_algorithms() -> list[Algorithm]:
+    """Every registered algorithm of every collective."""
+    _load_plugins()
+    return [a for c in COLLECTIVES for a in _ALGORITHMS[c].values()]
+
+
+def algorithm(collective: str, name: str) -> Algorithm:
+    """The algorithm ``name`` of ``collective``; BadArgument if unknown."""
+    table = algorithms_for(collective)
+    try:
+        return table[name]
+    except KeyError:
+        raise BadArgument(
+            f"unknown {collective} algorithm {name!r}; known: {', '.join(sorted(table)) or 'none'}"
+        ) from None
+
+
+_BUILTIN_TRANSPORTS = {
+    "shm": "collectives.transports.shm:SharedMemoryTransport",
+    "zmq": "collectives.transports.zmq:ZmqTransport",
+    "mpi": "collectives.transports.mpi:MpiTransport",
+    "sim": "collectives.transports.sim:SimTransport",
+}
+
+
+def _transport_entry_points() -> dict[str, str]:
+    found = {ep.name: ep.value for ep in entry_points(group=TRANSPORT_GROUP)}
+    if not found:
+        # Source tree without installed metadata: the same table pyproject declares.
+        found = dict(_BUILTIN_TRANSPORTS)
+    return found
+
+
+def transport_names() -> list[str]:
+    """Names of every transport plugin that is registered (available or not)."""
+    return sorted(_transport_entry_points())
+
+
+def transport_class(name: str):
+    """Load the transport plugin ``name``; TransportUnavailable if it cannot load."""
+    eps = _transport_entry_points()
+    if name not in eps:
+        raise BadArgument(f"unknown transport {name!r}; registered: {', '.join(sorted(eps))}")
+    module, _, attr = eps[name].partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise TransportUnavailable(f"transport {name!r} cannot be loaded: {exc}") from exc
+    return getattr(mod, attr)

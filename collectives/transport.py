@@ -1,0 +1,173 @@
+"""The transport plugin contract.
+
+A transport moves contiguous byte buffers between ranks. It is kept small:
+
+* ``rank``, ``size``, ``isend(buf, peer, tag)``, ``irecv(buf, peer, tag)``,
+  ``Request.wait(timeout)``, ``Request.test()``, ``abort(reason)``, ``close()``.
+* Messages between a pair of ranks with the same tag are delivered in the
+  order they were sent (MPI's non-overtaking rule), so one tag per
+  collective call is enough. A receive whose posted size differs from the
+  arriving message raises :class:`~collectives.errors.MismatchedCollective`.
+  Zero-byte messages are legal and are delivered like any other.
+* Optional capabilities are declared in ``capabilities``, never guessed:
+  ``"window"`` (the transport offers :attr:`Transport.window`, a
+  :class:`SharedWindow`), ``"native"`` (the transport runs its own
+  collectives), ``"device"`` (device memory).
+
+Transports are found through the entry-point group ``collectives.transports``;
+each entry point names a :class:`Transport` subclass.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Protocol, Sequence
+
+import numpy as np
+
+__all__ = ["Request", "Transport", "SharedWindow", "CompletedRequest"]
+
+
+class Request(abc.ABC):
+    """A pending send or receive."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete.
+
+        Args:
+            timeout: seconds; None waits for the transport's default timeout.
+
+        Raises:
+            CollectiveTimeout, PeerLost, MismatchedCollective.
+        """
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """Return True when complete (raises the request's error if it failed)."""
+
+
+class CompletedRequest(Request):
+    """A request that is already complete (for sends that finish eagerly)."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def test(self) -> bool:
+        return True
+
+
+COMPLETED = CompletedRequest()
+
+
+class SharedWindow(Protocol):
+    """Memory of every rank mapped into every rank's address space.
+
+    Each rank owns one region of ``capacity`` bytes. Any rank may read or
+    write any region; ordering between ranks is established with
+    :meth:`fence`. The window algorithms in ``collectives.algorithms.window``
+    use it; shared memory offers it now, CUDA IPC and RDMA later.
+    """
+
+    capacity: int
+
+    def region(self, rank: int) -> np.ndarray:
+        """A uint8 array over ``rank``'s region (``capacity`` bytes)."""
+        ...
+
+    def fence(self, deadline: float) -> None:
+        """Barrier among all ranks of the window: every write any rank made
+        before its fence is visible to every rank after its fence.
+        Raises CollectiveTimeout past ``deadline`` (time.monotonic()) and
+        PeerLost if a peer died or aborted."""
+        ...
+
+    def locate(self, arr: np.ndarray) -> tuple[int, int] | None:
+        """If ``arr`` lives in memory from :meth:`Transport.alloc` of this
+        window, return (owner rank, byte offset in the owner's shared
+        allocation); otherwise None."""
+        ...
+
+
+class Transport(abc.ABC):
+    """Base class of transport plugins.
+
+    Subclasses set ``name`` and ``capabilities`` and implement the abstract
+    methods. ``open`` is the constructor the library calls.
+    """
+
+    name: ClassVar[str] = "?"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    rank: int
+    size: int
+    #: Default timeout in seconds for waits that pass None.
+    timeout: float = 60.0
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Return (True, "") if this transport can run here, else (False, why)."""
+        return True, ""
+
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, rank: int, size: int, *, job: str, timeout: float,
+             options: dict[str, Any]) -> "Transport":
+        """Connect ``rank`` of ``size`` ranks of job ``job``.
+
+        ``options`` holds transport-specific settings (addresses, secrets,
+        interface names); unknown keys are ignored.
+        """
+
+    @abc.abstractmethod
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+        """Start sending the bytes of the C-contiguous array ``buf`` to ``peer``.
+        The caller must not modify ``buf`` until the request completes."""
+
+    @abc.abstractmethod
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+        """Start receiving a message from ``peer`` with ``tag`` into the
+        C-contiguous writable array ``buf`` (exactly ``buf.nbytes`` bytes)."""
+
+    def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
+        """Wait for every request (transports may override with a faster path)."""
+        for r in requests:
+            r.wait(timeout)
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Best effort: make every peer's pending and future waits raise
+        PeerLost(reason). Never blocks for long, never raises."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every resource (idempotent)."""
+
+    # Optional capabilities -------------------------------------------------
+
+    @property
+    def window(self) -> SharedWindow | None:
+        """The shared window if ``"window" in capabilities``, else None."""
+        return None
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """Memory for user buffers: shared memory where the transport has it
+        (so window algorithms need no copy in), else aligned private memory.
+        Returns a uint8 array of ``nbytes`` bytes, 64-byte aligned."""
+        raw = np.empty(nbytes + 64, dtype=np.uint8)
+        off = (-raw.ctypes.data) % 64
+        return raw[off:off + nbytes]
+
+    def native(self, collective: str) -> Any:
+        """Native implementation of ``collective`` when ``"native"`` is a
+        capability (a callable taking the same arguments as the algorithms)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Adapters for training frameworks (installed as ``collectives.integrations``)."""
