@@ -112,19 +112,12 @@ def algorithm(collective: str, name: str) -> Algorithm:
         ) from None
 
 
-_BUILTIN_TRANSPORTS = {
-    "shm": "collectives.transports.shm:SharedMemoryTransport",
-    "zmq": "collectives.transports.zmq:ZmqTransport",
-    "mpi": "collectives.transports.mpi:MpiTransport",
-    "sim": "collectives.transports.sim:SimTransport",
-}
-
-
 def _transport_entry_points() -> dict[str, str]:
     found = {ep.name: ep.value for ep in entry_points(group=TRANSPORT_GROUP)}
     if not found:
-        # Source tree without installed metadata: the same table pyproject declares.
-        found = dict(_BUILTIN_TRANSPORTS)
+        raise TransportUnavailable(
+            "no transport plugins are registered: install the package (pip install -e .) "
+            "so that its entry points exist")
     return found
 
 

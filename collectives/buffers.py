@@ -1,0 +1,95 @@
+"""Turning user buffers into numpy views without copying.
+
+Accepted: numpy arrays, objects with ``__dlpack__`` (torch CPU tensors, JAX
+arrays, CuPy is rejected until a device transport is present), objects with
+``__array__`` and anything exposing the buffer protocol. The result is a
+C-contiguous numpy view of the same memory, flattened to one dimension.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from .errors import BadArgument
+from .ops import BFLOAT16, check_dtype
+
+__all__ = ["as_array", "flat", "is_device_array"]
+
+_DLPACK_CPU = 1
+
+
+def is_device_array(buf: Any) -> bool:
+    """True for arrays whose memory is on a GPU (CUDA array interface or DLPack device)."""
+    if hasattr(buf, "__cuda_array_interface__"):
+        return True
+    dev = getattr(buf, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return int(dev()[0]) != _DLPACK_CPU
+        except Exception:
+            return False
+    return False
+
+
+def _from_torch(buf: Any) -> np.ndarray | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(buf, torch.Tensor):
+        return None
+    t = buf.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def _view(buf: Any) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf
+    if is_device_array(buf):
+        raise BadArgument(
+            f"{type(buf).__name__} lives in device memory, and no device-capable transport "
+            "is in use (no usable GPU): copy it to the host or use a device transport")
+    arr = _from_torch(buf)
+    if arr is not None:
+        return arr
+    if hasattr(buf, "__dlpack__"):
+        try:
+            return np.from_dlpack(buf)
+        except (BufferError, TypeError, RuntimeError):
+            pass  # fall back to __array__ / buffer protocol
+    if hasattr(buf, "__array__"):
+        return np.asarray(buf)
+    try:
+        return np.asarray(memoryview(buf))
+    except TypeError:
+        raise BadArgument(
+            f"{type(buf).__name__} is not a buffer: pass a numpy array, a tensor, or an "
+            "object with __array__, __dlpack__ or the buffer protocol") from None
+
+
+def as_array(buf: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
+    """A C-contiguous numpy view of ``buf`` (zero-copy).
+
+    Args:
+        buf: the user's buffer.
+        writable: raise if the memory is read-only (results land in it).
+        what: the argument's name, for error messages.
+
+    Raises:
+        BadArgument: not a buffer, not contiguous, read-only, or unsupported dtype.
+    """
+    arr = _view(buf)
+    if not arr.flags.c_contiguous:
+        raise BadArgument(f"{what} is not contiguous (shape {arr.shape}, strides {arr.strides}); "
+                          "pass a contiguous array, e.g. np.ascontiguousarray(x)")
+    if writable and not arr.flags.writeable:
+        raise BadArgument(f"{what} is read-only, but the result is written into it")
+    check_dtype(arr.dtype)
+    return arr
+
+
+def flat(buf: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
+    """:func:`as_array` flattened to one dimension (still a view)."""
+    return as_array(buf, writable=writable, what=what).reshape(-1)

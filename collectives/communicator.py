@@ -1,0 +1,536 @@
+"""The Communicator: rank, size and the collectives over one transport.
+
+Each collective validates its arguments (nothing is sent when they are
+wrong), picks the algorithm (by name, or the selector's choice for
+``"auto"``), takes the next tag and runs the algorithm on flat numpy views of
+the user's buffers. ``iX`` forms return a :class:`~collectives.handles.Handle`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .buffers import flat
+from .context import SEGMENT_BYTES, CallContext
+from .errors import BadArgument, CollectiveError, PeerLost
+from .handles import Handle, Lane, RequestHandle
+from .ops import Op, get_op
+from .registry import Algorithm, algorithm as lookup_algorithm
+from .selection import RuleSelector, Selector
+from .transport import Transport
+
+__all__ = ["Communicator", "live_communicators"]
+
+_TAG_SPACE = 1 << 27
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def live_communicators() -> list["Communicator"]:
+    """Every communicator not yet closed (for abort-on-crash hooks)."""
+    return list(_live)
+
+
+class _Plan:
+    """A validated call: the algorithm, its arguments, the result and a finalizer."""
+
+    __slots__ = ("algo", "args", "result", "finalize")
+
+    def __init__(self, algo: Algorithm, args: tuple, result: Any,
+                 finalize: Callable[[], None] | None = None) -> None:
+        self.algo, self.args, self.result, self.finalize = algo, args, result, finalize
+
+
+class Communicator:
+    """A group of ranks and the collectives among them.
+
+    Args:
+        transport: an open transport.
+        timeout: default timeout in seconds of every blocking call.
+        selector: chooses algorithms for ``algorithm="auto"`` (default:
+            :class:`~collectives.selection.RuleSelector`).
+        segment_bytes: pipeline segment size of large messages.
+
+    A communicator is used from one thread at a time. Every rank must call
+    the collectives in the same order with matching arguments.
+    """
+
+    def __init__(self, transport: Transport, *, timeout: float = 60.0,
+                 selector: Selector | None = None, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.transport = transport
+        self.rank: int = transport.rank
+        self.size: int = transport.size
+        self.timeout = float(timeout)
+        self.selector: Selector = selector if selector is not None else RuleSelector()
+        self.segment_bytes = segment_bytes
+        self._capabilities = frozenset(transport.capabilities)
+        self._seq = 0
+        self._scratch: dict = {}
+        self._lane = Lane(f"collectives-rank{self.rank}")
+        self._broken: CollectiveError | None = None
+        self._closed = False
+        _live.add(self)
+
+    # ------------------------------------------------------------------ basics
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size}, transport={self.transport.name!r})"
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish queued work and release the transport (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._lane.idle:
+                self._lane.drain(self.timeout)
+        finally:
+            self._lane.close()
+            self.transport.close()
+            _live.discard(self)
+
+    def abort(self, reason: str) -> None:
+        """Make every peer's pending and future operations raise PeerLost(reason)."""
+        self._broken = self._broken or PeerLost(f"rank {self.rank} aborted: {reason}", self.rank)
+        self.transport.abort(f"rank {self.rank}: {reason}")
+
+    def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+        """An uninitialized array in the transport's shared memory (when it has
+        some), so window algorithms read it without a copy, like MPI_Alloc_mem.
+        """
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = int(np.prod(shape, dtype=np.int64))
+        return self.transport.alloc(count * dtype.itemsize).view(dtype).reshape(shape)
+
+    empty = alloc
+
+    def zeros(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+        """Like :meth:`alloc`, filled with zeros."""
+        arr = self.alloc(shape, dtype)
+        arr[...] = 0
+        return arr
+
+    # ------------------------------------------------------------- machinery
+
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise BadArgument("communicator is closed")
+
+    def _check_rank(self, r: int, what: str) -> int:
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
+            raise BadArgument(f"{what} {r!r} out of range for {self.size} ranks")
+        return int(r)
+
+    def _pick(self, collective: str, name: str, nbytes: int, dtype: np.dtype) -> Algorithm:
+        if name == "auto":
+            name = self.selector.choose(collective, nbytes, self.size, dtype, self._capabilities)
+        algo = lookup_algorithm(collective, name)
+        if not algo.needs <= self._capabilities:
+            raise BadArgument(
+                f"{collective} algorithm {name!r} needs {', '.join(sorted(algo.needs))}, "
+                f"which transport {self.transport.name!r} does not offer")
+        return algo
+
+    def _next_tag(self) -> int:
+        self._seq = (self._seq + 1) % _TAG_SPACE
+        return 2 * self._seq + 1
+
+    def _execute(self, plan: _Plan, tag: int, timeout: float) -> Any:
+        ctx = CallContext(self.transport, tag, time.monotonic() + timeout,
+                          self.segment_bytes, self._scratch)
+        try:
+            plan.algo.func(ctx, *plan.args)
+        except BaseException as exc:
+            self._fail(plan.algo, exc)
+            raise
+        if plan.finalize is not None:
+            plan.finalize()
+        return plan.result
+
+    def _fail(self, algo: Algorithm, exc: BaseException) -> None:
+        """A failure mid-collective breaks the communicator and aborts the peers."""
+        if isinstance(exc, PeerLost):
+            self._broken = exc
+        reason = f"{algo.collective}/{algo.name} failed: {type(exc).__name__}: {exc}"
+        if self._broken is None:
+            self._broken = PeerLost(f"rank {self.rank}: {reason}", self.rank)
+        try:
+            self.transport.abort(f"rank {self.rank}: {reason}")
+        except Exception:
+            pass
+
+    def _call(self, plan: _Plan, timeout: float | None) -> Any:
+        timeout = self.timeout if timeout is None else float(timeout)
+        tag = self._next_tag()
+        if not self._lane.idle:
+            self._lane.drain(timeout)
+        return self._execute(plan, tag, timeout)
+
+    def _post(self, plan: _Plan, timeout: float | None) -> Handle:
+        timeout = self.timeout if timeout is None else float(timeout)
+        tag = self._next_tag()
+        handle = Handle(timeout)
+        return self._lane.submit(lambda: self._execute(plan, tag, timeout), handle)
+
+    def _op(self, op: Any, dtype: np.dtype) -> Op:
+        o = get_op(op)
+        o.check(dtype)
+        return o
+
+    @staticmethod
+    def _same_dtype(a: np.ndarray, b: np.ndarray, what: str) -> None:
+        if a.dtype != b.dtype:
+            raise BadArgument(f"{what}: sendbuf has dtype {a.dtype}, recvbuf has {b.dtype}")
+
+    def _counts(self, counts: Sequence[int]) -> tuple[list[int], list[int]]:
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or any(c < 0 for c in counts):
+            raise BadArgument(f"counts must be {self.size} non-negative integers, got {counts}")
+        displs = [0] * self.size
+        for i in range(1, self.size):
+            displs[i] = displs[i - 1] + counts[i - 1]
+        return counts, displs
+
+    # ------------------------------------------------------------- planners
+
+    def _plan_bcast(self, buf, root, algorithm) -> _Plan:
+        self._check_open()
+        root = self._check_rank(root, "root")
+        arr = flat(buf, writable=True, what="buf")
+        algo = self._pick("bcast", algorithm, arr.nbytes, arr.dtype)
+        return _Plan(algo, (arr, root), buf)
+
+    def _plan_reduce(self, buf, root, op, algorithm) -> _Plan:
+        self._check_open()
+        root = self._check_rank(root, "root")
+        arr = flat(buf, writable=self.rank == root, what="buf")
+        o = self._op(op, arr.dtype)
+        algo = self._pick("reduce", algorithm, arr.nbytes, arr.dtype)
+        fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" and self.rank == root else None
+        return _Plan(algo, (arr, root, o), buf, fin)
+
+    def _plan_allreduce(self, buf, op, algorithm, out) -> _Plan:
+        self._check_open()
+        if out is not None:
+            src = flat(buf, writable=False, what="buf")
+            arr = flat(out, writable=True, what="out")
+            if src.shape != arr.shape or src.dtype != arr.dtype:
+                raise BadArgument(f"out has {arr.size} x {arr.dtype}, buf {src.size} x {src.dtype}")
+            result = out
+        else:
+            arr = src = flat(buf, writable=True, what="buf")
+            result = buf
+        o = self._op(op, arr.dtype)
+        algo = self._pick("allreduce", algorithm, arr.nbytes, arr.dtype)
+        if src is not arr:
+            np.copyto(arr, src)
+        fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" else None
+        return _Plan(algo, (arr, o), result, fin)
+
+    def _plan_scatterv(self, sendbuf, recvbuf, counts, root, algorithm) -> _Plan:
+        self._check_open()
+        root = self._check_rank(root, "root")
+        counts, _ = self._counts(counts)
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        if recv.size != counts[self.rank]:
+            raise BadArgument(f"recvbuf holds {recv.size} elements, counts[{self.rank}] is {counts[self.rank]}")
+        send = None
+        if self.rank == root:
+            send = flat(sendbuf, writable=False, what="sendbuf")
+            self._same_dtype(send, recv, "scatter")
+            if send.size != sum(counts):
+                raise BadArgument(f"sendbuf on the root holds {send.size} elements, expected {sum(counts)}")
+        algo = self._pick("scatter", algorithm, sum(counts) * recv.itemsize, recv.dtype)
+        return _Plan(algo, (send, recv, root, counts), recvbuf)
+
+    def _plan_gatherv(self, sendbuf, recvbuf, counts, root, algorithm) -> _Plan:
+        self._check_open()
+        root = self._check_rank(root, "root")
+        counts, _ = self._counts(counts)
+        send = flat(sendbuf, writable=False, what="sendbuf")
+        if send.size != counts[self.rank]:
+            raise BadArgument(f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
+        recv = None
+        if self.rank == root:
+            recv = flat(recvbuf, writable=True, what="recvbuf")
+            self._same_dtype(send, recv, "gather")
+            if recv.size != sum(counts):
+                raise BadArgument(f"recvbuf on the root holds {recv.size} elements, expected {sum(counts)}")
+        algo = self._pick("gather", algorithm, sum(counts) * send.itemsize, send.dtype)
+        return _Plan(algo, (send, recv, root, counts), recvbuf if self.rank == root else None)
+
+    def _plan_allgatherv(self, sendbuf, recvbuf, counts, algorithm) -> _Plan:
+        self._check_open()
+        counts, displs = self._counts(counts)
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        if recv.size != sum(counts):
+            raise BadArgument(f"recvbuf holds {recv.size} elements, expected {sum(counts)}")
+        mine = recv[displs[self.rank]:displs[self.rank] + counts[self.rank]]
+        if sendbuf is not None:
+            send = flat(sendbuf, writable=False, what="sendbuf")
+            self._same_dtype(send, recv, "allgather")
+            if send.size != counts[self.rank]:
+                raise BadArgument(f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
+        else:
+            send = mine
+        algo = self._pick("allgather", algorithm, recv.nbytes, recv.dtype)
+        if send.size and send.ctypes.data != mine.ctypes.data:
+            np.copyto(mine, send)
+        return _Plan(algo, (recv, counts), recvbuf)
+
+    def _even_counts(self, total: int, what: str) -> list[int]:
+        if total % self.size:
+            raise BadArgument(f"{what} holds {total} elements, not a multiple of {self.size} ranks")
+        return [total // self.size] * self.size
+
+    def _plan_reduce_scatter(self, sendbuf, recvbuf, op, algorithm, counts=None) -> _Plan:
+        self._check_open()
+        send = flat(sendbuf, writable=False, what="sendbuf")
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        self._same_dtype(send, recv, "reduce_scatter")
+        if counts is None:
+            if send.size != recv.size * self.size:
+                raise BadArgument(f"sendbuf holds {send.size} elements, expected {self.size} x {recv.size}")
+            counts = [recv.size] * self.size
+        counts, _ = self._counts(counts)
+        if send.size != sum(counts) or recv.size != counts[self.rank]:
+            raise BadArgument(f"sendbuf/recvbuf sizes {send.size}/{recv.size} do not match counts {counts}")
+        o = self._op(op, send.dtype)
+        algo = self._pick("reduce_scatter", algorithm, send.nbytes, send.dtype)
+        fin = (lambda: o.finalize(recv, self.size)) if o.name == "avg" else None
+        return _Plan(algo, (send, recv, counts, o), recvbuf, fin)
+
+    def _plan_alltoall(self, sendbuf, recvbuf, algorithm) -> _Plan:
+        self._check_open()
+        send = flat(sendbuf, writable=False, what="sendbuf")
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        self._same_dtype(send, recv, "alltoall")
+        if send.size != recv.size:
+            raise BadArgument(f"sendbuf holds {send.size} elements, recvbuf {recv.size}")
+        self._even_counts(send.size, "sendbuf")
+        if np.shares_memory(send, recv):
+            raise BadArgument("alltoall: sendbuf and recvbuf overlap")
+        algo = self._pick("alltoall", algorithm, send.nbytes, send.dtype)
+        return _Plan(algo, (send, recv), recvbuf)
+
+    def _plan_barrier(self, algorithm) -> _Plan:
+        self._check_open()
+        return _Plan(self._pick("barrier", algorithm, 0, np.dtype(np.uint8)), (), None)
+
+    # ----------------------------------------------------------- collectives
+
+    def bcast(self, buf: Any, root: int = 0, *, algorithm: str = "auto",
+              timeout: float | None = None) -> Any:
+        """Broadcast ``buf`` from ``root`` to every rank, in place.
+
+        Args:
+            buf: the data on the root; receives it elsewhere (same size everywhere).
+            root: the rank that holds the data.
+            algorithm: ``"auto"`` or a registered bcast algorithm.
+            timeout: seconds (None: the communicator's default).
+
+        Returns:
+            ``buf``.
+        """
+        return self._call(self._plan_bcast(buf, root, algorithm), timeout)
+
+    def ibcast(self, buf: Any, root: int = 0, *, algorithm: str = "auto",
+               timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`bcast`."""
+        return self._post(self._plan_bcast(buf, root, algorithm), timeout)
+
+    def reduce(self, buf: Any, root: int = 0, op: Any = "sum", *, algorithm: str = "auto",
+               timeout: float | None = None) -> Any:
+        """Reduce ``buf`` of every rank with ``op``; the result lands in ``buf`` on ``root``.
+
+        Other ranks' ``buf`` is left unchanged. Returns ``buf``.
+        """
+        return self._call(self._plan_reduce(buf, root, op, algorithm), timeout)
+
+    def ireduce(self, buf: Any, root: int = 0, op: Any = "sum", *, algorithm: str = "auto",
+                timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`reduce`."""
+        return self._post(self._plan_reduce(buf, root, op, algorithm), timeout)
+
+    def allreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
+                  timeout: float | None = None, out: Any = None) -> Any:
+        """Reduce ``buf`` of every rank with ``op``; every rank gets the result.
+
+        Args:
+            buf: input, and output unless ``out`` is given.
+            op: ``sum``, ``prod``, ``min``, ``max``, ``avg``, ``band``, ``bor``,
+                ``bxor``, ``land``, ``lor`` (or an :class:`~collectives.ops.Op`).
+            out: optional output buffer of the same size and dtype.
+
+        Returns:
+            The buffer holding the result (``buf`` or ``out``).
+        """
+        return self._call(self._plan_allreduce(buf, op, algorithm, out), timeout)
+
+    def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
+                   timeout: float | None = None, out: Any = None) -> Handle:
+        """Nonblocking :meth:`allreduce`."""
+        return self._post(self._plan_allreduce(buf, op, algorithm, out), timeout)
+
+    def scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, *, algorithm: str = "auto",
+                timeout: float | None = None) -> Any:
+        """Block i of ``sendbuf`` on ``root`` goes to rank i's ``recvbuf``.
+
+        ``sendbuf`` (p times ``recvbuf``'s size) matters only on the root.
+        Returns ``recvbuf``.
+        """
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        return self._call(self._plan_scatterv(sendbuf, recvbuf, [recv.size] * self.size, root, algorithm), timeout)
+
+    def iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, *, algorithm: str = "auto",
+                 timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`scatter`."""
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        return self._post(self._plan_scatterv(sendbuf, recvbuf, [recv.size] * self.size, root, algorithm), timeout)
+
+    def scatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
+                 algorithm: str = "auto", timeout: float | None = None) -> Any:
+        """Scatter with ``counts[i]`` elements for rank i (same counts on every rank)."""
+        return self._call(self._plan_scatterv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+
+    def iscatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
+                  algorithm: str = "auto", timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`scatterv`."""
+        return self._post(self._plan_scatterv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+
+    def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *, algorithm: str = "auto",
+               timeout: float | None = None) -> Any:
+        """Rank i's ``sendbuf`` becomes block i of ``recvbuf`` on ``root``.
+
+        ``recvbuf`` (p times ``sendbuf``'s size) matters only on the root.
+        Returns ``recvbuf`` on the root, None elsewhere.
+        """
+        send = flat(sendbuf, writable=False, what="sendbuf")
+        return self._call(self._plan_gatherv(sendbuf, recvbuf, [send.size] * self.size, root, algorithm), timeout)
+
+    def igather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *, algorithm: str = "auto",
+                timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`gather`."""
+        send = flat(sendbuf, writable=False, what="sendbuf")
+        return self._post(self._plan_gatherv(sendbuf, recvbuf, [send.size] * self.size, root, algorithm), timeout)
+
+    def gatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
+                algorithm: str = "auto", timeout: float | None = None) -> Any:
+        """Gather with ``counts[i]`` elements from rank i (same counts on every rank)."""
+        return self._call(self._plan_gatherv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+
+    def igatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
+                 algorithm: str = "auto", timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`gatherv`."""
+        return self._post(self._plan_gatherv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+
+    def allgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
+                  timeout: float | None = None) -> Any:
+        """Every rank's ``sendbuf`` becomes block i of every rank's ``recvbuf``.
+
+        ``sendbuf`` may be None when the rank's block is already in place.
+        Returns ``recvbuf``.
+        """
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        counts = self._even_counts(recv.size, "recvbuf")
+        return self._call(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+
+    def iallgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
+                   timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`allgather`."""
+        recv = flat(recvbuf, writable=True, what="recvbuf")
+        counts = self._even_counts(recv.size, "recvbuf")
+        return self._post(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+
+    def allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], *,
+                   algorithm: str = "auto", timeout: float | None = None) -> Any:
+        """Allgather with ``counts[i]`` elements from rank i (same counts on every rank)."""
+        return self._call(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+
+    def iallgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], *,
+                    algorithm: str = "auto", timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`allgatherv`."""
+        return self._post(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *, algorithm: str = "auto",
+                       timeout: float | None = None) -> Any:
+        """Reduce ``sendbuf`` (p blocks) over ranks; rank i gets block i in ``recvbuf``.
+
+        Returns ``recvbuf``.
+        """
+        return self._call(self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm), timeout)
+
+    def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *, algorithm: str = "auto",
+                        timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`reduce_scatter`."""
+        return self._post(self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm), timeout)
+
+    def reduce_scatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], op: Any = "sum", *,
+                        algorithm: str = "auto", timeout: float | None = None) -> Any:
+        """Reduce-scatter with blocks of ``counts[i]`` elements."""
+        return self._call(self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm, counts), timeout)
+
+    def alltoall(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
+                 timeout: float | None = None) -> Any:
+        """Block j of rank i's ``sendbuf`` becomes block i of rank j's ``recvbuf``.
+
+        Returns ``recvbuf``.
+        """
+        return self._call(self._plan_alltoall(sendbuf, recvbuf, algorithm), timeout)
+
+    def ialltoall(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
+                  timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`alltoall`."""
+        return self._post(self._plan_alltoall(sendbuf, recvbuf, algorithm), timeout)
+
+    def barrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> None:
+        """Wait until every rank has entered the barrier."""
+        self._call(self._plan_barrier(algorithm), timeout)
+
+    def ibarrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`barrier`."""
+        return self._post(self._plan_barrier(algorithm), timeout)
+
+    # -------------------------------------------------------- point to point
+
+    def _p2p_tag(self, tag: int) -> int:
+        if not isinstance(tag, (int, np.integer)) or not 0 <= tag < _TAG_SPACE:
+            raise BadArgument(f"tag must be an integer in [0, {_TAG_SPACE}), got {tag!r}")
+        return 2 * int(tag)
+
+    def isend(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
+        """Start sending ``buf`` to ``dst``; do not modify ``buf`` until it completes."""
+        self._check_open()
+        dst = self._check_rank(dst, "dst")
+        arr = flat(buf, writable=False, what="buf")
+        req = self.transport.isend(arr, dst, self._p2p_tag(tag))
+        return RequestHandle(req, None, self.timeout if timeout is None else timeout)
+
+    def irecv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
+        """Start receiving into ``buf`` from ``src`` (exactly ``buf``'s size)."""
+        self._check_open()
+        src = self._check_rank(src, "src")
+        arr = flat(buf, writable=True, what="buf")
+        req = self.transport.irecv(arr, src, self._p2p_tag(tag))
+        return RequestHandle(req, buf, self.timeout if timeout is None else timeout)
+
+    def send(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Send ``buf`` to ``dst`` with ``tag``."""
+        self.isend(buf, dst, tag, timeout=timeout).wait()
+
+    def recv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
+        """Receive into ``buf`` from ``src`` with ``tag``; returns ``buf``."""
+        return self.irecv(buf, src, tag, timeout=timeout).wait()

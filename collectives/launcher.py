@@ -1,0 +1,126 @@
+"""``collectives run``: start N local ranks, like ``torchrun --standalone``.
+
+Each rank gets the environment :func:`collectives.init` reads (and torch's
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so torch scripts run unchanged).
+Output is streamed with a rank prefix. If one rank fails, the others are
+stopped and the launcher exits with that rank's status.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Sequence
+
+__all__ = ["launch", "rank_environment", "free_port"]
+
+GRACE_SECONDS = 3.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_environment(rank: int, size: int, *, job: str, secret: str, master_port: int,
+                     transport: str | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one local rank."""
+    env = dict(os.environ if base is None else base)
+    env.update({
+        "COLLECTIVES_RANK": str(rank), "COLLECTIVES_SIZE": str(size), "COLLECTIVES_JOB": job,
+        "COLLECTIVES_SECRET": secret, "COLLECTIVES_LOCAL": "1",
+        "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if transport:
+        env["COLLECTIVES_TRANSPORT"] = transport
+    return env
+
+
+def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        with lock:
+            out.write(prefix + line)
+            out.flush()
+    stream.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM every live rank's process group, then SIGKILL after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + GRACE_SECONDS
+        while any(p.poll() is None for p in live) and time.monotonic() < end:
+            time.sleep(0.02)
+
+
+def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
+           prefix: bool = True, timeout: float | None = None) -> int:
+    """Run ``command`` as ``nprocs`` local ranks and return the job's exit status.
+
+    Args:
+        command: argv of one rank, e.g. ``[sys.executable, "train.py"]``.
+        nprocs: number of ranks.
+        transport: transport name for every rank (default: automatic).
+        prefix: prefix each output line with ``[rank N]``.
+        timeout: seconds after which every rank is stopped (status 124).
+
+    Returns:
+        0 if every rank succeeded, else the first failing rank's status.
+    """
+    if nprocs < 1:
+        raise ValueError("nprocs must be >= 1")
+    job, secret, port = secrets.token_hex(6), secrets.token_hex(16), free_port()
+    out = sys.stdout.buffer
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    status = 0
+    try:
+        for r in range(nprocs):
+            env = rank_environment(r, nprocs, job=job, secret=secret, master_port=port, transport=transport)
+            p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(p)
+            t = threading.Thread(target=_pump, daemon=True,
+                                 args=(p.stdout, f"[rank {r}] ".encode() if prefix else b"", out, lock))
+            t.start()
+            pumps.append(t)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                r, status = failed[0]
+                if any(c is None for c in codes):
+                    sys.stderr.write(f"collectives run: rank {r} exited with status {status}; "
+                                     "stopping the other ranks\n")
+                break
+            if all(c == 0 for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                sys.stderr.write(f"collectives run: timeout after {timeout}s; stopping every rank\n")
+                status = 124
+                break
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        _stop(procs)
+        for t in pumps:
+            t.join(timeout=1.0)
+    return status

@@ -1,0 +1,28 @@
+"""Test-suite wide checks: nothing is left in /dev/shm by the library."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+SHM = "/dev/shm"
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM) if not n.startswith("sem.")}
+    except FileNotFoundError:
+        return set()
+
+
+def pytest_sessionstart(session):
+    session.config._shm_before = _shm_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = sorted(_shm_entries() - session.config._shm_before)
+    if left:
+        sys.stderr.write(f"\nERROR: the test suite left files in {SHM}: {left[:10]}\n")
+        session.exitstatus = 1

@@ -1,0 +1,142 @@
+"""Run a function on p real processes with a hard deadline.
+
+``run_ranks(fn, p, *args)`` forks p processes; each builds a Communicator
+with :func:`collectives.init` (the environment our launcher would set),
+calls ``fn(comm, *args)`` and sends back its return value or its error.
+If any rank fails, or any rank is still running at the deadline, every
+rank is killed and the test fails with each rank's outcome.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from collectives.launcher import free_port, rank_environment
+
+__all__ = ["run_ranks", "Outcome", "RankFailure"]
+
+_CTX = mp.get_context("fork")
+
+
+@dataclass
+class Outcome:
+    """What one rank did: its return value, or its error."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    elapsed: float = 0.0
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"rank {self.rank}: ok ({self.elapsed:.2f}s)"
+        return f"rank {self.rank}: {self.error_type}: {self.message} ({self.elapsed:.2f}s)\n{self.traceback}"
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed or did not finish in time."""
+
+
+def _child(conn, rank: int, size: int, env: dict, transport: str, comm_timeout: float,
+           fn: Callable, args: tuple, kwargs: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    import collectives
+
+    start = time.monotonic()
+    comm = None
+    try:
+        comm = collectives.init(transport=transport, timeout=comm_timeout)
+        value = fn(comm, *args, **kwargs)
+        conn.send(Outcome(rank, True, value, elapsed=time.monotonic() - start))
+    except BaseException as exc:  # reported to the parent, never swallowed
+        if comm is not None:
+            comm.abort(f"{type(exc).__name__}: {exc}")
+        conn.send(Outcome(rank, False, None, type(exc).__name__, str(exc), traceback.format_exc(),
+                          time.monotonic() - start))
+    finally:
+        try:
+            if comm is not None:
+                comm.close()
+        finally:
+            conn.close()
+            os._exit(0)
+
+
+def run_ranks(fn: Callable, nprocs: int, *args: Any, transport: str = "shm", timeout: float = 60.0,
+              comm_timeout: float = 20.0, expect_errors: bool = False, **kwargs: Any) -> list:
+    """Run ``fn(comm, *args, **kwargs)`` on ``nprocs`` processes.
+
+    Args:
+        fn: a module-level function; its return value must pickle.
+        nprocs: number of ranks.
+        transport: transport name passed to ``collectives.init``.
+        timeout: hard deadline of the whole run in seconds.
+        comm_timeout: the communicators' default timeout.
+        expect_errors: return every rank's :class:`Outcome` instead of
+            failing when a rank raises.
+
+    Returns:
+        The ranks' return values in rank order (or their Outcomes).
+
+    Raises:
+        RankFailure: a rank raised (unless expect_errors) or the deadline passed.
+    """
+    job = f"t{secrets.token_hex(5)}"
+    secret, port = secrets.token_hex(8), free_port()
+    procs, conns = [], []
+    for r in range(nprocs):
+        env = rank_environment(r, nprocs, job=job, secret=secret, master_port=port, transport=transport)
+        parent, child = _CTX.Pipe(duplex=False)
+        p = _CTX.Process(target=_child, args=(child, r, nprocs, env, transport, comm_timeout, fn, args, kwargs),
+                         daemon=True)
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    outcomes: list[Outcome | None] = [None] * nprocs
+    deadline = time.monotonic() + timeout
+    try:
+        pending = set(range(nprocs))
+        while pending and time.monotonic() < deadline:
+            ready = mp.connection.wait([conns[r] for r in pending], timeout=0.05)
+            for c in ready:
+                r = conns.index(c)
+                try:
+                    outcomes[r] = c.recv()
+                except EOFError:
+                    code = procs[r].exitcode
+                    outcomes[r] = Outcome(r, False, None, "ProcessDied", f"exit code {code}")
+                pending.discard(r)
+            for r in list(pending):
+                if not procs[r].is_alive() and not conns[r].poll():
+                    outcomes[r] = Outcome(r, False, None, "ProcessDied", f"exit code {procs[r].exitcode}")
+                    pending.discard(r)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=5)
+        for c in conns:
+            c.close()
+    missing = [r for r, o in enumerate(outcomes) if o is None]
+    if missing:
+        report = "\n".join(str(o) for o in outcomes if o is not None)
+        raise RankFailure(f"ranks {missing} did not finish within {timeout}s (killed)\n{report}")
+    if expect_errors:
+        return outcomes
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        raise RankFailure("\n".join(str(o) for o in failed))
+    return [o.value for o in outcomes]

@@ -1,0 +1,94 @@
+"""The launcher (collectives run) and init() from launchers' environments."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from collectives import BadArgument, detect_launch, init
+
+
+def _run(args, script, tmp_path, timeout=90):
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(script))
+    return subprocess.run([sys.executable, "-m", "collectives.cli", "run", *args, str(path)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_starts_ranks_with_prefixed_output(tmp_path):
+    res = _run(["-n", "3"], """
+        import numpy as np, collectives
+        comm = collectives.init()
+        x = np.array([comm.rank + 1.0])
+        comm.allreduce(x)
+        print("result", comm.rank, comm.size, comm.transport.name, x[0])
+        comm.close()
+    """, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in range(3):
+        assert f"[rank {r}] result {r} 3 shm 6.0" in res.stdout
+
+
+def test_run_stops_every_rank_when_one_fails(tmp_path):
+    t0 = time.monotonic()
+    res = _run(["-n", "3"], """
+        import os, sys, time
+        if os.environ["COLLECTIVES_RANK"] == "1":
+            sys.exit(7)
+        time.sleep(60)
+    """, tmp_path)
+    assert res.returncode == 7
+    assert "rank 1 exited with status 7" in res.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_failing_rank_turns_into_errors_on_the_others(tmp_path):
+    res = _run(["-n", "3"], """
+        import numpy as np, collectives
+        comm = collectives.init(timeout=20)
+        if comm.rank == 2:
+            raise SystemExit(5)
+        try:
+            comm.allreduce(np.ones(10))
+        except collectives.CollectiveError as exc:
+            print("peer error", type(exc).__name__)
+            raise SystemExit(4)
+    """, tmp_path)
+    assert res.returncode in (4, 5), res.stdout + res.stderr
+
+
+def test_detect_ours():
+    info = detect_launch({"COLLECTIVES_RANK": "2", "COLLECTIVES_SIZE": "4", "COLLECTIVES_JOB": "j",
+                          "COLLECTIVES_TRANSPORT": "zmq", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    assert (info.rank, info.size, info.launcher, info.job, info.transport) == (2, 4, "collectives", "j", "zmq")
+    assert info.options["master_addr"] == "10.0.0.1"
+
+
+def test_detect_torchrun():
+    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc"}
+    info = detect_launch(env)
+    assert (info.rank, info.size, info.launcher, info.all_local) == (1, 4, "torchrun", True)
+    assert detect_launch({**env, "LOCAL_WORLD_SIZE": "2"}).all_local is False
+    assert detect_launch({**env, "RANK": "3"}).job == info.job
+
+
+@pytest.mark.parametrize("env,want", [({"PMI_RANK": "3", "PMI_SIZE": "5"}, (3, 5)),
+                                      ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, (0, 2))])
+def test_detect_mpiexec(env, want):
+    info = detect_launch(env)
+    assert (info.rank, info.size, info.launcher) == (*want, "mpiexec")
+
+
+def test_detect_nothing_is_a_single_rank():
+    info = detect_launch({})
+    assert (info.rank, info.size, info.launcher) == (0, 1, "none")
+
+
+def test_init_rejects_bad_rank():
+    with pytest.raises(BadArgument):
+        init(rank=3, size=2, transport="shm")
