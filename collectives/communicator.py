@@ -153,6 +153,8 @@ class Communicator:
                           self.segment_bytes, self._scratch)
         try:
             plan.algo.func(ctx, *plan.args)
+        except BadArgument:
+            raise  # every rank detects it alike, before sending
         except BaseException as exc:
             self._fail(plan.algo, exc)
             raise

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from collectives.errors import CollectiveTimeout, MismatchedCollective, PeerLost, TransportUnavailable
+from collectives.errors import BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost, TransportUnavailable
 from collectives.transport import Request, Transport
 
 __all__ = ["MpiTransport"]
@@ -70,6 +70,87 @@ class _MpiRequest(Request):
         self._check(status)
 
 
+_MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX",
+            "band": "BAND", "bor": "BOR", "bxor": "BXOR", "land": "LAND", "lor": "LOR"}
+
+
+class _Native:
+    """MPI's own collectives with the algorithms' signatures.
+
+    Nonblocking MPI collectives polled against the call's deadline, so that
+    they time out like everything else. Data movement uses MPI_BYTE (any
+    dtype); reductions use the MPI datatype of the numpy dtype.
+    """
+
+    def __init__(self, transport: "MpiTransport") -> None:
+        self.t = transport
+        self.MPI = transport._MPI
+
+    def _wait(self, ctx, req) -> None:
+        _MpiRequest(req, self.t, None, -1).wait(ctx.remaining())
+
+    def _bytes(self, arr: np.ndarray):
+        return [arr.view(np.uint8) if arr.size else np.empty(0, np.uint8), arr.nbytes, self.MPI.BYTE]
+
+    def _typed(self, arr: np.ndarray, op):
+        from mpi4py.util.dtlib import from_numpy_dtype
+
+        try:
+            dt = from_numpy_dtype(arr.dtype)
+        except Exception:
+            dt = None
+        logical = op.name in ("land", "lor") and arr.dtype.kind not in "biu"
+        if dt is None or dt == self.MPI.DATATYPE_NULL or logical:
+            raise BadArgument(f"MPI's native reduction has no {op.name} for dtype {arr.dtype}; "
+                              "use one of the library's algorithms")
+        return dt, getattr(self.MPI, _MPI_OPS[op.name])
+
+    def bcast(self, ctx, buf, root):
+        self._wait(ctx, self.t.comm.Ibcast(self._bytes(buf), root))
+
+    def allreduce(self, ctx, buf, op):
+        dt, mop = self._typed(buf, op)
+        self._wait(ctx, self.t.comm.Iallreduce(self.MPI.IN_PLACE, [buf, buf.size, dt], mop))
+
+    def reduce(self, ctx, buf, root, op):
+        dt, mop = self._typed(buf, op)
+        if ctx.rank == root:
+            self._wait(ctx, self.t.comm.Ireduce(self.MPI.IN_PLACE, [buf, buf.size, dt], mop, root))
+        else:
+            self._wait(ctx, self.t.comm.Ireduce([buf, buf.size, dt], None, mop, root))
+
+    def _v(self, counts, itemsize):
+        sizes = [c * itemsize for c in counts]
+        displs = [sum(sizes[:i]) for i in range(len(sizes))]
+        return sizes, displs
+
+    def scatter(self, ctx, sendbuf, recvbuf, root, counts):
+        sizes, displs = self._v(counts, recvbuf.itemsize)
+        send = [sendbuf.view(np.uint8), sizes, displs, self.MPI.BYTE] if ctx.rank == root else None
+        self._wait(ctx, self.t.comm.Iscatterv(send, self._bytes(recvbuf), root))
+
+    def gather(self, ctx, sendbuf, recvbuf, root, counts):
+        sizes, displs = self._v(counts, sendbuf.itemsize)
+        recv = [recvbuf.view(np.uint8), sizes, displs, self.MPI.BYTE] if ctx.rank == root else None
+        self._wait(ctx, self.t.comm.Igatherv(self._bytes(sendbuf), recv, root))
+
+    def allgather(self, ctx, buf, counts):
+        sizes, displs = self._v(counts, buf.itemsize)
+        self._wait(ctx, self.t.comm.Iallgatherv(self.MPI.IN_PLACE,
+                                                [buf.view(np.uint8), sizes, displs, self.MPI.BYTE]))
+
+    def reduce_scatter(self, ctx, sendbuf, recvbuf, counts, op):
+        dt, mop = self._typed(sendbuf, op)
+        self._wait(ctx, self.t.comm.Ireduce_scatter([sendbuf, sendbuf.size, dt],
+                                                    [recvbuf, recvbuf.size, dt], list(counts), mop))
+
+    def alltoall(self, ctx, sendbuf, recvbuf):
+        self._wait(ctx, self.t.comm.Ialltoall(self._bytes(sendbuf), self._bytes(recvbuf)))
+
+    def barrier(self, ctx):
+        self._wait(ctx, self.t.comm.Ibarrier())
+
+
 class MpiTransport(Transport):
     """Point-to-point over MPI_COMM_WORLD (or a given communicator)."""
 
@@ -83,6 +164,11 @@ class MpiTransport(Transport):
         self.size = comm.Get_size()
         self.timeout = timeout
         self._closed = False
+        self._native = _Native(self)
+
+    def native(self, collective: str):
+        """MPI's own implementation of ``collective`` (see :class:`_Native`)."""
+        return getattr(self._native, collective)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:

@@ -36,6 +36,7 @@ from . import (  # noqa: F401  (importing registers the algorithms)
     barrier,
     bcast,
     gather,
+    native,
     reduce,
     reduce_scatter,
     scatter,

@@ -1,0 +1,39 @@
+"""Every collective and algorithm (ours over MPI point-to-point, and MPI's
+native ones) under ``mpiexec -n 2..4`` with the mpich wheel, against numpy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+MPIEXEC = shutil.which("mpiexec")
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec (mpich wheel) is not installed")
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_every_collective_over_mpi(p):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
+    res = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, os.path.join(HERE, "mpi_rank_main.py")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = [json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == list(range(p))
+    failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:40])
+
+
+def _native_names():
+    import collectives
+
+    return {c: "native" in collectives.algorithms_for(c) for c in collectives.COLLECTIVES}
+
+
+def test_native_registered_for_every_collective():
+    assert all(_native_names().values())
