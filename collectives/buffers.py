@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BadArgument
+from .errors import BadArgument, TransportUnavailable
 from .ops import BFLOAT16, check_dtype
 
-__all__ = ["as_array", "flat", "is_device_array"]
+__all__ = ["as_array", "flat", "is_device_array", "element_count"]
 
 _DLPACK_CPU = 1
 
@@ -90,6 +90,42 @@ def as_array(buf: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
     return arr
 
 
-def flat(buf: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
-    """:func:`as_array` flattened to one dimension (still a view)."""
+def _stage_device(buf: Any, writable: bool, what: str, stages: list) -> np.ndarray:
+    """A host copy of a device array through an installed device plugin."""
+    from .registry import device_stagers
+
+    reasons = []
+    for stage in device_stagers():
+        try:
+            host, write_back = stage(buf, writable)
+        except TransportUnavailable as exc:
+            reasons.append(str(exc))
+            continue
+        stages.append(write_back)
+        check_dtype(host.dtype)
+        return host.reshape(-1)
+    why = "; ".join(reasons) or "no device plugin is installed"
+    raise BadArgument(f"{what} ({type(buf).__name__}) lives in device memory, and no GPU is usable: {why}")
+
+
+def flat(buf: Any, *, writable: bool, what: str = "buffer", stages: list | None = None) -> np.ndarray:
+    """:func:`as_array` flattened to one dimension (still a view).
+
+    With ``stages`` (a list), device arrays are accepted: the result is a
+    host copy and a write-back callable is appended to ``stages``, to be
+    called once the collective is done.
+    """
+    if stages is not None and is_device_array(buf):
+        return _stage_device(buf, writable, what, stages)
     return as_array(buf, writable=writable, what=what).reshape(-1)
+
+
+def element_count(buf: Any) -> int:
+    """Number of elements of ``buf`` (host or device) without copying it."""
+    iface = getattr(buf, "__cuda_array_interface__", None)
+    if iface is not None:
+        return int(np.prod(iface["shape"], dtype=np.int64))
+    shape = getattr(buf, "shape", None)
+    if shape is not None and not isinstance(buf, (bytes, bytearray, memoryview)):
+        return int(np.prod(shape, dtype=np.int64))
+    return flat(buf, writable=False).size

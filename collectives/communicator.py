@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .buffers import flat
+from .buffers import element_count, flat
 from .context import SEGMENT_BYTES, CallContext
 from .errors import BadArgument, CollectiveError, PeerLost
 from .handles import Handle, Lane, RequestHandle
@@ -38,11 +38,12 @@ def live_communicators() -> list["Communicator"]:
 class _Plan:
     """A validated call: the algorithm, its arguments, the result and a finalizer."""
 
-    __slots__ = ("algo", "args", "result", "finalize")
+    __slots__ = ("algo", "args", "result", "finalize", "write_backs")
 
     def __init__(self, algo: Algorithm, args: tuple, result: Any,
                  finalize: Callable[[], None] | None = None) -> None:
         self.algo, self.args, self.result, self.finalize = algo, args, result, finalize
+        self.write_backs: list[Callable[[], None]] = []
 
 
 class Communicator:
@@ -73,6 +74,7 @@ class Communicator:
         self._lane = Lane(f"collectives-rank{self.rank}")
         self._broken: CollectiveError | None = None
         self._closed = False
+        self._stages: list[Callable[[], None]] = []
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -123,7 +125,16 @@ class Communicator:
 
     # ------------------------------------------------------------- machinery
 
+    def _flat(self, buf: Any, *, writable: bool, what: str) -> np.ndarray:
+        """A flat host view of ``buf``; device arrays are staged (see buffers.flat)."""
+        return flat(buf, writable=writable, what=what, stages=self._stages)
+
+    def _take_stages(self, plan: _Plan) -> _Plan:
+        plan.write_backs, self._stages = self._stages, []
+        return plan
+
     def _check_open(self) -> None:
+        self._stages = []
         if self._broken is not None:
             raise self._broken
         if self._closed:
@@ -160,6 +171,8 @@ class Communicator:
             raise
         if plan.finalize is not None:
             plan.finalize()
+        for write_back in plan.write_backs:
+            write_back()
         return plan.result
 
     def _fail(self, algo: Algorithm, exc: BaseException) -> None:
@@ -176,6 +189,7 @@ class Communicator:
 
     def _call(self, plan: _Plan, timeout: float | None) -> Any:
         timeout = self.timeout if timeout is None else float(timeout)
+        self._take_stages(plan)
         tag = self._next_tag()
         if not self._lane.idle:
             self._lane.drain(timeout)
@@ -183,6 +197,7 @@ class Communicator:
 
     def _post(self, plan: _Plan, timeout: float | None) -> Handle:
         timeout = self.timeout if timeout is None else float(timeout)
+        self._take_stages(plan)
         tag = self._next_tag()
         handle = Handle(timeout)
         return self._lane.submit(lambda: self._execute(plan, tag, timeout), handle)
@@ -211,14 +226,14 @@ class Communicator:
     def _plan_bcast(self, buf, root, algorithm) -> _Plan:
         self._check_open()
         root = self._check_rank(root, "root")
-        arr = flat(buf, writable=True, what="buf")
+        arr = self._flat(buf, writable=True, what="buf")
         algo = self._pick("bcast", algorithm, arr.nbytes, arr.dtype)
         return _Plan(algo, (arr, root), buf)
 
     def _plan_reduce(self, buf, root, op, algorithm) -> _Plan:
         self._check_open()
         root = self._check_rank(root, "root")
-        arr = flat(buf, writable=self.rank == root, what="buf")
+        arr = self._flat(buf, writable=self.rank == root, what="buf")
         o = self._op(op, arr.dtype)
         algo = self._pick("reduce", algorithm, arr.nbytes, arr.dtype)
         fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" and self.rank == root else None
@@ -227,13 +242,13 @@ class Communicator:
     def _plan_allreduce(self, buf, op, algorithm, out) -> _Plan:
         self._check_open()
         if out is not None:
-            src = flat(buf, writable=False, what="buf")
-            arr = flat(out, writable=True, what="out")
+            src = self._flat(buf, writable=False, what="buf")
+            arr = self._flat(out, writable=True, what="out")
             if src.shape != arr.shape or src.dtype != arr.dtype:
                 raise BadArgument(f"out has {arr.size} x {arr.dtype}, buf {src.size} x {src.dtype}")
             result = out
         else:
-            arr = src = flat(buf, writable=True, what="buf")
+            arr = src = self._flat(buf, writable=True, what="buf")
             result = buf
         o = self._op(op, arr.dtype)
         algo = self._pick("allreduce", algorithm, arr.nbytes, arr.dtype)
@@ -246,12 +261,12 @@ class Communicator:
         self._check_open()
         root = self._check_rank(root, "root")
         counts, _ = self._counts(counts)
-        recv = flat(recvbuf, writable=True, what="recvbuf")
+        recv = self._flat(recvbuf, writable=True, what="recvbuf")
         if recv.size != counts[self.rank]:
             raise BadArgument(f"recvbuf holds {recv.size} elements, counts[{self.rank}] is {counts[self.rank]}")
         send = None
         if self.rank == root:
-            send = flat(sendbuf, writable=False, what="sendbuf")
+            send = self._flat(sendbuf, writable=False, what="sendbuf")
             self._same_dtype(send, recv, "scatter")
             if send.size != sum(counts):
                 raise BadArgument(f"sendbuf on the root holds {send.size} elements, expected {sum(counts)}")
@@ -262,12 +277,12 @@ class Communicator:
         self._check_open()
         root = self._check_rank(root, "root")
         counts, _ = self._counts(counts)
-        send = flat(sendbuf, writable=False, what="sendbuf")
+        send = self._flat(sendbuf, writable=False, what="sendbuf")
         if send.size != counts[self.rank]:
             raise BadArgument(f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
         recv = None
         if self.rank == root:
-            recv = flat(recvbuf, writable=True, what="recvbuf")
+            recv = self._flat(recvbuf, writable=True, what="recvbuf")
             self._same_dtype(send, recv, "gather")
             if recv.size != sum(counts):
                 raise BadArgument(f"recvbuf on the root holds {recv.size} elements, expected {sum(counts)}")
@@ -277,12 +292,12 @@ class Communicator:
     def _plan_allgatherv(self, sendbuf, recvbuf, counts, algorithm) -> _Plan:
         self._check_open()
         counts, displs = self._counts(counts)
-        recv = flat(recvbuf, writable=True, what="recvbuf")
+        recv = self._flat(recvbuf, writable=True, what="recvbuf")
         if recv.size != sum(counts):
             raise BadArgument(f"recvbuf holds {recv.size} elements, expected {sum(counts)}")
         mine = recv[displs[self.rank]:displs[self.rank] + counts[self.rank]]
         if sendbuf is not None:
-            send = flat(sendbuf, writable=False, what="sendbuf")
+            send = self._flat(sendbuf, writable=False, what="sendbuf")
             self._same_dtype(send, recv, "allgather")
             if send.size != counts[self.rank]:
                 raise BadArgument(f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
@@ -300,8 +315,8 @@ class Communicator:
 
     def _plan_reduce_scatter(self, sendbuf, recvbuf, op, algorithm, counts=None) -> _Plan:
         self._check_open()
-        send = flat(sendbuf, writable=False, what="sendbuf")
-        recv = flat(recvbuf, writable=True, what="recvbuf")
+        send = self._flat(sendbuf, writable=False, what="sendbuf")
+        recv = self._flat(recvbuf, writable=True, what="recvbuf")
         self._same_dtype(send, recv, "reduce_scatter")
         if counts is None:
             if send.size != recv.size * self.size:
@@ -317,8 +332,8 @@ class Communicator:
 
     def _plan_alltoall(self, sendbuf, recvbuf, algorithm) -> _Plan:
         self._check_open()
-        send = flat(sendbuf, writable=False, what="sendbuf")
-        recv = flat(recvbuf, writable=True, what="recvbuf")
+        send = self._flat(sendbuf, writable=False, what="sendbuf")
+        recv = self._flat(recvbuf, writable=True, what="recvbuf")
         self._same_dtype(send, recv, "alltoall")
         if send.size != recv.size:
             raise BadArgument(f"sendbuf holds {send.size} elements, recvbuf {recv.size}")
@@ -394,14 +409,14 @@ class Communicator:
         ``sendbuf`` (p times ``recvbuf``'s size) matters only on the root.
         Returns ``recvbuf``.
         """
-        recv = flat(recvbuf, writable=True, what="recvbuf")
-        return self._call(self._plan_scatterv(sendbuf, recvbuf, [recv.size] * self.size, root, algorithm), timeout)
+        recv_count = element_count(recvbuf)
+        return self._call(self._plan_scatterv(sendbuf, recvbuf, [recv_count] * self.size, root, algorithm), timeout)
 
     def iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, *, algorithm: str = "auto",
                  timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`scatter`."""
-        recv = flat(recvbuf, writable=True, what="recvbuf")
-        return self._post(self._plan_scatterv(sendbuf, recvbuf, [recv.size] * self.size, root, algorithm), timeout)
+        recv_count = element_count(recvbuf)
+        return self._post(self._plan_scatterv(sendbuf, recvbuf, [recv_count] * self.size, root, algorithm), timeout)
 
     def scatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
                  algorithm: str = "auto", timeout: float | None = None) -> Any:
@@ -420,14 +435,14 @@ class Communicator:
         ``recvbuf`` (p times ``sendbuf``'s size) matters only on the root.
         Returns ``recvbuf`` on the root, None elsewhere.
         """
-        send = flat(sendbuf, writable=False, what="sendbuf")
-        return self._call(self._plan_gatherv(sendbuf, recvbuf, [send.size] * self.size, root, algorithm), timeout)
+        send_count = element_count(sendbuf)
+        return self._call(self._plan_gatherv(sendbuf, recvbuf, [send_count] * self.size, root, algorithm), timeout)
 
     def igather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *, algorithm: str = "auto",
                 timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`gather`."""
-        send = flat(sendbuf, writable=False, what="sendbuf")
-        return self._post(self._plan_gatherv(sendbuf, recvbuf, [send.size] * self.size, root, algorithm), timeout)
+        send_count = element_count(sendbuf)
+        return self._post(self._plan_gatherv(sendbuf, recvbuf, [send_count] * self.size, root, algorithm), timeout)
 
     def gatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
                 algorithm: str = "auto", timeout: float | None = None) -> Any:
@@ -446,15 +461,13 @@ class Communicator:
         ``sendbuf`` may be None when the rank's block is already in place.
         Returns ``recvbuf``.
         """
-        recv = flat(recvbuf, writable=True, what="recvbuf")
-        counts = self._even_counts(recv.size, "recvbuf")
+        counts = self._even_counts(element_count(recvbuf), "recvbuf")
         return self._call(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
 
     def iallgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
                    timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`allgather`."""
-        recv = flat(recvbuf, writable=True, what="recvbuf")
-        counts = self._even_counts(recv.size, "recvbuf")
+        counts = self._even_counts(element_count(recvbuf), "recvbuf")
         return self._post(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
 
     def allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], *,

@@ -84,7 +84,20 @@ def _choose_transport(info: LaunchInfo) -> str:
         return info.transport
     if info.launcher == "mpiexec":
         return "mpi"
-    return "shm" if info.all_local else "zmq"
+    if info.all_local:
+        return "shm"
+    return "rdma" if _rdma_usable() else "zmq"
+
+
+def _rdma_usable() -> bool:
+    """True when the rdma plugin is installed and a port is active; else log why and return False."""
+    try:
+        ok, why = transport_class("rdma").available()
+    except TransportUnavailable as exc:
+        ok, why = False, str(exc)
+    if not ok:
+        log.info("RDMA is not usable (%s); using TCP (zmq)", why)
+    return ok
 
 
 _hooks_installed = False

@@ -24,6 +24,7 @@ __all__ = [
     "all_algorithms",
     "transport_class",
     "transport_names",
+    "device_stagers",
 ]
 
 #: Every collective the library implements, in the order the docs list them.
@@ -110,6 +111,20 @@ def algorithm(collective: str, name: str) -> Algorithm:
         raise BadArgument(
             f"unknown {collective} algorithm {name!r}; known: {', '.join(sorted(table)) or 'none'}"
         ) from None
+
+
+DEVICE_GROUP = "collectives.devices"
+
+
+def device_stagers() -> list[Callable]:
+    """Every installed device-memory plugin's ``stage(buf, writable)`` (see buffers.flat)."""
+    found = []
+    for ep in entry_points(group=DEVICE_GROUP):
+        try:
+            found.append(ep.load())
+        except ImportError:
+            continue
+    return found
 
 
 def _transport_entry_points() -> dict[str, str]:
