@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveTimeout, MismatchedCollective, PeerLost, TransportUnavailable
+from ..errors import MismatchedCollective, PeerLost, TransportUnavailable
 from ..transport import Request, Transport
 from ..waiting import Backoff
 from . import verbs
@@ -298,15 +298,13 @@ class RdmaTransport(Transport):
 
     def _wait(self, req: _Recv, timeout: float | None) -> None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        backoff = Backoff()
+        backoff = Backoff(deadline, f"rank {self.rank}: RDMA wait for rank {req.peer} (tag {req.tag})")
         while not req.done and req.error is None:
             if self._progress():
                 backoff.reset()
                 continue
             if req.peer in self._lost:
                 raise PeerLost(self._lost[req.peer], req.peer)
-            if time.monotonic() > deadline:
-                raise CollectiveTimeout(f"rank {self.rank}: RDMA wait for rank {req.peer} (tag {req.tag}) timed out")
             backoff.pause()
         if req.error is not None:
             raise req.error
