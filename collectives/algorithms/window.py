@@ -1,1 +1,329 @@
-"""window algorithms."""
+"""Shared-window algorithms: ranks read each other's memory directly.
+
+For transports that offer a :class:`~collectives.transport.SharedWindow`
+(shared memory now; CUDA IPC and RDMA later). Each rank's window region is
+split into a small metadata block and two halves used in turns, so that a
+rank may fill one half for the next step while slower ranks still read the
+other: a half is rewritten only after a fence that every reader has passed.
+
+* ``allreduce``: small vectors take a single-fence path (every rank copies
+  its vector into its half, fences, and reduces all of them itself, in rank
+  order, so every rank gets the same bits). Larger ones go in pieces that
+  fit a half: copy in, fence, each rank reduces 1/p of the piece straight
+  from every region, fence, everyone copies the reduced blocks out. When
+  every rank's buffer lives in the shared allocation pool
+  (``comm.alloc``), nothing is copied in: each rank reduces its 1/p straight
+  from the others' buffers and copies the others' reduced blocks.
+* ``reduce_scatter``: copy in, fence, each rank reduces its block into recvbuf.
+* ``allgather``: each rank copies its block in, fence, copies the others out.
+* ``bcast``: the root copies in, fence, the others copy out.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ..ops import BFLOAT16, Op
+from ..registry import register
+
+__all__ = ["allreduce", "reduce_scatter", "allgather", "bcast", "SMALL_BYTES"]
+
+#: Vectors up to this size take allreduce's single-fence path.
+SMALL_BYTES = 32 * 1024
+#: Largest piece (bytes per region half) of the pipelined paths.
+PIECE_BYTES = 2 << 20
+META_BYTES = 4096
+_ALIGN = 64
+
+_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _WindowState:
+    """Per-window bookkeeping shared by the algorithms: the turn counter
+    (which half is next) and views prepared once per buffer shape."""
+
+    def __init__(self, window, size: int) -> None:
+        cap = window.capacity
+        self.half = max(((cap - META_BYTES) // 2) // _ALIGN * _ALIGN, 0)
+        self.turn = 0
+        self.regions = [window.region(r) for r in range(size)]
+        self.plans: dict[tuple, list[np.ndarray]] = {}
+
+    def next_half(self) -> int:
+        """Byte offset of the half to use for the next step (alternates)."""
+        h = self.turn & 1
+        self.turn += 1
+        return META_BYTES + h * self.half
+
+    def views(self, offset: int, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's region bytes [offset, offset + nbytes) as ``dtype`` (cached)."""
+        key = (offset, nbytes, dtype)
+        got = self.plans.get(key)
+        if got is None:
+            if len(self.plans) > 256:
+                self.plans.clear()
+            got = [reg[offset:offset + nbytes].view(dtype) for reg in self.regions]
+            self.plans[key] = got
+        return got
+
+
+def _state_of(ctx) -> tuple[object, _WindowState]:
+    window = ctx.transport.window
+    st = _state.get(window)
+    if st is None:
+        st = _state[window] = _WindowState(window, ctx.size)
+    return window, st
+
+
+def _low_precision(dtype: np.dtype) -> bool:
+    return dtype == np.float16 or (BFLOAT16 is not None and dtype == BFLOAT16)
+
+
+def _reduce(ctx, op: Op, dst: np.ndarray, srcs: list[np.ndarray]) -> None:
+    """``dst = srcs[0] op srcs[1] ...`` (dst may be srcs[0]); float32 scratch for half floats."""
+    scratch = ctx.scratch(dst.size, np.float32, slot=7) if _low_precision(dst.dtype) else None
+    op.reduce_many(dst, srcs, scratch)
+
+
+def _as_bytes(arr: np.ndarray) -> np.ndarray:
+    return arr.view(np.uint8)
+
+
+def _blocks(count: int, p: int) -> list[int]:
+    """Split ``count`` elements into p nearly equal blocks."""
+    base, extra = divmod(count, p)
+    return [base + (1 if r < extra else 0) for r in range(p)]
+
+
+def _displs(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def _piece_elems(half: int, p: int, itemsize: int) -> int:
+    """Elements per block per piece so that p sub-blocks fit one half."""
+    budget = min(half, PIECE_BYTES)
+    return max(1, budget // (p * itemsize))
+
+
+def _striped(counts: list[int], step: int):
+    """Pieces over p blocks at once: piece k holds elements [k*step, (k+1)*step)
+    of every block. Yields, per piece, a list of (start in the vector, length,
+    byte offset within the half) per rank."""
+    displs = _displs(counts)
+    npieces = max(-(-c // step) for c in counts) if counts else 0
+    for k in range(npieces):
+        parts, off = [], 0
+        for c, d in zip(counts, displs):
+            lo = min(k * step, c)
+            n = min(step, c - lo)
+            parts.append((d + lo, n, off))
+            off += n
+        yield parts, off
+
+
+# ------------------------------------------------------------------ allreduce
+
+
+@register("allreduce", "shared_window", needs=("window",),
+          description="single-copy reduction through the shared window (1/p per rank)")
+def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
+    p = ctx.size
+    if p == 1 or buf.size == 0:
+        return
+    window, st = _state_of(ctx)
+    if buf.nbytes <= min(SMALL_BYTES, st.half):
+        _allreduce_small(ctx, window, st, buf, op)
+        return
+    if not _allreduce_direct(ctx, window, st, buf, op):
+        _allreduce_pieces(ctx, window, st, buf, op)
+
+
+def _allreduce_small(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> None:
+    off = st.next_half()
+    views = st.views(off, buf.nbytes, buf.dtype)
+    np.copyto(views[ctx.rank], buf)
+    window.fence(ctx.deadline)
+    _reduce(ctx, op, buf, views)
+
+
+def _publish(ctx, window, st: _WindowState, buf: np.ndarray) -> list[np.ndarray]:
+    """Tell every rank where ``buf`` is (pool offset if in the shared pool, and
+    its address) and learn the same of every rank; one fence."""
+    meta_off = (st.turn & 1) * 32
+    st.turn += 1
+    where = window.locate(buf) if hasattr(window, "locate") else None
+    meta = st.regions[ctx.rank][meta_off:meta_off + 24].view(np.int64)
+    meta[0] = 1 if where is not None else 0
+    meta[1] = where[1] if where is not None else 0
+    meta[2] = buf.__array_interface__["data"][0]
+    window.fence(ctx.deadline)
+    return [st.regions[r][meta_off:meta_off + 24].view(np.int64).copy() for r in range(ctx.size)]
+
+
+def _allreduce_direct(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> bool:
+    """Single-copy paths straight from the other ranks' buffers: from the shared
+    pool when every buffer lives there (``comm.alloc``), else through
+    cross-memory attach when the window offers it. Returns False (every rank
+    alike) when neither applies."""
+    pools = getattr(window, "allocation", None)
+    in_pool = pools is not None and hasattr(window, "locate")
+    if not in_pool and not getattr(window, "cma", False):
+        return False
+    metas = _publish(ctx, window, st, buf)
+    if pools is not None and all(int(m[0]) for m in metas):
+        nbytes = buf.nbytes
+        bufs = [pools(r)[int(m[1]):int(m[1]) + nbytes].view(buf.dtype) for r, m in enumerate(metas)]
+        _allreduce_from_pool(ctx, window, bufs, buf, op)
+        return True
+    if getattr(window, "cma", False):
+        _allreduce_cma(ctx, window, [int(m[2]) for m in metas], buf, op)
+        return True
+    return False
+
+
+def _allreduce_from_pool(ctx, window, bufs: list[np.ndarray], buf: np.ndarray, op: Op) -> None:
+    counts = _blocks(buf.size, ctx.size)
+    displs = _displs(counts)
+    me = ctx.rank
+    lo, hi = displs[me], displs[me] + counts[me]
+    order = [me] + [r for r in range(ctx.size) if r != me]
+    step = max(1, ctx.segment_bytes // buf.itemsize)
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        _reduce(ctx, op, buf[a:b], [bufs[r][a:b] for r in order])
+    window.fence(ctx.deadline)
+    for r in range(ctx.size):
+        if r != me and counts[r]:
+            s = slice(displs[r], displs[r] + counts[r])
+            np.copyto(buf[s], bufs[r][s])
+    window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+
+
+def _allreduce_cma(ctx, window, addrs: list[int], buf: np.ndarray, op: Op) -> None:
+    p, me, item = ctx.size, ctx.rank, buf.itemsize
+    counts = _blocks(buf.size, p)
+    displs = _displs(counts)
+    lo, hi = displs[me], displs[me] + counts[me]
+    peers = [r for r in range(p) if r != me]
+    step = max(1, (ctx.segment_bytes if p <= 4 else ctx.segment_bytes // 4) // item)
+    scratch = [ctx.scratch(min(step, counts[me]), buf.dtype, slot=8 + i) for i in range(p - 1)]
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        parts = [s[:b - a] for s in scratch]
+        for r, part in zip(peers, parts):
+            window.read(r, addrs[r] + a * item, part)
+        _reduce(ctx, op, buf[a:b], [buf[a:b]] + parts)
+    window.fence(ctx.deadline)
+    for r in peers:
+        if counts[r]:
+            window.read(r, addrs[r] + displs[r] * item, buf[displs[r]:displs[r] + counts[r]])
+    window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+
+
+def _allreduce_pieces(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> None:
+    p, me = ctx.size, ctx.rank
+    step = _piece_elems(st.half, p, buf.itemsize)
+    item = buf.itemsize
+    order = [me] + [r for r in range(p) if r != me]
+    for parts, used in _striped(_blocks(buf.size, p), step):
+        base = st.next_half()
+        mine = st.regions[me]
+        for start, n, off in parts:
+            if n:
+                np.copyto(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
+                          buf[start:start + n])
+        window.fence(ctx.deadline)
+        _, n_me, off_me = parts[me]
+        if n_me:
+            srcs = st.views(base + off_me * item, n_me * item, buf.dtype)
+            _reduce(ctx, op, srcs[me], [srcs[r] for r in order])
+        window.fence(ctx.deadline)
+        for r, (start, n, off) in enumerate(parts):
+            if n:
+                np.copyto(buf[start:start + n],
+                          st.regions[r][base + off * item:base + (off + n) * item].view(buf.dtype))
+
+
+# ------------------------------------------------------------- reduce_scatter
+
+
+@register("reduce_scatter", "shared_window", needs=("window",),
+          description="each rank reduces its block straight from every rank's window region")
+def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op) -> None:
+    p, me = ctx.size, ctx.rank
+    if p == 1:
+        np.copyto(recvbuf, sendbuf[:counts[0]])
+        return
+    if sum(counts) == 0:
+        return
+    window, st = _state_of(ctx)
+    item = sendbuf.itemsize
+    step = _piece_elems(st.half, p, item)
+    displs = _displs(counts)
+    order = [me] + [r for r in range(p) if r != me]
+    for k, (parts, used) in enumerate(_striped(counts, step)):
+        base = st.next_half()
+        mine = st.regions[me]
+        for start, n, off in parts:
+            if n:
+                np.copyto(mine[base + off * item:base + (off + n) * item].view(sendbuf.dtype),
+                          sendbuf[start:start + n])
+        window.fence(ctx.deadline)
+        start, n, off = parts[me]
+        if n:
+            srcs = st.views(base + off * item, n * item, sendbuf.dtype)
+            lo = start - displs[me]
+            _reduce(ctx, op, recvbuf[lo:lo + n], [srcs[r] for r in order])
+
+
+# ------------------------------------------------------------------ allgather
+
+
+@register("allgather", "shared_window", needs=("window",),
+          description="each rank copies its block into the window once; everyone copies all out")
+def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
+    p, me = ctx.size, ctx.rank
+    if p == 1 or sum(counts) == 0:
+        return
+    window, st = _state_of(ctx)
+    item = buf.itemsize
+    step = max(1, min(st.half, PIECE_BYTES) // (p * item))
+    for parts, used in _striped(counts, step):
+        base = st.next_half()
+        start, n, off = parts[me]
+        if n:
+            np.copyto(st.regions[me][base + off * item:base + (off + n) * item].view(buf.dtype),
+                      buf[start:start + n])
+        window.fence(ctx.deadline)
+        for r, (start, n, off) in enumerate(parts):
+            if n and r != me:
+                np.copyto(buf[start:start + n],
+                          st.regions[r][base + off * item:base + (off + n) * item].view(buf.dtype))
+
+
+# ---------------------------------------------------------------------- bcast
+
+
+@register("bcast", "shared_window", needs=("window",),
+          description="the root copies into its window region; the others copy out")
+def bcast(ctx, buf: np.ndarray, root: int) -> None:
+    if ctx.size == 1 or buf.size == 0:
+        return
+    window, st = _state_of(ctx)
+    data = _as_bytes(buf)
+    step = max(_ALIGN, min(st.half, PIECE_BYTES))
+    src = st.regions[root]
+    for a in range(0, data.size, step):
+        b = min(a + step, data.size)
+        base = st.next_half()
+        if ctx.rank == root:
+            np.copyto(src[base:base + b - a], data[a:b])
+        window.fence(ctx.deadline)
+        if ctx.rank != root:
+            np.copyto(data[a:b], src[base:base + b - a])

@@ -1,0 +1,181 @@
+"""The shared-memory transport on real processes: rings, tags, errors, cleanup."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from collectives import CollectiveTimeout, MismatchedCollective, PeerLost
+from collectives.transports.shm import SHM_DIR, SharedMemoryTransport, segment_path
+from harness import run_ranks
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("coll-")}
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) * 7 + seed) % 251).astype(np.uint8)
+
+
+def bidirectional_large(comm):
+    t, other = comm.transport, 1 - comm.rank
+    n = 9 * (1 << 20) + 13  # several ring lengths, not a multiple of anything
+    out, into = _pattern(n, comm.rank), np.zeros(n, np.uint8)
+    send = t.isend(out, other, 7)  # both send before either receives
+    recv = t.irecv(into, other, 7)
+    t.waitall([send, recv], 20)
+    return bool(np.array_equal(into, _pattern(n, other)))
+
+
+def test_large_messages_both_ways_do_not_deadlock():
+    assert run_ranks(bidirectional_large, 2, timeout=60) == [True, True]
+
+
+def many_tags_out_of_order(comm):
+    t = comm.transport
+    sizes = [0, 1, 15, 16, 17, 4096, 300_000, 1_500_000]
+    if comm.rank == 0:
+        reqs = [t.isend(_pattern(n, tag), 1, tag) for tag, n in enumerate(sizes)]
+        # three messages with one tag must arrive in the order sent
+        reqs += [t.isend(np.full(3, i, np.int32), 1, 99) for i in range(3)]
+        t.waitall(reqs, 20)
+        return True
+    time.sleep(0.2)  # let everything arrive unexpected first
+    bufs = {tag: np.zeros(n, np.uint8) for tag, n in enumerate(sizes)}
+    reqs = [t.irecv(bufs[tag], 0, tag) for tag in reversed(range(len(sizes)))]
+    fifo = [np.zeros(3, np.int32) for _ in range(3)]
+    reqs += [t.irecv(b, 0, 99) for b in fifo]
+    t.waitall(reqs, 20)
+    ok = all(np.array_equal(bufs[tag], _pattern(n, tag)) for tag, n in enumerate(sizes))
+    return ok and [int(b[0]) for b in fifo] == [0, 1, 2]
+
+
+def test_many_tags_in_flight_out_of_order_and_fifo_per_tag():
+    assert run_ranks(many_tags_out_of_order, 2, timeout=60) == [True, True]
+
+
+def ring_exchange(comm):
+    t, p, r = comm.transport, comm.size, comm.rank
+    results = []
+    for n in (0, 1, 8, 70_000):
+        into = np.zeros(n, np.uint8)
+        reqs = [t.irecv(into, (r - 1) % p, 3), t.isend(_pattern(n, r), (r + 1) % p, 3)]
+        t.waitall(reqs, 20)
+        results.append(bool(np.array_equal(into, _pattern(n, (r - 1) % p))))
+    mine = np.zeros(5, np.uint8)  # to itself
+    t.waitall([t.isend(_pattern(5, 1), r, 4), t.irecv(mine, r, 4)], 5)
+    results.append(bool(np.array_equal(mine, _pattern(5, 1))))
+    return all(results)
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_zero_byte_small_and_self_messages(p):
+    assert all(run_ranks(ring_exchange, p, timeout=60))
+
+
+def size_mismatch(comm, early: bool):
+    t = comm.transport
+    if comm.rank == 0:
+        t.isend(np.zeros(10, np.uint8), 1, 5).wait(10)
+        t.isend(np.ones(4, np.uint8), 1, 6).wait(10)
+        return "sent"
+    if early:
+        time.sleep(0.1)
+    try:
+        t.irecv(np.zeros(12, np.uint8), 0, 5).wait(10)
+    except MismatchedCollective:
+        after = np.zeros(4, np.uint8)  # the stream stays usable
+        t.irecv(after, 0, 6).wait(10)
+        return "mismatch" if after.sum() == 4 else "corrupt"
+    return "no error"
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_size_mismatch_raises(early):
+    assert run_ranks(size_mismatch, 2, early, timeout=60) == ["sent", "mismatch"]
+
+
+def killed_peer(comm):
+    t = comm.transport
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        if comm.rank == 0:
+            t.irecv(np.zeros(8, np.uint8), 1, 1).wait(15)
+        else:
+            t.window.fence(time.monotonic() + 15)
+    except PeerLost as exc:
+        return exc.peer, round(time.monotonic() - start, 3)
+    return None
+
+
+def test_killed_rank_raises_peer_lost_and_leaves_nothing():
+    before = _ours()
+    outcomes = run_ranks(killed_peer, 3, timeout=60, expect_errors=True)
+    assert outcomes[1].error_type == "ProcessDied"
+    for o in (outcomes[0], outcomes[2]):
+        assert o.ok and o.value is not None, str(o)
+        peer, seconds = o.value
+        assert peer == 1 and seconds < 5
+    assert _ours() <= before
+
+
+def aborting_peer(comm):
+    t = comm.transport
+    if comm.rank == 0:
+        t.abort("disk full")
+        return "aborted"
+    try:
+        t.irecv(np.zeros(1, np.uint8), 0, 1).wait(15)
+    except PeerLost as exc:
+        return "disk full" in str(exc)
+    return False
+
+
+def test_abort_reaches_peers_with_its_reason():
+    assert run_ranks(aborting_peer, 2, timeout=60) == ["aborted", True]
+
+
+def window_and_alloc(comm):
+    t, w, r, p = comm.transport, comm.transport.window, comm.rank, comm.size
+    region = w.region(r)
+    region[:8] = r + 1
+    w.fence(time.monotonic() + 10)
+    seen = [int(w.region(k)[0]) for k in range(p)]
+    w.fence(time.monotonic() + 10)
+    arr = comm.alloc(1000, np.float64)
+    where = w.locate(arr)
+    private = w.locate(np.zeros(10))
+    return seen, where is not None and where[0] == r, private
+
+
+def test_window_fence_regions_and_alloc_locate():
+    for seen, located, private in run_ranks(window_and_alloc, 3, timeout=60):
+        assert seen == [1, 2, 3] and located and private is None
+
+
+def test_rendezvous_timeout_leaves_nothing():
+    job = "lonely" + secrets.token_hex(4)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout):
+        SharedMemoryTransport.open(0, 2, job=job, timeout=0.5, options={})
+    assert time.monotonic() - start < 5
+    assert not os.path.exists(segment_path(job, 0))
+
+
+def test_single_rank_open_close_is_idempotent():
+    job = "solo" + secrets.token_hex(4)
+    t = SharedMemoryTransport.open(0, 1, job=job, timeout=5, options={"shm_window_bytes": 1 << 16})
+    buf = np.zeros(3, np.uint8)
+    t.waitall([t.isend(np.arange(3, dtype=np.uint8), 0, 2), t.irecv(buf, 0, 2)], 5)
+    assert buf.tolist() == [0, 1, 2]
+    assert not os.path.exists(segment_path(job, 0))
+    t.close()
+    t.close()

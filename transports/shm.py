@@ -1,0 +1,990 @@
+"""Shared-memory transport: the default when every rank runs on one host.
+
+Each rank creates one segment in ``/dev/shm`` named after the job and its
+rank, maps every other rank's segment, and unlinks its name as soon as every
+rank has mapped it, so nothing is left behind even if a process is killed
+later. A segment holds, in order:
+
+* a control page: magic, pid, abort flag and reason, closed flag, the fence
+  epoch (each counter written only by its owner);
+* the control lines of the rings this rank *receives* on (one per sender:
+  the sender's head counter and this rank's tail counter, a cache line each);
+* the ring data, one single-producer single-consumer byte ring per sender;
+* the shared window region (``capacity`` bytes, see :class:`ShmWindow`);
+* the shared allocation pool (sparse: pages cost memory only once touched)
+  from which :meth:`SharedMemoryTransport.alloc` carves user buffers.
+
+Messages are a 16-byte header (tag, length) followed by the payload, padded
+to 16 bytes, streamed through the ring as space frees up, so large messages
+pipeline: the sender copies in while the receiver copies out. Counters are
+monotonically increasing 64-bit integers, each written by one process only
+(aligned 8-byte stores; x86 keeps stores in order, so no atomics are needed).
+
+A message that arrives before its receive is posted is drained into an
+unexpected-message queue, so different tags never block each other and two
+ranks that both send before receiving never deadlock. Every wait makes
+progress on all pending sends and receives, backs off (spin, yield, sleep),
+has a deadline, and checks peers every few milliseconds: a peer that died
+(pidfd readable) or aborted raises :class:`~collectives.errors.PeerLost`.
+
+Sizes come from ``options`` or the environment (all ranks must agree):
+``shm_ring_bytes`` / ``COLLECTIVES_SHM_RING_BYTES`` (per sender; default
+1 MiB for up to 4 ranks, less above), ``shm_window_bytes`` /
+``COLLECTIVES_SHM_WINDOW_BYTES`` (default 4 MiB per rank),
+``shm_alloc_bytes`` / ``COLLECTIVES_SHM_ALLOC_BYTES`` (sparse pool, default
+1 GiB of address space per rank), ``shm_cma`` / ``COLLECTIVES_SHM_CMA`` (0
+turns off reading peers' private memory with process_vm_readv; it is used
+only when every rank may read every other).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import hashlib
+import mmap
+import os
+import re
+import select
+import struct
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost,
+                                TransportUnavailable)
+from collectives.transport import COMPLETED, Request, Transport
+from collectives.waiting import Backoff
+
+__all__ = ["SharedMemoryTransport", "ShmWindow"]
+
+SHM_DIR = "/dev/shm"
+MAGIC = 0x636F6C6C5F73686D  # "coll_shm"
+PAGE = 4096
+LINE = 64
+HEADER = struct.Struct("<qq")  # tag, payload length
+HEADER_BYTES = HEADER.size
+MiB = 1 << 20
+
+# Control page: indices of 8-byte counters (each in its own cache line where hot).
+Q_MAGIC, Q_PID, Q_SIZE, Q_RING, Q_WINDOW, Q_ALLOC, Q_SECRET = 0, 1, 2, 3, 4, 5, 6
+Q_ATTACHED = 8           # line 1: set once this rank has mapped every peer
+Q_ABORT, Q_REASON_LEN = 16, 17  # line 2
+Q_CLOSED = 24            # line 3
+Q_PROBE, Q_CMA = 25, 26  # cross-memory attach probe address; 1 ok, 2 not permitted
+Q_EPOCH = 32             # line 4: fence epoch
+REASON_OFFSET, REASON_MAX = 1024, PAGE - 1024
+
+PEER_CHECK_SECONDS = 0.002
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _env_int(options: dict[str, Any], key: str, default: int) -> int:
+    value = options.get(key)
+    if value is None:
+        value = os.environ.get("COLLECTIVES_" + key.upper())
+    try:
+        return int(value) if value not in (None, "") else default
+    except ValueError:
+        raise BadArgument(f"{key} must be an integer number of bytes, got {value!r}") from None
+
+
+def default_ring_bytes(size: int) -> int:
+    """Ring bytes per sender: 1 MiB up to 4 ranks, shrinking so that
+    ``size**2`` rings stay near 16 MiB in all, never below 64 KiB."""
+    budget = (16 * MiB) // max(size * size, 1)
+    ring = 1 << max(budget.bit_length() - 1, 0)
+    return max(64 * 1024, min(MiB, ring))
+
+
+class _Layout:
+    """Byte offsets inside one rank's segment (the same for every rank)."""
+
+    def __init__(self, size: int, ring: int, window: int, pool: int) -> None:
+        self.size, self.ring, self.window, self.pool = size, ring, window, pool
+        self.ring_ctrl = PAGE
+        self.ring_data = _align(PAGE + size * 2 * LINE, PAGE)
+        self.window_off = _align(self.ring_data + size * ring, PAGE)
+        self.pool_off = _align(self.window_off + window, PAGE)
+        self.total = _align(self.pool_off + pool, PAGE)
+        self.ctrl_bytes = self.ring_data  # the part cast to 8-byte counters
+
+    def head_index(self, sender: int) -> int:
+        return (self.ring_ctrl + sender * 2 * LINE) // 8
+
+    def tail_index(self, sender: int) -> int:
+        return (self.ring_ctrl + sender * 2 * LINE + LINE) // 8
+
+    def ring_slice(self, sender: int) -> slice:
+        start = self.ring_data + sender * self.ring
+        return slice(start, start + self.ring)
+
+
+class _Segment:
+    """One rank's mapped segment."""
+
+    def __init__(self, path: str, mm: mmap.mmap, layout: _Layout) -> None:
+        self.path = path
+        self.mm = mm
+        self.mv = memoryview(mm)
+        self.q = self.mv[:layout.ctrl_bytes].cast("Q")
+
+    def release(self) -> None:
+        for view in (self.q, self.mv):
+            try:
+                view.release()
+            except (BufferError, ValueError):
+                pass
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):
+            pass  # user arrays still point into it; freed when they go
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class _ShmRequest(Request):
+    __slots__ = ("transport", "peer", "tag", "mv", "nbytes", "done", "error")
+
+    kind = "request"
+
+    def __init__(self, transport: "SharedMemoryTransport", peer: int, tag: int, mv: memoryview) -> None:
+        self.transport = transport
+        self.peer = peer
+        self.tag = tag
+        self.mv = mv
+        self.nbytes = len(mv)
+        self.done = False
+        self.error: BaseException | None = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self.done:
+            self.transport._wait((self,), timeout)
+        if self.error is not None:
+            raise self.error
+
+    def test(self) -> bool:
+        if not self.done:
+            self.transport._progress_locked()
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+    def describe(self) -> str:
+        return f"{self.kind} of {self.nbytes} B with rank {self.peer} (tag {self.tag})"
+
+
+class _SendRequest(_ShmRequest):
+    __slots__ = ("sent", "wire")
+    kind = "send"
+
+    def __init__(self, transport, peer, tag, mv) -> None:
+        super().__init__(transport, peer, tag, mv)
+        self.sent = 0  # wire bytes pushed: header, payload, padding
+        self.wire = HEADER_BYTES + _align(self.nbytes, 16)
+
+
+class _RecvRequest(_ShmRequest):
+    __slots__ = ()
+    kind = "receive"
+
+
+class _Unexpected:
+    """A message that arrived before its receive was posted."""
+
+    __slots__ = ("data", "done")
+
+    def __init__(self, nbytes: int) -> None:
+        self.data = bytearray(nbytes)
+        self.done = False
+
+
+class _Incoming:
+    """The message being copied out of one sender's ring."""
+
+    __slots__ = ("tag", "nbytes", "wire", "got", "dest", "target")
+
+    def __init__(self, tag: int, nbytes: int, dest: memoryview | None, target) -> None:
+        self.tag = tag
+        self.nbytes = nbytes
+        self.wire = _align(nbytes, 16)
+        self.got = 0  # wire bytes consumed after the header
+        self.dest = dest  # None: discard (a receive that failed)
+        self.target = target  # _RecvRequest, _Unexpected or None
+
+
+def _bytes_view(buf: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array as a flat 'B' memoryview (zero-copy)."""
+    if buf.ndim != 1:
+        buf = buf.reshape(-1)
+    return memoryview(buf.view(np.uint8))
+
+
+# --------------------------------------------------------------------------- cross-memory attach
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _load_readv():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+_readv = _load_readv()
+
+
+def _cma_read(pid: int, address: int, out: np.ndarray) -> bool:
+    """Copy ``out.nbytes`` bytes at ``address`` in process ``pid`` into ``out``.
+    Returns False when the kernel refuses (no permission, no support)."""
+    if _readv is None:
+        return False
+    want = out.nbytes
+    done = 0
+    base = out.ctypes.data
+    while done < want:
+        local = _IoVec(base + done, want - done)
+        remote = _IoVec(address + done, want - done)
+        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if n <= 0:
+            return False
+        done += n
+    return True
+
+
+# --------------------------------------------------------------------------- window
+
+
+class ShmWindow:
+    """The shared window of a :class:`SharedMemoryTransport`.
+
+    ``region(r)`` is rank r's window region (``capacity`` bytes);
+    ``allocation(r)`` is rank r's shared allocation pool, in which
+    :meth:`locate` finds arrays from :meth:`SharedMemoryTransport.alloc`.
+    ``fence`` is a barrier on per-rank epoch counters, each written only by
+    its owner.
+    """
+
+    def __init__(self, transport: "SharedMemoryTransport") -> None:
+        t = self._t = transport
+        lay = t._layout
+        self.capacity = lay.window
+        self._regions = [np.frombuffer(s.mm, np.uint8, lay.window, lay.window_off) for s in t._segs]
+        self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]
+        self._pool_base = self._pools[t.rank].ctypes.data
+        self._epoch = 0
+        self._peer_q = [s.q for s in t._segs]
+        self._peers = [r for r in range(t.size) if r != t.rank]
+        self._pids = [int(s.q[Q_PID]) for s in t._segs]
+
+    @property
+    def cma(self) -> bool:
+        """True when every rank may read every other rank's private memory
+        (:meth:`read`), so algorithms can copy straight from user buffers."""
+        return self._t.cma
+
+    def read(self, rank: int, address: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes at ``address`` in ``rank``'s private memory into ``out``.
+
+        Raises:
+            PeerLost: the read failed (the peer exited, or its memory is gone).
+        """
+        if out.nbytes and not _cma_read(self._pids[rank], address, out):
+            err = ctypes.get_errno()
+            raise PeerLost(f"rank {self._t.rank}: cannot read {out.nbytes} B from rank {rank}'s "
+                           f"memory ({os.strerror(err)})", rank)
+
+    @property
+    def epoch(self) -> int:
+        """Number of fences this rank has passed (the same on every rank between calls)."""
+        return self._epoch
+
+    def region(self, rank: int) -> np.ndarray:
+        """A uint8 array over ``rank``'s window region."""
+        return self._regions[rank]
+
+    def allocation(self, rank: int) -> np.ndarray:
+        """A uint8 array over ``rank``'s shared allocation pool."""
+        return self._pools[rank]
+
+    def locate(self, arr: np.ndarray) -> tuple[int, int] | None:
+        """(this rank, offset in its pool) if ``arr`` lives in its pool, else None."""
+        addr = arr.__array_interface__["data"][0]
+        off = addr - self._pool_base
+        if 0 <= off and off + arr.nbytes <= self._t._layout.pool:
+            return self._t.rank, off
+        return None
+
+    def fence(self, deadline: float) -> None:
+        """Barrier: every rank's writes before its fence are visible after it."""
+        e = self._epoch = self._epoch + 1
+        qs = self._peer_q
+        qs[self._t.rank][Q_EPOCH] = e
+        for r in self._peers:
+            if qs[r][Q_EPOCH] < e:
+                self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence")
+
+    def release(self) -> None:
+        self._regions = self._pools = self._peer_q = []
+
+
+# --------------------------------------------------------------------------- allocator
+
+
+class _Pool:
+    """First-fit allocator over this rank's shared pool; blocks come back when
+    the returned array (and every view of it) is garbage collected."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int) -> None:
+        self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> int | None:
+        size = _align(max(nbytes, 1), PAGE if nbytes >= 64 * 1024 else self.ALIGN)
+        with self._lock:
+            for i, (off, length) in enumerate(self._free):
+                if length >= size:
+                    if length == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, length - size)
+                    return off
+        return None
+
+    def give(self, off: int, nbytes: int) -> None:
+        size = _align(max(nbytes, 1), PAGE if nbytes >= 64 * 1024 else self.ALIGN)
+        with self._lock:
+            blocks = sorted(self._free + [(off, size)])
+            merged: list[tuple[int, int]] = []
+            for o, n in blocks:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((o, n))
+            self._free = merged
+
+
+# --------------------------------------------------------------------------- transport
+
+
+def _job_tag(job: str) -> str:
+    clean = re.sub(r"[^A-Za-z0-9_.-]", "", job)
+    if clean != job or len(clean) > 40:
+        clean = hashlib.sha1(job.encode()).hexdigest()[:16]
+    return clean
+
+
+def segment_path(job: str, rank: int) -> str:
+    """The name under /dev/shm of ``rank``'s segment in ``job``."""
+    return f"{SHM_DIR}/coll-{_job_tag(job)}-{rank}"
+
+
+class _PeerWatch:
+    """Tells whether peer processes are still alive (pidfds where available)."""
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self._fds: dict[int, int] = {}
+        self._pids = pids
+        self._poll = select.poll() if hasattr(select, "poll") else None
+        for rank, pid in pids.items():
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                continue
+            self._fds[fd] = rank
+            self._poll.register(fd, select.POLLIN)
+
+    def dead(self) -> set[int]:
+        """Ranks whose process has exited."""
+        gone: set[int] = set()
+        if self._fds:
+            gone.update(self._fds[fd] for fd, _ in self._poll.poll(0))
+        for rank, pid in self._pids.items():
+            if rank in gone or rank in self._fds.values():
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                gone.add(rank)
+            except PermissionError:
+                pass
+        return gone
+
+    def close(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = {}
+
+
+class SharedMemoryTransport(Transport):
+    """Point-to-point through per-pair byte rings in shared memory, plus a shared window.
+
+    Open it with :meth:`open`; see the module docstring for the layout.
+    """
+
+    name = "shm"
+    capabilities = frozenset({"window"})
+
+    # ------------------------------------------------------------------ setup
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        if not sys.platform.startswith("linux"):
+            return False, "shared-memory transport needs Linux (/dev/shm)"
+        if not os.access(SHM_DIR, os.W_OK):
+            return False, f"{SHM_DIR} is not writable"
+        return True, ""
+
+    @classmethod
+    def open(cls, rank: int, size: int, *, job: str, timeout: float,
+             options: dict[str, Any]) -> "SharedMemoryTransport":
+        """Create this rank's segment, map every peer's, then unlink the names.
+
+        Args:
+            rank, size: this rank and the number of ranks (all on this host).
+            job: an id shared by the ranks of one job; names derive from it.
+            timeout: default timeout of waits and of the rendezvous, seconds.
+            options: ``shm_ring_bytes``, ``shm_window_bytes``,
+                ``shm_alloc_bytes``, ``secret`` (all optional).
+
+        Returns:
+            The connected transport.
+
+        Raises:
+            CollectiveTimeout if some rank does not appear in time; PeerLost if
+            one dies during the rendezvous; BadArgument on inconsistent sizes.
+        """
+        ok, why = cls.available()
+        if not ok:
+            raise TransportUnavailable(why)
+        if size < 1 or not 0 <= rank < size:
+            raise BadArgument(f"rank {rank} is not in a world of {size} ranks")
+        ring = _align(_env_int(options, "shm_ring_bytes", default_ring_bytes(size)), PAGE)
+        window = _align(_env_int(options, "shm_window_bytes", 4 * MiB), PAGE)
+        pool = _align(_env_int(options, "shm_alloc_bytes", 1 << 30), PAGE)
+        if ring < PAGE or window < 0 or pool < 0:
+            raise BadArgument(f"shared-memory sizes must be positive: ring {ring}, window {window}")
+        cma = _env_int(options, "shm_cma", 1) != 0
+        secret = int.from_bytes(hashlib.sha1(str(options.get("secret", job)).encode()).digest()[:8], "little")
+        return cls(rank, size, job, float(timeout), _Layout(size, ring, window, pool), secret, cma)
+
+    def __init__(self, rank: int, size: int, job: str, timeout: float, layout: _Layout, secret: int,
+                 cma: bool = True) -> None:
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._layout = layout
+        self._job = job
+        self._secret = secret & 0x7FFFFFFFFFFFFFFF
+        self._closed = False
+        self._lock = threading.RLock()
+        self._segs: list[_Segment] = []
+        self._watch: _PeerWatch | None = None
+        self._window: ShmWindow | None = None
+        self._next_check = 0.0
+        self.cma = False
+        self._cma_wanted = cma
+        deadline = time.monotonic() + timeout
+        try:
+            self._rendezvous(deadline)
+        except BaseException:
+            self._cleanup_names()
+            self._release()
+            raise
+        self._setup_rings()
+        self._pool = _Pool(layout.pool)
+        self._window = ShmWindow(self)
+
+    def _create_own(self) -> _Segment:
+        path = segment_path(self._job, self.rank)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:  # left over by a crashed job with the same id
+            os.unlink(path)
+            fd = os.open(path, flags, 0o600)
+        try:
+            os.ftruncate(fd, self._layout.total)
+            mm = mmap.mmap(fd, self._layout.total)
+        finally:
+            os.close(fd)
+        seg = _Segment(path, mm, self._layout)
+        q, lay = seg.q, self._layout
+        q[Q_PID], q[Q_SIZE], q[Q_RING] = os.getpid(), self.size, lay.ring
+        q[Q_WINDOW], q[Q_ALLOC], q[Q_SECRET] = lay.window, lay.pool, self._secret
+        self._probe = np.array([MAGIC], np.uint64)
+        q[Q_PROBE] = self._probe.ctypes.data
+        q[Q_MAGIC] = MAGIC  # last: the segment is ready
+        return seg
+
+    def _try_attach(self, rank: int) -> _Segment | None:
+        path = segment_path(self._job, rank)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size != self._layout.total:
+                return None  # still being created, or another configuration
+            mm = mmap.mmap(fd, self._layout.total)
+        finally:
+            os.close(fd)
+        seg = _Segment(path, mm, self._layout)
+        q = seg.q
+        if q[Q_MAGIC] != MAGIC or q[Q_SECRET] != self._secret:
+            seg.release()
+            return None
+        return seg
+
+    def _rendezvous(self, deadline: float) -> None:
+        own = self._create_own()
+        segs: list[_Segment | None] = [None] * self.size
+        segs[self.rank] = own
+        self._segs = segs  # type: ignore[assignment]
+        missing = [r for r in range(self.size) if r != self.rank]
+        backoff = Backoff(deadline, f"rank {self.rank}: shared-memory rendezvous of job {self._job!r}",
+                          max_sleep=5e-3)
+        while missing:
+            for r in list(missing):
+                seg = self._try_attach(r)
+                if seg is not None:
+                    segs[r] = seg
+                    missing.remove(r)
+            if missing:
+                try:
+                    backoff.pause()
+                except CollectiveTimeout:
+                    raise CollectiveTimeout(
+                        f"rank {self.rank}: ranks {missing} did not create their shared-memory "
+                        f"segments of job {self._job!r} in time") from None
+        self._watch = _PeerWatch({r: int(s.q[Q_PID]) for r, s in enumerate(segs) if r != self.rank})
+        own.q[Q_ATTACHED] = 1
+        for r in range(self.size):
+            if r != self.rank and segs[r].q[Q_ATTACHED] != 1:
+                self._wait_counter(segs[r].q, Q_ATTACHED, 1, r, deadline, "shared-memory rendezvous")
+        self._probe_cma(deadline)
+        os.unlink(own.path)
+
+    def _probe_cma(self, deadline: float) -> None:
+        """Agree whether every rank may read every other's private memory
+        (Linux cross-memory attach, process_vm_readv)."""
+        verdicts = [self._cma_wanted]
+        for r, seg in enumerate(self._segs):
+            if r != self.rank and self._cma_wanted:
+                got = np.zeros(1, np.uint64)
+                verdicts.append(_cma_read(int(seg.q[Q_PID]), int(seg.q[Q_PROBE]), got) and got[0] == MAGIC)
+        own = self._segs[self.rank].q
+        own[Q_CMA] = 1 if all(verdicts) else 2
+        for r, seg in enumerate(self._segs):
+            if r != self.rank and seg.q[Q_CMA] == 0:
+                self._wait_counter(seg.q, Q_CMA, 1, r, deadline, "shared-memory rendezvous")
+        self.cma = all(seg.q[Q_CMA] == 1 for seg in self._segs)
+
+    def _cleanup_names(self) -> None:
+        """After a failed rendezvous: remove every name of this job still present."""
+        for r in range(self.size):
+            try:
+                os.unlink(segment_path(self._job, r))
+            except OSError:
+                pass
+
+    def _setup_rings(self) -> None:
+        lay, me = self._layout, self._segs[self.rank]
+        p = self.size
+        self._ring_bytes = lay.ring
+        # Sending to dst: ring (self.rank -> dst) lives in dst's segment.
+        self._tx_q = [s.q for s in self._segs]
+        self._tx_head_i = lay.head_index(self.rank)
+        self._tx_tail_i = lay.tail_index(self.rank)
+        self._tx_data = [s.mv[lay.ring_slice(self.rank)] for s in self._segs]
+        self._tx_head = [0] * p
+        self._tx_tail = [0] * p
+        self._tx_queue: list[collections.deque] = [collections.deque() for _ in range(p)]
+        self._tx_busy: set[int] = set()
+        # Receiving from src: ring (src -> self.rank) lives in this segment.
+        self._rx_q = me.q
+        self._rx_head_i = [lay.head_index(s) for s in range(p)]
+        self._rx_tail_i = [lay.tail_index(s) for s in range(p)]
+        self._rx_data = [me.mv[lay.ring_slice(s)] for s in range(p)]
+        self._rx_tail = [0] * p
+        self._rx_cur: list[_Incoming | None] = [None] * p
+        self._posted: list[dict[int, collections.deque]] = [{} for _ in range(p)]
+        self._unexpected: list[dict[int, collections.deque]] = [{} for _ in range(p)]
+        self._moved = 0
+        self._ranks = range(p)
+
+    # ------------------------------------------------------------- the rings
+
+    def _push(self, dst: int) -> None:
+        """Copy as much of the queued sends to ``dst`` into its ring as fits."""
+        queue = self._tx_queue[dst]
+        size = self._ring_bytes
+        ring = self._tx_data[dst]
+        head = self._tx_head[dst]
+        tail = self._tx_tail[dst]
+        start = head
+        while queue:
+            req = queue[0]
+            free = size - (head - tail)
+            if free < req.wire - req.sent:
+                tail = self._tx_tail[dst] = self._tx_q[dst][self._tx_tail_i]
+                free = size - (head - tail)
+            if req.sent == 0:
+                if free < HEADER_BYTES:
+                    break
+                HEADER.pack_into(ring, head % size, req.tag, req.nbytes)
+                head += HEADER_BYTES
+                free -= HEADER_BYTES
+                req.sent = HEADER_BYTES
+            lo = req.sent - HEADER_BYTES
+            n = min(req.nbytes - lo, free)
+            if n > 0:
+                pos = head % size
+                first = min(n, size - pos)
+                ring[pos:pos + first] = req.mv[lo:lo + first]
+                if first < n:
+                    ring[:n - first] = req.mv[lo + first:lo + n]
+                head += n
+                free -= n
+                req.sent += n
+            if req.sent - HEADER_BYTES >= req.nbytes:
+                pad = min(req.wire - req.sent, free)
+                head += pad
+                req.sent += pad
+            if req.sent < req.wire:
+                break
+            req.done = True
+            queue.popleft()
+        if head != start:
+            self._tx_head[dst] = head
+            self._tx_q[dst][self._tx_head_i] = head
+            self._moved += head - start
+        if not queue:
+            self._tx_busy.discard(dst)
+
+    def _match(self, src: int, tag: int, nbytes: int) -> _Incoming:
+        """Route a newly arrived message to its posted receive, or queue it as unexpected."""
+        posted = self._posted[src].get(tag)
+        if posted:
+            req = posted.popleft()
+            if not posted:
+                del self._posted[src][tag]
+            if req.nbytes != nbytes:
+                req.error = self._mismatch(src, tag, req.nbytes, nbytes)
+                req.done = True
+                return _Incoming(tag, nbytes, None, None)
+            return _Incoming(tag, nbytes, req.mv, req)
+        entry = _Unexpected(nbytes)
+        self._unexpected[src].setdefault(tag, collections.deque()).append(entry)
+        return _Incoming(tag, nbytes, memoryview(entry.data), entry)
+
+    def _mismatch(self, src: int, tag: int, want: int, got: int) -> MismatchedCollective:
+        return MismatchedCollective(
+            f"rank {self.rank}: expected {want} bytes from rank {src} (tag {tag}), got {got} "
+            "(ranks disagree about the collective or its size)")
+
+    def _pull(self, src: int) -> None:
+        """Copy whatever has arrived from ``src`` to its receives."""
+        q = self._rx_q
+        tail = self._rx_tail[src]
+        avail = q[self._rx_head_i[src]] - tail
+        if not avail:
+            return
+        start = tail
+        size = self._ring_bytes
+        ring = self._rx_data[src]
+        cur = self._rx_cur[src]
+        while avail:
+            if cur is None:
+                tag, nbytes = HEADER.unpack_from(ring, tail % size)
+                tail += HEADER_BYTES
+                avail -= HEADER_BYTES
+                cur = self._match(src, tag, nbytes)
+            n = min(cur.nbytes - cur.got, avail)
+            if n > 0:
+                dest = cur.dest
+                if dest is not None:
+                    pos = tail % size
+                    first = min(n, size - pos)
+                    lo = cur.got
+                    dest[lo:lo + first] = ring[pos:pos + first]
+                    if first < n:
+                        dest[lo + first:lo + n] = ring[:n - first]
+                tail += n
+                avail -= n
+                cur.got += n
+            if cur.got >= cur.nbytes:
+                pad = min(cur.wire - cur.got, avail)
+                tail += pad
+                avail -= pad
+                cur.got += pad
+            if cur.got < cur.wire:
+                break
+            if cur.target is not None:
+                cur.target.done = True
+            cur = None
+        self._rx_cur[src] = cur
+        self._rx_tail[src] = tail
+        q[self._rx_tail_i[src]] = tail
+        self._moved += tail - start
+
+    def _progress(self) -> None:
+        if self._tx_busy:
+            for dst in tuple(self._tx_busy):
+                self._push(dst)
+        q, heads, tails = self._rx_q, self._rx_head_i, self._rx_tail
+        for src in self._ranks:
+            if q[heads[src]] != tails[src]:
+                self._pull(src)
+
+    def _progress_locked(self) -> None:
+        with self._lock:
+            self._check_usable()
+            self._progress()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise BadArgument("the shared-memory transport is closed")
+
+    # --------------------------------------------------------- point to point
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+        """Start sending ``buf``'s bytes to ``peer``; completes once they are in the ring."""
+        mv = _bytes_view(buf)
+        with self._lock:
+            self._check_usable()
+            queue = self._tx_queue[peer]
+            if not queue and self._send_whole(peer, tag, mv):
+                return COMPLETED
+            req = _SendRequest(self, peer, tag, mv)
+            queue.append(req)
+            self._tx_busy.add(peer)
+            if len(queue) == 1:
+                self._push(peer)
+        return COMPLETED if req.done else req
+
+    def _send_whole(self, dst: int, tag: int, mv: memoryview) -> bool:
+        """Fast path: put a whole message into an idle ring if it fits now."""
+        nbytes = len(mv)
+        wire = HEADER_BYTES + ((nbytes + 15) & ~15)
+        size = self._ring_bytes
+        head = self._tx_head[dst]
+        if size - (head - self._tx_tail[dst]) < wire:
+            tail = self._tx_tail[dst] = self._tx_q[dst][self._tx_tail_i]
+            if size - (head - tail) < wire:
+                return False
+        ring = self._tx_data[dst]
+        pos = head % size
+        HEADER.pack_into(ring, pos, tag, nbytes)
+        if nbytes:
+            pos += HEADER_BYTES
+            first = min(nbytes, size - pos)
+            ring[pos:pos + first] = mv[:first] if first < nbytes else mv
+            if first < nbytes:
+                ring[:nbytes - first] = mv[first:]
+        head += wire
+        self._tx_head[dst] = head
+        self._tx_q[dst][self._tx_head_i] = head
+        self._moved += wire
+        return True
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+        """Start receiving exactly ``buf.nbytes`` bytes from ``peer`` with ``tag``."""
+        req = _RecvRequest(self, peer, tag, _bytes_view(buf))
+        with self._lock:
+            self._check_usable()
+            early = self._unexpected[peer].get(tag)
+            if early:
+                entry = early.popleft()
+                if not early:
+                    del self._unexpected[peer][tag]
+                self._take_unexpected(req, entry)
+            else:
+                self._posted[peer].setdefault(tag, collections.deque()).append(req)
+                if self._rx_q[self._rx_head_i[peer]] != self._rx_tail[peer]:
+                    self._pull(peer)
+        return req
+
+    def _take_unexpected(self, req: _RecvRequest, entry: _Unexpected) -> None:
+        """Hand an early message to ``req``: copy it, or redirect the rest of it."""
+        if len(entry.data) != req.nbytes:
+            req.error = self._mismatch(req.peer, req.tag, req.nbytes, len(entry.data))
+            req.done = True
+            return
+        if entry.done:
+            req.mv[:] = entry.data
+            req.done = True
+            return
+        cur = self._rx_cur[req.peer]  # the entry is still arriving: stream the rest straight in
+        got = min(cur.got, cur.nbytes)
+        req.mv[:got] = entry.data[:got]
+        cur.dest, cur.target = req.mv, req
+
+    def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
+        """Wait for every request, progressing all of them together."""
+        own = [r for r in requests if isinstance(r, _ShmRequest)]
+        if own:
+            self._wait(own, timeout)
+        for r in requests:
+            r.wait(timeout)
+
+    def _wait(self, reqs: Sequence[_ShmRequest], timeout: float | None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        backoff: Backoff | None = None
+        lock = self._lock
+        while True:
+            with lock:
+                self._check_usable()
+                moved = self._moved
+                self._progress()
+                if all(r.done for r in reqs):
+                    return
+                moved = self._moved != moved
+            if backoff is None:
+                backoff = Backoff(deadline, "")
+            elif moved:
+                backoff.reset()
+            try:
+                backoff.pause()
+            except CollectiveTimeout:
+                pending = [r.describe() for r in reqs if not r.done]
+                raise CollectiveTimeout(f"rank {self.rank}: {pending[0]} not complete after "
+                                        f"{timeout:.3g}s ({len(pending)} pending)") from None
+            if backoff.count > backoff.spins:
+                self._maybe_check_peers({r.peer for r in reqs if not r.done}, reqs)
+
+    def _maybe_check_peers(self, relevant: set[int], reqs: Sequence[_ShmRequest] = ()) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + PEER_CHECK_SECONDS
+        lost = self._lost_peer(relevant)
+        if lost is None:
+            return
+        with self._lock:  # what arrived before the peer left still counts
+            self._progress()
+            if reqs and all(r.done for r in reqs):
+                return
+        raise lost
+
+    def _lost_peer(self, relevant: set[int]) -> PeerLost | None:
+        """PeerLost for an aborted peer, or a relevant peer that died or closed."""
+        for r, seg in enumerate(self._segs):
+            if r != self.rank and seg.q[Q_ABORT]:
+                return PeerLost(f"rank {self.rank}: rank {r} aborted: {self._reason(seg)}", r)
+        dead = self._watch.dead() if self._watch is not None else set()
+        for r in sorted(dead):
+            if not self._segs[r].q[Q_CLOSED]:
+                return PeerLost(f"rank {self.rank}: rank {r} (pid {self._segs[r].q[Q_PID]}) died", r)
+        for r in sorted(relevant):
+            if r != self.rank and (r in dead or self._segs[r].q[Q_CLOSED]):
+                return PeerLost(f"rank {self.rank}: rank {r} closed its transport while rank "
+                                f"{self.rank} still waited on it", r)
+        return None
+
+    def _wait_counter(self, q: memoryview, index: int, target: int, peer: int, deadline: float,
+                      what: str) -> None:
+        """Wait until ``q[index] >= target`` (a counter owned by ``peer``)."""
+        backoff = Backoff(deadline, "")
+        relevant = {peer}
+        while q[index] < target:
+            try:
+                backoff.pause()
+            except CollectiveTimeout:
+                raise CollectiveTimeout(f"rank {self.rank}: {what} waiting for rank {peer} "
+                                        "timed out") from None
+            if backoff.count > backoff.spins and q[index] < target:
+                now = time.monotonic()
+                if now >= self._next_check:
+                    self._next_check = now + PEER_CHECK_SECONDS
+                    lost = self._lost_peer(relevant)
+                    if lost is not None and q[index] < target:
+                        raise lost
+
+    @staticmethod
+    def _reason(seg: _Segment) -> str:
+        n = min(int(seg.q[Q_REASON_LEN]), REASON_MAX)
+        return bytes(seg.mv[REASON_OFFSET:REASON_OFFSET + n]).decode("utf-8", "replace") or "unknown reason"
+
+    # ------------------------------------------------------------- lifecycle
+
+    def abort(self, reason: str) -> None:
+        """Make every peer's pending and future waits raise PeerLost(reason)."""
+        try:
+            seg = self._segs[self.rank]
+            data = reason.encode("utf-8", "replace")[:REASON_MAX]
+            seg.mv[REASON_OFFSET:REASON_OFFSET + len(data)] = data
+            seg.q[Q_REASON_LEN] = len(data)
+            seg.q[Q_ABORT] = 1
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        """Release the mappings (idempotent). Peers waiting on this rank get PeerLost."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._segs[self.rank].q[Q_CLOSED] = 1
+            except Exception:
+                pass
+            self._release()
+
+    def _release(self) -> None:
+        if self._window is not None:
+            self._window.release()
+        for name in ("_tx_data", "_rx_data"):
+            for view in getattr(self, name, ()):
+                view.release()
+            setattr(self, name, [])
+        self._tx_q = []
+        self._rx_q = None
+        for seg in self._segs:
+            if seg is not None:
+                seg.release()
+        self._segs = []
+        if self._watch is not None:
+            self._watch.close()
+
+    # -------------------------------------------------------- capabilities
+
+    @property
+    def window(self) -> ShmWindow | None:
+        """The shared window (every rank's region and allocation pool)."""
+        return self._window
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes from this rank's shared pool (private memory if it is full).
+
+        Returns:
+            A 64-byte aligned uint8 array; the block returns to the pool when
+            the array and all its views are garbage collected.
+        """
+        off = self._pool.take(nbytes) if not self._closed else None
+        if off is None:
+            return super().alloc(nbytes)
+        lay = self._layout
+        arr = np.frombuffer(self._segs[self.rank].mm, np.uint8, nbytes, lay.pool_off + off)
+        weakref.finalize(arr, self._pool.give, off, nbytes)
+        return arr
