@@ -35,6 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .errors import BadArgument
 from .registry import algorithms_for
 
 __all__ = ["Selector", "RuleSelector", "size_bucket"]
@@ -114,6 +115,9 @@ class RuleSelector:
             table = algorithms_for(collective)
             if name not in table or not table[name].needs <= capabilities:
                 runnable = [a.name for a in table.values() if a.needs <= capabilities]
+                if not runnable:
+                    raise BadArgument(f"no {collective} algorithm can run on a transport offering "
+                                      f"{sorted(capabilities) or 'no capabilities'}")
                 name = runnable[0]
             self._cache[key] = name
         return name

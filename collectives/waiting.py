@@ -34,19 +34,24 @@ class Backoff:
         what: describes the wait in the timeout message.
         spins, yields: bare checks, then ``sched_yield`` calls, before sleeping.
         first_sleep, max_sleep: the sleep grows from one to the other (seconds).
+        spin_time: keep spinning at least this long (seconds); worth it only
+            when every rank has a core of its own.
 
     Call :meth:`pause` each time the awaited condition is still false.
     """
 
-    __slots__ = ("deadline", "what", "count", "spins", "yields", "sleep", "max_sleep")
+    __slots__ = ("deadline", "what", "count", "spins", "yields", "sleep", "max_sleep", "spin_until",
+                 "spin_time")
 
     def __init__(self, deadline: float, what: str = "wait", *, spins: int = SPINS,
                  yields: int = YIELDS, first_sleep: float = FIRST_SLEEP,
-                 max_sleep: float = MAX_SLEEP) -> None:
+                 max_sleep: float = MAX_SLEEP, spin_time: float = 0.0) -> None:
         self.deadline = deadline
         self.what = what
         self.count = 0
         self.spins = spins
+        self.spin_time = spin_time
+        self.spin_until = _monotonic() + spin_time if spin_time else 0.0
         self.yields = spins + yields
         self.sleep = first_sleep
         self.max_sleep = max_sleep
@@ -61,6 +66,11 @@ class Backoff:
         self.count = n = self.count + 1
         if n <= self.spins:
             return
+        if self.spin_until:
+            if _monotonic() < self.spin_until:
+                self.count = self.spins
+                return
+            self.spin_until = 0.0
         if n <= self.yields:
             _yield()
         else:
@@ -73,6 +83,8 @@ class Backoff:
         """Start over with spinning (after progress was made)."""
         self.count = 0
         self.sleep = FIRST_SLEEP
+        if self.spin_time:
+            self.spin_until = _monotonic() + self.spin_time
 
 
 def wait_until(predicate: Callable[[], bool], deadline: float, on_check: Callable[[], None] | None = None,

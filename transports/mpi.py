@@ -100,7 +100,8 @@ class _Native:
         except Exception:
             dt = None
         logical = op.name in ("land", "lor") and arr.dtype.kind not in "biu"
-        if dt is None or dt == self.MPI.DATATYPE_NULL or logical:
+        half = arr.dtype.itemsize == 2 and arr.dtype.kind in "fV"  # float16, bfloat16: no MPI reduction
+        if dt is None or dt == self.MPI.DATATYPE_NULL or logical or half or arr.dtype.kind == "b":
             raise BadArgument(f"MPI's native reduction has no {op.name} for dtype {arr.dtype}; "
                               "use one of the library's algorithms")
         return dt, getattr(self.MPI, _MPI_OPS[op.name])

@@ -80,6 +80,15 @@ Q_EPOCH = 32             # line 4: fence epoch
 REASON_OFFSET, REASON_MAX = 1024, PAGE - 1024
 
 PEER_CHECK_SECONDS = 0.002
+#: Spin this long before yielding when every rank has a core of its own.
+SPIN_SECONDS = 50e-6
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _align(n: int, a: int) -> int:
@@ -503,6 +512,7 @@ class SharedMemoryTransport(Transport):
         self._next_check = 0.0
         self.cma = False
         self._cma_wanted = cma
+        self._spin = SPIN_SECONDS if size <= _cores() else 0.0
         deadline = time.monotonic() + timeout
         try:
             self._rendezvous(deadline)
@@ -861,7 +871,7 @@ class SharedMemoryTransport(Transport):
                     return
                 moved = self._moved != moved
             if backoff is None:
-                backoff = Backoff(deadline, "")
+                backoff = Backoff(deadline, "", spin_time=self._spin)
             elif moved:
                 backoff.reset()
             try:
@@ -905,7 +915,7 @@ class SharedMemoryTransport(Transport):
     def _wait_counter(self, q: memoryview, index: int, target: int, peer: int, deadline: float,
                       what: str) -> None:
         """Wait until ``q[index] >= target`` (a counter owned by ``peer``)."""
-        backoff = Backoff(deadline, "")
+        backoff = Backoff(deadline, "", spin_time=self._spin)
         relevant = {peer}
         while q[index] < target:
             try:
@@ -929,9 +939,12 @@ class SharedMemoryTransport(Transport):
     # ------------------------------------------------------------- lifecycle
 
     def abort(self, reason: str) -> None:
-        """Make every peer's pending and future waits raise PeerLost(reason)."""
+        """Make every peer's pending and future waits raise PeerLost(reason).
+        The first reason stays: later aborts (echoes of the first failure) keep it."""
         try:
             seg = self._segs[self.rank]
+            if seg.q[Q_ABORT]:
+                return
             data = reason.encode("utf-8", "replace")[:REASON_MAX]
             seg.mv[REASON_OFFSET:REASON_OFFSET + len(data)] = data
             seg.q[Q_REASON_LEN] = len(data)

@@ -17,6 +17,13 @@ other: a half is rewritten only after a fence that every reader has passed.
 * ``reduce_scatter``: copy in, fence, each rank reduces its block into recvbuf.
 * ``allgather``: each rank copies its block in, fence, copies the others out.
 * ``bcast``: the root copies in, fence, the others copy out.
+
+From ``DIRECT_BYTES`` on, when every rank's buffer can be read directly
+(it lives in the shared pool, or the window offers cross-memory attach,
+``window.cma`` and ``window.read``), the collectives publish their buffers'
+addresses (one fence) and copy straight from the other ranks' buffers: one
+copy instead of two, and a final fence so that no rank changes its buffer
+while another still reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ SMALL_BYTES = 32 * 1024
 #: Largest piece (bytes per region half) of the pipelined paths.
 PIECE_BYTES = 2 << 20
 META_BYTES = 4096
+#: Collectives other than allreduce read peers' buffers directly from this size on.
+DIRECT_BYTES = 64 * 1024
 _ALIGN = 64
 
 _state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -226,6 +235,40 @@ def _allreduce_cma(ctx, window, addrs: list[int], buf: np.ndarray, op: Op) -> No
     window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
 
 
+class _Readers:
+    """Reads from every rank's published buffer: straight from the shared pool
+    when it lives there, else through cross-memory attach."""
+
+    def __init__(self, window, metas: list[np.ndarray]) -> None:
+        self.window = window
+        self.metas = metas
+        self.pools = getattr(window, "allocation", None)
+
+    def read(self, rank: int, byte_offset: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes at ``byte_offset`` of ``rank``'s buffer into ``out``."""
+        if not out.nbytes:
+            return
+        m = self.metas[rank]
+        if int(m[0]) and self.pools is not None:
+            start = int(m[1]) + byte_offset
+            np.copyto(out.view(np.uint8), self.pools(rank)[start:start + out.nbytes])
+        else:
+            self.window.read(rank, int(m[2]) + byte_offset, out)
+
+
+def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int) -> _Readers | None:
+    """Publish ``buf`` and return readers of every rank's buffer, or None (every
+    rank alike) when some rank's buffer cannot be read directly. Only for
+    ``nbytes`` (the same on every rank) of at least DIRECT_BYTES."""
+    cma = bool(getattr(window, "cma", False))
+    if nbytes < DIRECT_BYTES or not (cma or hasattr(window, "allocation")):
+        return None
+    metas = _publish(ctx, window, st, buf)
+    if cma or all(int(m[0]) for m in metas):
+        return _Readers(window, metas)
+    return None
+
+
 def _allreduce_pieces(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> None:
     p, me = ctx.size, ctx.rank
     step = _piece_elems(st.half, p, buf.itemsize)
@@ -263,6 +306,10 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
     if sum(counts) == 0:
         return
     window, st = _state_of(ctx)
+    readers = _direct(ctx, window, st, sendbuf, sendbuf.nbytes)
+    if readers is not None:
+        _reduce_scatter_direct(ctx, window, readers, sendbuf, recvbuf, counts, op)
+        return
     item = sendbuf.itemsize
     step = _piece_elems(st.half, p, item)
     displs = _displs(counts)
@@ -282,6 +329,22 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
             _reduce(ctx, op, recvbuf[lo:lo + n], [srcs[r] for r in order])
 
 
+def _reduce_scatter_direct(ctx, window, readers: _Readers, sendbuf: np.ndarray, recvbuf: np.ndarray,
+                           counts: list[int], op: Op) -> None:
+    p, me, item = ctx.size, ctx.rank, sendbuf.itemsize
+    lo = _displs(counts)[me]
+    peers = [r for r in range(p) if r != me]
+    step = max(1, (ctx.segment_bytes if p <= 4 else ctx.segment_bytes // 4) // item)
+    scratch = [ctx.scratch(min(step, counts[me]), sendbuf.dtype, slot=8 + i) for i in range(p - 1)]
+    for a in range(0, counts[me], step):
+        b = min(a + step, counts[me])
+        parts = [s[:b - a] for s in scratch]
+        for r, part in zip(peers, parts):
+            readers.read(r, (lo + a) * item, part)
+        _reduce(ctx, op, recvbuf[a:b], [sendbuf[lo + a:lo + b]] + parts)
+    window.fence(ctx.deadline)  # every rank has read the others' sendbuf
+
+
 # ------------------------------------------------------------------ allgather
 
 
@@ -293,6 +356,14 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
         return
     window, st = _state_of(ctx)
     item = buf.itemsize
+    readers = _direct(ctx, window, st, buf, buf.nbytes)
+    if readers is not None:
+        displs = _displs(counts)
+        for r in range(p):
+            if r != me:
+                readers.read(r, displs[r] * item, buf[displs[r]:displs[r] + counts[r]])
+        window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+        return
     step = max(1, min(st.half, PIECE_BYTES) // (p * item))
     for parts, used in _striped(counts, step):
         base = st.next_half()
@@ -316,6 +387,12 @@ def bcast(ctx, buf: np.ndarray, root: int) -> None:
     if ctx.size == 1 or buf.size == 0:
         return
     window, st = _state_of(ctx)
+    readers = _direct(ctx, window, st, buf, buf.nbytes)
+    if readers is not None:
+        if ctx.rank != root:
+            readers.read(root, 0, buf)
+        window.fence(ctx.deadline)  # the root keeps its buffer until everyone has it
+        return
     data = _as_bytes(buf)
     step = max(_ALIGN, min(st.half, PIECE_BYTES))
     src = st.regions[root]
