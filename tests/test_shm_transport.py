@@ -172,10 +172,53 @@ def test_rendezvous_timeout_leaves_nothing():
 
 def test_single_rank_open_close_is_idempotent():
     job = "solo" + secrets.token_hex(4)
-    t = SharedMemoryTransport.open(0, 1, job=job, timeout=5, options={"shm_window_bytes": 1 << 16})
+    small = {"shm_window_bytes": 1 << 16, "shm_alloc_bytes": 1 << 20}
+    t = SharedMemoryTransport.open(0, 1, job=job, timeout=5, options=small)
     buf = np.zeros(3, np.uint8)
     t.waitall([t.isend(np.arange(3, dtype=np.uint8), 0, 2), t.irecv(buf, 0, 2)], 5)
     assert buf.tolist() == [0, 1, 2]
     assert not os.path.exists(segment_path(job, 0))
     t.close()
     t.close()
+
+
+def window_collectives(comm):
+    """Every shared-window collective on private and comm.alloc buffers, small to large."""
+    p, r, bad = comm.size, comm.rank, []
+    for use_alloc in (False, True):
+        for n in (250, 25_003, 800_001):
+            def buffer(count):
+                arr = comm.alloc(count, np.float32) if use_alloc else np.empty(count, np.float32)
+                return arr
+
+            x = buffer(n)
+            x[...] = np.arange(n) % 7 + r
+            comm.allreduce(x, "sum", algorithm="shared_window")
+            if not np.array_equal(x, (np.arange(n) % 7) * p + p * (p - 1) / 2):
+                bad.append(f"allreduce n={n} alloc={use_alloc}")
+            root = p - 1
+            y = buffer(n)
+            y[...] = np.arange(n) if r == root else -1
+            comm.bcast(y, root, algorithm="shared_window")
+            if not np.array_equal(y, np.arange(n, dtype=np.float32)):
+                bad.append(f"bcast n={n} alloc={use_alloc}")
+            g = buffer(n * p)
+            g[...] = -1
+            g[r * n:(r + 1) * n] = r
+            comm.allgather(None, g, algorithm="shared_window")
+            if not np.array_equal(g, np.repeat(np.arange(p, dtype=np.float32), n)):
+                bad.append(f"allgather n={n} alloc={use_alloc}")
+            s, out = buffer(n * p), np.zeros(n, np.float32)
+            s[...] = np.arange(n * p) % 5
+            comm.reduce_scatter(s, out, "max", algorithm="shared_window")
+            if not np.array_equal(out, (np.arange(r * n, (r + 1) * n) % 5).astype(np.float32)):
+                bad.append(f"reduce_scatter n={n} alloc={use_alloc}")
+    return bad
+
+
+@pytest.mark.parametrize("cma", ["1", "0"])
+def test_window_collectives_private_and_shared_buffers(cma, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA", cma)
+    monkeypatch.setenv("COLLECTIVES_SHM_WINDOW_BYTES", str(1 << 20))
+    for bad in run_ranks(window_collectives, 3, timeout=120):
+        assert not bad

@@ -146,7 +146,10 @@ class _Native:
                                                     [recvbuf, recvbuf.size, dt], list(counts), mop))
 
     def alltoall(self, ctx, sendbuf, recvbuf):
-        self._wait(ctx, self.t.comm.Ialltoall(self._bytes(sendbuf), self._bytes(recvbuf)))
+        block = sendbuf.nbytes // ctx.size  # MPI counts are per destination
+        send, recv = self._bytes(sendbuf), self._bytes(recvbuf)
+        send[1] = recv[1] = block
+        self._wait(ctx, self.t.comm.Ialltoall(send, recv))
 
     def barrier(self, ctx):
         self._wait(ctx, self.t.comm.Ibarrier())

@@ -105,6 +105,19 @@ def _env_int(options: dict[str, Any], key: str, default: int) -> int:
         raise BadArgument(f"{key} must be an integer number of bytes, got {value!r}") from None
 
 
+def shm_free_bytes() -> int:
+    """Bytes still free in /dev/shm (tmpfs pages are taken only when touched)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << max(n.bit_length() - 1, 0)
+
+
 def default_ring_bytes(size: int) -> int:
     """Ring bytes per sender: 1 MiB up to 4 ranks, shrinking so that
     ``size**2`` rings stay near 16 MiB in all, never below 64 KiB."""
@@ -342,8 +355,10 @@ class ShmWindow:
 
     def fence(self, deadline: float) -> None:
         """Barrier: every rank's writes before its fence are visible after it."""
-        e = self._epoch = self._epoch + 1
         qs = self._peer_q
+        if not qs:
+            raise BadArgument("the shared-memory transport is closed")
+        e = self._epoch = self._epoch + 1
         qs[self._t.rank][Q_EPOCH] = e
         for r in self._peers:
             if qs[r][Q_EPOCH] < e:
@@ -404,6 +419,16 @@ def _job_tag(job: str) -> str:
 def segment_path(job: str, rank: int) -> str:
     """The name under /dev/shm of ``rank``'s segment in ``job``."""
     return f"{SHM_DIR}/coll-{_job_tag(job)}-{rank}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class _PeerWatch:
@@ -489,11 +514,15 @@ class SharedMemoryTransport(Transport):
             raise TransportUnavailable(why)
         if size < 1 or not 0 <= rank < size:
             raise BadArgument(f"rank {rank} is not in a world of {size} ranks")
-        ring = _align(_env_int(options, "shm_ring_bytes", default_ring_bytes(size)), PAGE)
-        window = _align(_env_int(options, "shm_window_bytes", 4 * MiB), PAGE)
+        free = shm_free_bytes()  # small /dev/shm (containers): smaller defaults
+        ring_default = max(64 * 1024, min(default_ring_bytes(size), _pow2_floor(free // (8 * size * size))))
+        window_default = max(256 * 1024, min(4 * MiB, _pow2_floor(free // (8 * size))))
+        ring = _align(_env_int(options, "shm_ring_bytes", ring_default), PAGE)
+        window = _align(_env_int(options, "shm_window_bytes", window_default), PAGE)
         pool = _align(_env_int(options, "shm_alloc_bytes", 1 << 30), PAGE)
-        if ring < PAGE or window < 0 or pool < 0:
-            raise BadArgument(f"shared-memory sizes must be positive: ring {ring}, window {window}")
+        if ring < PAGE or window < 64 * 1024 or pool < 0:
+            raise BadArgument(f"shared-memory sizes too small: ring {ring} B (at least {PAGE}), "
+                              f"window {window} B (at least 64 KiB), pool {pool} B")
         cma = _env_int(options, "shm_cma", 1) != 0
         secret = int.from_bytes(hashlib.sha1(str(options.get("secret", job)).encode()).digest()[:8], "little")
         return cls(rank, size, job, float(timeout), _Layout(size, ring, window, pool), secret, cma)
@@ -560,8 +589,8 @@ class SharedMemoryTransport(Transport):
             os.close(fd)
         seg = _Segment(path, mm, self._layout)
         q = seg.q
-        if q[Q_MAGIC] != MAGIC or q[Q_SECRET] != self._secret:
-            seg.release()
+        if q[Q_MAGIC] != MAGIC or q[Q_SECRET] != self._secret or not _alive(int(q[Q_PID])):
+            seg.release()  # not ready, another job's, or left by a dead process
             return None
         return seg
 
@@ -591,8 +620,8 @@ class SharedMemoryTransport(Transport):
         for r in range(self.size):
             if r != self.rank and segs[r].q[Q_ATTACHED] != 1:
                 self._wait_counter(segs[r].q, Q_ATTACHED, 1, r, deadline, "shared-memory rendezvous")
-        self._probe_cma(deadline)
         os.unlink(own.path)
+        self._probe_cma(deadline)
 
     def _probe_cma(self, deadline: float) -> None:
         """Agree whether every rank may read every other's private memory
@@ -988,13 +1017,16 @@ class SharedMemoryTransport(Transport):
         return self._window
 
     def alloc(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` bytes from this rank's shared pool (private memory if it is full).
+        """``nbytes`` bytes from this rank's shared pool (private memory when the
+        pool or /dev/shm is too full for them).
 
         Returns:
             A 64-byte aligned uint8 array; the block returns to the pool when
             the array and all its views are garbage collected.
         """
-        off = self._pool.take(nbytes) if not self._closed else None
+        off = None
+        if not self._closed and nbytes <= shm_free_bytes() // 2:
+            off = self._pool.take(nbytes)
         if off is None:
             return super().alloc(nbytes)
         lay = self._layout

@@ -86,8 +86,11 @@ def _state_of(ctx) -> tuple[object, _WindowState]:
     return window, st
 
 
+_LOW = frozenset({np.dtype(np.float16)} | ({BFLOAT16} if BFLOAT16 is not None else set()))
+
+
 def _low_precision(dtype: np.dtype) -> bool:
-    return dtype == np.float16 or (BFLOAT16 is not None and dtype == BFLOAT16)
+    return dtype in _LOW
 
 
 def _reduce(ctx, op: Op, dst: np.ndarray, srcs: list[np.ndarray]) -> None:
@@ -158,7 +161,13 @@ def _allreduce_small(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> 
     views = st.views(off, buf.nbytes, buf.dtype)
     np.copyto(views[ctx.rank], buf)
     window.fence(ctx.deadline)
-    _reduce(ctx, op, buf, views)
+    if buf.dtype in _LOW:
+        _reduce(ctx, op, buf, views)
+        return
+    ufunc = op.ufunc  # the common case without reduce_many's checks
+    ufunc(views[0], views[1], out=buf)
+    for v in views[2:]:
+        ufunc(buf, v, out=buf)
 
 
 def _publish(ctx, window, st: _WindowState, buf: np.ndarray) -> list[np.ndarray]:
@@ -270,22 +279,26 @@ def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int) -> _Rea
 
 
 def _allreduce_pieces(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> None:
+    """Pieces through the window: copy in the blocks others reduce, fence, reduce
+    this rank's block from its own buffer and every region into its region,
+    fence, copy every reduced block out."""
     p, me = ctx.size, ctx.rank
     step = _piece_elems(st.half, p, buf.itemsize)
     item = buf.itemsize
-    order = [me] + [r for r in range(p) if r != me]
+    peers = [r for r in range(p) if r != me]
     for parts, used in _striped(_blocks(buf.size, p), step):
         base = st.next_half()
         mine = st.regions[me]
-        for start, n, off in parts:
+        for r in peers:
+            start, n, off = parts[r]
             if n:
                 np.copyto(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
                           buf[start:start + n])
         window.fence(ctx.deadline)
-        _, n_me, off_me = parts[me]
+        start_me, n_me, off_me = parts[me]
         if n_me:
             srcs = st.views(base + off_me * item, n_me * item, buf.dtype)
-            _reduce(ctx, op, srcs[me], [srcs[r] for r in order])
+            _reduce(ctx, op, srcs[me], [buf[start_me:start_me + n_me]] + [srcs[r] for r in peers])
         window.fence(ctx.deadline)
         for r, (start, n, off) in enumerate(parts):
             if n:
@@ -313,11 +326,12 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
     item = sendbuf.itemsize
     step = _piece_elems(st.half, p, item)
     displs = _displs(counts)
-    order = [me] + [r for r in range(p) if r != me]
-    for k, (parts, used) in enumerate(_striped(counts, step)):
+    peers = [r for r in range(p) if r != me]
+    for parts, used in _striped(counts, step):
         base = st.next_half()
         mine = st.regions[me]
-        for start, n, off in parts:
+        for r in peers:
+            start, n, off = parts[r]
             if n:
                 np.copyto(mine[base + off * item:base + (off + n) * item].view(sendbuf.dtype),
                           sendbuf[start:start + n])
@@ -326,7 +340,7 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
         if n:
             srcs = st.views(base + off * item, n * item, sendbuf.dtype)
             lo = start - displs[me]
-            _reduce(ctx, op, recvbuf[lo:lo + n], [srcs[r] for r in order])
+            _reduce(ctx, op, recvbuf[lo:lo + n], [sendbuf[start:start + n]] + [srcs[r] for r in peers])
 
 
 def _reduce_scatter_direct(ctx, window, readers: _Readers, sendbuf: np.ndarray, recvbuf: np.ndarray,

@@ -1,0 +1,146 @@
+"""The JAX adapter on real processes: pytree allreduce between steps and inside
+``jit`` give the same parameters as a single-process step on the whole batch.
+
+Each test starts one job (``collectives run``) whose ranks run this file as a
+script; every rank prints one ``RESULT`` line with the checks that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+DEADLINE = 90
+PER_RANK, STEPS, LR = 4, 4, 0.1
+
+# ---------------------------------------------------------------------- rank side
+
+
+def _problem(jax, jnp, p):
+    key = jax.random.PRNGKey(0)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    params = {"w1": jax.random.normal(k1, (6, 8)) * 0.3, "b1": jnp.zeros(8),
+              "out": [jax.random.normal(k2, (8, 2)) * 0.3, jnp.zeros(2)]}
+    xs = jax.random.normal(k3, (STEPS, p * PER_RANK, 6))
+    ys = jax.random.normal(k4, (STEPS, p * PER_RANK, 2))
+
+    def loss(prm, x, y):
+        h = jnp.tanh(x @ prm["w1"] + prm["b1"])
+        return jnp.mean((h @ prm["out"][0] + prm["out"][1] - y) ** 2)
+
+    return params, xs, ys, loss
+
+
+def _sgd(jax, params, grads):
+    return jax.tree_util.tree_map(lambda a, g: a - LR * g, params, grads)
+
+
+def _max_diff(jax, a, b):
+    import numpy as np
+
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def check_training(jax, jnp, comm):
+    """Between-steps and in-jit allreduce against single-process training."""
+    import collectives.integrations.jax as cj
+
+    r, p = comm.rank, comm.size
+    params, xs, ys, loss = _problem(jax, jnp, p)
+    grad = jax.grad(loss)
+    ref = params
+    for s in range(STEPS):
+        ref = _sgd(jax, ref, grad(ref, xs[s], ys[s]))
+    local = slice(r * PER_RANK, (r + 1) * PER_RANK)
+    fails = []
+
+    eager = params
+    for s in range(STEPS):
+        g = cj.allreduce_tree(grad(eager, xs[s, local], ys[s, local]), comm, bucket_cap_mb=0.0005)
+        eager = _sgd(jax, eager, g)
+    if _max_diff(jax, eager, ref) > 1e-5:
+        fails.append(f"allreduce_tree: differs by {_max_diff(jax, eager, ref):.3g}")
+
+    @jax.jit
+    def step(prm, x, y):
+        return _sgd(jax, prm, cj.allreduce_tree_in_jit(grad(prm, x, y), comm))
+
+    jitted = params
+    for s in range(STEPS):
+        jitted = step(jitted, xs[s, local], ys[s, local])
+    if _max_diff(jax, jitted, ref) > 1e-5:
+        fails.append(f"allreduce_tree_in_jit: differs by {_max_diff(jax, jitted, ref):.3g}")
+    return fails
+
+
+def check_dtypes(jax, jnp, comm):
+    """bfloat16, float16 and int leaves, mixed in one tree; the sum op."""
+    import collectives.integrations.jax as cj
+
+    r, p = comm.rank, comm.size
+    tree = {"bf16": jnp.full((5,), r + 1, jnp.bfloat16), "f16": jnp.full((3, 2), 0.5 * (r + 1), jnp.float16),
+            "i32": (jnp.arange(4, dtype=jnp.int32) * (r + 1),)}
+    out = cj.allreduce_tree(tree, comm, op="sum")
+    total = p * (p + 1) / 2
+    fails = []
+    if not bool(jnp.all(out["bf16"] == total)) or out["bf16"].dtype != jnp.bfloat16:
+        fails.append(f"bf16 leaf: {out['bf16']}")
+    if not bool(jnp.all(out["f16"] == 0.5 * total)) or out["f16"].dtype != jnp.float16:
+        fails.append(f"f16 leaf: {out['f16']}")
+    if not bool(jnp.all(out["i32"][0] == jnp.arange(4) * total)):
+        fails.append(f"i32 leaf: {out['i32']}")
+    return fails
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+
+    import collectives
+
+    comm = collectives.init(timeout=30)
+    failures = []
+    for check in (check_training, check_dtypes):
+        try:
+            failures += check(jax, jnp, comm)
+        except Exception:
+            failures.append(f"{check.__name__} raised:\n{traceback.format_exc()}")
+    print("RESULT " + json.dumps({"rank": comm.rank, "failures": failures}), flush=True)
+    comm.close()
+
+
+# ---------------------------------------------------------------------- test side
+
+def _results(stdout):
+    decoder, found, at = json.JSONDecoder(), [], stdout.find("RESULT ")
+    while at >= 0:
+        obj, _ = decoder.raw_decode(stdout, at + len("RESULT "))
+        found.append(obj)
+        at = stdout.find("RESULT ", at + 1)
+    return found
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_jax_adapter_matches_single_process(p):
+    pytest.importorskip("jax")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "OMPI_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10), HERE]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    results = _results(res.stdout)
+    assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
+    failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":
+    main()
