@@ -922,8 +922,14 @@ class SharedMemoryTransport(Transport):
             return
         with self._lock:  # what arrived before the peer left still counts
             self._progress()
-            if reqs and all(r.done for r in reqs):
-                return
+            if reqs:
+                pending = {r.peer for r in reqs if not r.done}
+                if not pending:
+                    return
+                # A peer that closed after delivering everything it owed is not lost.
+                lost = self._lost_peer(pending)
+                if lost is None:
+                    return
         raise lost
 
     def _lost_peer(self, relevant: set[int]) -> PeerLost | None:
