@@ -1,7 +1,8 @@
 """One rank of the MPI tests: every collective check over the mpi transport.
 
-Run as ``mpiexec -n P python tests/mpi_rank_main.py [CHECK ...]``; prints one
-JSON line per rank with its failures.
+Run as ``mpiexec -n P python tests/mpi_rank_main.py OUTDIR [CHECK ...]``; each
+rank writes ``OUTDIR/rank-N.json`` with its failures (files, because the
+ranks' standard outputs interleave).
 """
 
 import json
@@ -16,11 +17,12 @@ from test_collectives import CHECKS  # noqa: E402
 
 def main() -> None:
     comm = collectives.init(transport="mpi", timeout=60)
-    names = sys.argv[1:] or list(CHECKS)
+    outdir, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
     failures = []
     for name in names:
         failures += CHECKS[name](comm)
-    print("RESULT " + json.dumps({"rank": comm.rank, "size": comm.size, "failures": failures}), flush=True)
+    with open(os.path.join(outdir, f"rank-{comm.rank}.json"), "w") as f:
+        json.dump({"rank": comm.rank, "size": comm.size, "failures": failures}, f)
     comm.close()
 
 

@@ -18,12 +18,12 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec (mpich wheel) i
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_every_collective_over_mpi(p):
+def test_every_collective_over_mpi(p, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
-    res = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, os.path.join(HERE, "mpi_rank_main.py")],
-                         capture_output=True, text=True, timeout=240, env=env)
+    res = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, os.path.join(HERE, "mpi_rank_main.py"),
+                          str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    results = [json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank-*.json"))]
     assert sorted(r["rank"] for r in results) == list(range(p))
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:40])

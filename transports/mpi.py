@@ -93,12 +93,7 @@ class _Native:
         return [arr.view(np.uint8) if arr.size else np.empty(0, np.uint8), arr.nbytes, self.MPI.BYTE]
 
     def _typed(self, arr: np.ndarray, op):
-        from mpi4py.util.dtlib import from_numpy_dtype
-
-        try:
-            dt = from_numpy_dtype(arr.dtype)
-        except Exception:
-            dt = None
+        dt = self.MPI._typedict.get(arr.dtype.char) if arr.dtype.isnative else None  # predefined types only
         logical = op.name in ("land", "lor") and arr.dtype.kind not in "biu"
         half = arr.dtype.itemsize == 2 and arr.dtype.kind in "fV"  # float16, bfloat16: no MPI reduction
         if dt is None or dt == self.MPI.DATATYPE_NULL or logical or half or arr.dtype.kind == "b":
@@ -109,16 +104,30 @@ class _Native:
     def bcast(self, ctx, buf, root):
         self._wait(ctx, self.t.comm.Ibcast(self._bytes(buf), root))
 
+    def _start(self, start, arr: np.ndarray, op):
+        """Start a reduction; MPI checks (op, datatype) locally and alike on every
+        rank, so a refusal becomes BadArgument before anything is sent."""
+        try:
+            return start()
+        except self.MPI.Exception as exc:
+            if exc.Get_error_class() in (self.MPI.ERR_OP, self.MPI.ERR_TYPE):
+                raise BadArgument(f"MPI's native reduction has no {op.name} for dtype {arr.dtype}; "
+                                  f"use one of the library's algorithms ({exc.Get_error_string().splitlines()[-1]})") from None
+            raise
+
     def allreduce(self, ctx, buf, op):
         dt, mop = self._typed(buf, op)
-        self._wait(ctx, self.t.comm.Iallreduce(self.MPI.IN_PLACE, [buf, buf.size, dt], mop))
+        req = self._start(lambda: self.t.comm.Iallreduce(self.MPI.IN_PLACE, [buf, buf.size, dt], mop), buf, op)
+        self._wait(ctx, req)
 
     def reduce(self, ctx, buf, root, op):
         dt, mop = self._typed(buf, op)
         if ctx.rank == root:
-            self._wait(ctx, self.t.comm.Ireduce(self.MPI.IN_PLACE, [buf, buf.size, dt], mop, root))
+            req = self._start(lambda: self.t.comm.Ireduce(self.MPI.IN_PLACE, [buf, buf.size, dt], mop, root),
+                              buf, op)
         else:
-            self._wait(ctx, self.t.comm.Ireduce([buf, buf.size, dt], None, mop, root))
+            req = self._start(lambda: self.t.comm.Ireduce([buf, buf.size, dt], None, mop, root), buf, op)
+        self._wait(ctx, req)
 
     def _v(self, counts, itemsize):
         sizes = [c * itemsize for c in counts]
@@ -142,8 +151,9 @@ class _Native:
 
     def reduce_scatter(self, ctx, sendbuf, recvbuf, counts, op):
         dt, mop = self._typed(sendbuf, op)
-        self._wait(ctx, self.t.comm.Ireduce_scatter([sendbuf, sendbuf.size, dt],
-                                                    [recvbuf, recvbuf.size, dt], list(counts), mop))
+        req = self._start(lambda: self.t.comm.Ireduce_scatter(
+            [sendbuf, sendbuf.size, dt], [recvbuf, recvbuf.size, dt], list(counts), mop), sendbuf, op)
+        self._wait(ctx, req)
 
     def alltoall(self, ctx, sendbuf, recvbuf):
         block = sendbuf.nbytes // ctx.size  # MPI counts are per destination
