@@ -75,6 +75,9 @@ class Communicator:
         self._broken: CollectiveError | None = None
         self._closed = False
         self._stages: list[Callable[[], None]] = []
+        self._ok_dtypes: set[np.dtype] = set()
+        self._algorithms: dict[tuple[str, str], Algorithm] = {}
+        self._ops: dict[tuple[str, np.dtype], Op] = {}
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -127,7 +130,13 @@ class Communicator:
 
     def _flat(self, buf: Any, *, writable: bool, what: str) -> np.ndarray:
         """A flat host view of ``buf``; device arrays are staged (see buffers.flat)."""
-        return flat(buf, writable=writable, what=what, stages=self._stages)
+        if type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype in self._ok_dtypes:
+            flags = buf.flags  # the hot path: a contiguous 1-D numpy array
+            if flags.c_contiguous and (flags.writeable or not writable):
+                return buf
+        arr = flat(buf, writable=writable, what=what, stages=self._stages)
+        self._ok_dtypes.add(arr.dtype)
+        return arr
 
     def _take_stages(self, plan: _Plan) -> _Plan:
         plan.write_backs, self._stages = self._stages, []
@@ -148,11 +157,15 @@ class Communicator:
     def _pick(self, collective: str, name: str, nbytes: int, dtype: np.dtype) -> Algorithm:
         if name == "auto":
             name = self.selector.choose(collective, nbytes, self.size, dtype, self._capabilities)
+        algo = self._algorithms.get((collective, name))
+        if algo is not None:
+            return algo
         algo = lookup_algorithm(collective, name)
         if not algo.needs <= self._capabilities:
             raise BadArgument(
                 f"{collective} algorithm {name!r} needs {', '.join(sorted(algo.needs))}, "
                 f"which transport {self.transport.name!r} does not offer")
+        self._algorithms[(collective, name)] = algo
         return algo
 
     def _next_tag(self) -> int:
@@ -203,8 +216,13 @@ class Communicator:
         return self._lane.submit(lambda: self._execute(plan, tag, timeout), handle)
 
     def _op(self, op: Any, dtype: np.dtype) -> Op:
-        o = get_op(op)
-        o.check(dtype)
+        key = (op, dtype) if isinstance(op, str) else None
+        o = self._ops.get(key) if key is not None else None
+        if o is None:
+            o = get_op(op)
+            o.check(dtype)
+            if key is not None:
+                self._ops[key] = o
         return o
 
     @staticmethod

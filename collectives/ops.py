@@ -130,6 +130,9 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
 
 def get_op(op: "str | Op") -> Op:
     """The Op for a name (case-insensitive, MPI/torch aliases accepted) or an Op."""
+    found = OPS.get(op) if isinstance(op, str) else None
+    if found is not None:
+        return found
     if isinstance(op, Op):
         return op
     name = getattr(op, "name", op)  # accepts enums such as torch's ReduceOp members
@@ -145,6 +148,8 @@ def get_op(op: "str | Op") -> Op:
 
 def check_dtype(dtype: np.dtype) -> None:
     """Raise BadArgument if ``dtype`` cannot be communicated."""
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in _SUPPORTED_SET:
         raise BadArgument(f"unsupported dtype {dtype}; supported: "
                           + ", ".join(str(d) for d in SUPPORTED_DTYPES))
+
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
