@@ -12,7 +12,9 @@ SHM = "/dev/shm"
 
 def _shm_entries() -> set[str]:
     try:
-        return {n for n in os.listdir(SHM) if not n.startswith("sem.")}
+        # MPICH's own segments (mpich_shm_*) are left by any aborted mpiexec
+        # job, ours or not; the check is about this library's segments.
+        return {n for n in os.listdir(SHM) if not n.startswith(("sem.", "mpich_shm_"))}
     except FileNotFoundError:
         return set()
 

@@ -28,6 +28,7 @@ from ..errors import MismatchedCollective, PeerLost, TransportUnavailable
 from ..transport import Request, Transport
 from ..waiting import Backoff
 from . import verbs
+from .rendezvous import wait_for_key
 
 __all__ = ["RdmaTransport", "RegistrationCache"]
 
@@ -100,12 +101,28 @@ class RdmaTransport(Transport):
 
     @classmethod
     def open(cls, rank: int, size: int, *, job: str, timeout: float, options: dict[str, Any]) -> "RdmaTransport":
-        from .rendezvous import open_store
+        """Exchange queue-pair addresses through the job's rendezvous store
+        (the one the TCP transport uses: rank 0 serves it at MASTER_PORT, or
+        the store torch hands over) and connect every pair."""
+        import zmq
 
-        store = open_store(rank, size, job=job, timeout=timeout, options=options)
-        return cls(rank, size, store, timeout=timeout, device=options.get("rdma_device"),
-                   chunk=int(options.get("rdma_chunk_bytes", 1 << 16)),
-                   slots=int(options.get("rdma_slots", 64)))
+        from .rendezvous import JobCredentials, open_store
+        from .zmq import _secret
+
+        ctx = zmq.Context()
+        store, close_store = open_store(ctx, rank, options, JobCredentials(_secret(options, job)), None, timeout)
+        try:
+            tr = cls(rank, size, store, timeout=timeout, device=options.get("rdma_device"),
+                     chunk=int(options.get("rdma_chunk_bytes", 1 << 16)),
+                     slots=int(options.get("rdma_slots", 64)))
+            store.set(f"rdma/ready/{rank}", b"1")
+            if rank == 0:  # keep the store up until every rank has read what it needs
+                for r in range(size):
+                    wait_for_key(store, f"rdma/ready/{r}", timeout)
+            return tr
+        finally:
+            close_store()
+            ctx.term()
 
     def __init__(self, rank: int, size: int, store: Any, *, timeout: float = 60.0,
                  device: str | None = None, chunk: int = 1 << 16, slots: int = 64) -> None:
@@ -137,7 +154,7 @@ class RdmaTransport(Transport):
         for peer, qp in self.qps.items():
             store.set(f"rdma/{self.rank}->{peer}", json.dumps(self.dev.address(qp)).encode())
         for peer, qp in self.qps.items():
-            remote = json.loads(store.get(f"rdma/{peer}->{self.rank}", timeout=timeout))
+            remote = json.loads(wait_for_key(store, f"rdma/{peer}->{self.rank}", timeout))
             self.dev.connect(qp, remote)
             for s in range(self.slots):
                 self._post_slot(peer, s)
