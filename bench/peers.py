@@ -1,0 +1,257 @@
+"""The libraries a sweep can time: ours, MPI's native collectives, torch's Gloo.
+
+Each runner offers the same small interface on numpy buffers, so one sweep
+(:mod:`collectives.bench.sweep`) times all of them alike:
+
+* ``rank``, ``size``, ``barrier()``, ``max_over_ranks(times)``;
+* ``algorithms(collective, wanted)``: the names to time;
+* ``call(collective, algorithm, bufs)``: one collective on prepared buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OursRunner", "MpiRunner", "GlooRunner", "make_runner", "peer_available"]
+
+
+def peer_available(peer: str) -> tuple[bool, str]:
+    """(True, "") when ``peer`` ("mpi" or "gloo") can run here, else (False, why)."""
+    import shutil
+
+    try:
+        if peer == "mpi":
+            import mpi4py  # noqa: F401
+
+            if shutil.which("mpiexec") is None:
+                return False, "mpiexec not found (pip install mpich)"
+            return True, ""
+        if peer == "gloo":
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_gloo_available():
+                return False, "this torch build has no Gloo"
+            return True, ""
+    except ImportError as exc:
+        return False, f"{exc.name} is not installed"
+    return False, f"unknown peer {peer!r} (known: mpi, gloo)"
+
+
+class OursRunner:
+    """This library, on the transport ``init()`` picks (or the one named)."""
+
+    name = "ours"
+
+    def __init__(self, transport: str = "auto", alloc: bool = False) -> None:
+        import collectives
+
+        self.comm = collectives.init(transport=transport, timeout=120)
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.transport = self.comm.transport.name
+        self.alloc = alloc
+
+    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return self.comm.alloc(count, dtype) if self.alloc else np.empty(count, dtype)
+
+    def algorithms(self, collective: str, wanted: str) -> list[str]:
+        import collectives
+
+        caps = self.comm.transport.capabilities
+        runnable = sorted(a.name for a in collectives.algorithms_for(collective).values() if a.needs <= caps)
+        if wanted == "all":
+            return runnable
+        if wanted == "auto" or wanted in runnable:
+            return [wanted]
+        return []
+
+    def label(self, collective: str, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
+        """The algorithm's name; for "auto", also the one the selector picks."""
+        if algorithm != "auto":
+            return algorithm
+        chosen = self.comm.selector.choose(collective, nbytes, self.size, dtype, self.comm.transport.capabilities)
+        return f"auto:{chosen}"
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def max_over_ranks(self, times: np.ndarray) -> np.ndarray:
+        self.comm.allreduce(times, "max")
+        return times
+
+    def call(self, collective: str, algorithm: str, b: dict[str, Any]) -> None:
+        c, kw = self.comm, {"algorithm": algorithm}
+        if collective == "allreduce":
+            c.allreduce(b["send"], b["op"], out=b.get("out"), **kw)
+        elif collective == "reduce":
+            c.reduce(b["send"], b["root"], b["op"], **kw)
+        elif collective == "bcast":
+            c.bcast(b["send"], b["root"], **kw)
+        elif collective == "allgather":
+            c.allgather(b.get("part"), b["recv"], **kw)
+        elif collective == "reduce_scatter":
+            c.reduce_scatter(b["send"], b["recv"], b["op"], **kw)
+        elif collective == "alltoall":
+            c.alltoall(b["send"], b["recv"], **kw)
+        elif collective == "scatter":
+            c.scatter(b["send"], b["recv"], b["root"], **kw)
+        elif collective == "gather":
+            c.gather(b["send"], b["recv"], b["root"], **kw)
+        elif collective == "barrier":
+            c.barrier(**kw)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+_MPI_OPS = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX", "band": "BAND", "bor": "BOR",
+            "bxor": "BXOR", "land": "LAND", "lor": "LOR"}
+
+
+class MpiRunner:
+    """mpi4py's native collectives (MPICH's algorithms), under mpiexec."""
+
+    name = "mpi"
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.c = MPI, MPI.COMM_WORLD
+        self.rank, self.size = self.c.Get_rank(), self.c.Get_size()
+        self.transport = "mpi"
+
+    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return np.empty(count, dtype)
+
+    def algorithms(self, collective: str, wanted: str) -> list[str]:
+        return ["native"]
+
+    def label(self, collective: str, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
+        return algorithm
+
+    def barrier(self) -> None:
+        self.c.Barrier()
+
+    def max_over_ranks(self, times: np.ndarray) -> np.ndarray:
+        self.c.Allreduce(self.MPI.IN_PLACE, times, self.MPI.MAX)
+        return times
+
+    def call(self, collective: str, algorithm: str, b: dict[str, Any]) -> None:
+        MPI, c = self.MPI, self.c
+        op = getattr(MPI, _MPI_OPS.get(b.get("op_name", "sum"), "SUM"))
+        if collective == "allreduce":
+            if b.get("out") is None:
+                c.Allreduce(MPI.IN_PLACE, b["send"], op)
+            else:
+                c.Allreduce(b["send"], b["out"], op)
+        elif collective == "reduce":
+            if self.rank == b["root"]:
+                c.Reduce(MPI.IN_PLACE, b["send"], op, b["root"])
+            else:
+                c.Reduce(b["send"], None, op, b["root"])
+        elif collective == "bcast":
+            c.Bcast(b["send"], b["root"])
+        elif collective == "allgather":
+            if b.get("part") is None:
+                c.Allgather(MPI.IN_PLACE, b["recv"])
+            else:
+                c.Allgather(b["part"], b["recv"])
+        elif collective == "reduce_scatter":
+            c.Reduce_scatter_block(b["send"], b["recv"], op)
+        elif collective == "alltoall":
+            c.Alltoall(b["send"], b["recv"])
+        elif collective == "scatter":
+            c.Scatter(b["send"] if self.rank == b["root"] else None, b["recv"], b["root"])
+        elif collective == "gather":
+            c.Gather(b["send"], b["recv"] if self.rank == b["root"] else None, b["root"])
+        elif collective == "barrier":
+            c.Barrier()
+
+    def close(self) -> None:
+        pass
+
+
+class GlooRunner:
+    """torch.distributed on the Gloo backend (CPU tensors over the numpy buffers)."""
+
+    name = "gloo"
+
+    def __init__(self) -> None:
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", rank=rank, world_size=size,
+                                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        self.rank, self.size = rank, size
+        self.transport = "gloo"
+
+    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return np.empty(count, dtype)
+
+    def algorithms(self, collective: str, wanted: str) -> list[str]:
+        return ["native"]
+
+    def label(self, collective: str, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
+        return algorithm
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def max_over_ranks(self, times: np.ndarray) -> np.ndarray:
+        self.dist.all_reduce(self.torch.from_numpy(times), op=self.dist.ReduceOp.MAX)
+        return times
+
+    def call(self, collective: str, algorithm: str, b: dict[str, Any]) -> None:
+        t, dist = self.torch.from_numpy, self.dist
+        op = getattr(dist.ReduceOp, {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX",
+                                     "band": "BAND", "bor": "BOR", "bxor": "BXOR"}.get(b.get("op_name", "sum"),
+                                                                                       "SUM"))
+        if collective == "allreduce":
+            if b.get("out") is None:
+                dist.all_reduce(t(b["send"]), op=op)
+            else:
+                b["out"][:] = b["send"]
+                dist.all_reduce(t(b["out"]), op=op)
+        elif collective == "reduce":
+            dist.reduce(t(b["send"]), b["root"], op=op)
+        elif collective == "bcast":
+            dist.broadcast(t(b["send"]), b["root"])
+        elif collective == "allgather":
+            part = b.get("part")
+            if part is None:
+                n = b["recv"].size // self.size
+                part = b["recv"][self.rank * n:(self.rank + 1) * n].copy()
+            dist.all_gather_into_tensor(t(b["recv"]), t(part))
+        elif collective == "reduce_scatter":
+            dist.reduce_scatter_tensor(t(b["recv"]), t(b["send"]), op=op)
+        elif collective == "alltoall":
+            dist.all_to_all_single(t(b["recv"]), t(b["send"]))
+        elif collective == "scatter":
+            n = b["recv"].size
+            chunks = [t(b["send"][i * n:(i + 1) * n]) for i in range(self.size)] if self.rank == b["root"] else None
+            dist.scatter(t(b["recv"]), chunks, src=b["root"])
+        elif collective == "gather":
+            n = b["send"].size
+            chunks = [t(b["recv"][i * n:(i + 1) * n]) for i in range(self.size)] if self.rank == b["root"] else None
+            dist.gather(t(b["send"]), chunks, dst=b["root"])
+        elif collective == "barrier":
+            dist.barrier()
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def make_runner(peer: str, transport: str = "auto", alloc: bool = False) -> Any:
+    """The runner of ``peer`` ("ours", "mpi" or "gloo")."""
+    if peer == "ours":
+        return OursRunner(transport, alloc)
+    if peer == "mpi":
+        return MpiRunner()
+    if peer == "gloo":
+        return GlooRunner()
+    raise ValueError(f"unknown peer {peer!r}")

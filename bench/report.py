@@ -1,0 +1,140 @@
+"""Tables, machine-readable results and comparisons of bench runs.
+
+* :func:`table`: an nccl-tests style table, with ratio columns (ours / peer
+  time) when peers ran in the same sweep;
+* :func:`results_document` and :func:`validate`: the JSON written by
+  ``--json`` and its check against ``schema.json`` (no dependency needed);
+* :func:`baseline_table`: the change against an earlier run's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import time
+from importlib import resources
+from typing import Any, Sequence
+
+__all__ = ["table", "results_document", "load_schema", "validate", "baseline_table"]
+
+_HEAD = (f"{'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4} {'algorithm':>38} "
+         f"{'mode':>8} {'time(us)':>11} {'min':>10} {'max':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}")
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (row["collective"], row["size"], row["mode"])
+
+
+def _base(algorithm: str) -> str:
+    """"auto:ring" -> "auto" (the choice may change between runs)."""
+    return algorithm.split(":", 1)[0]
+
+
+def table(rows: Sequence[dict[str, Any]], peers: Sequence[str] = ()) -> str:
+    """Our rows as a table per collective; for each peer a time column and ours/peer ratio
+    (ratio < 1: ours is faster)."""
+    ours = [r for r in rows if r["peer"] == "ours"]
+    theirs = {(r["peer"],) + _key(r): r for r in rows if r["peer"] != "ours"}
+    out = []
+    for coll in dict.fromkeys(r["collective"] for r in ours):
+        extra = "".join(f" {peer + '(us)':>11} {'ratio':>6}" for peer in peers)
+        out += [f"# {coll}", "#" + _HEAD[1:] + extra]
+        for r in (r for r in ours if r["collective"] == coll):
+            line = (f"{r['size']:>11d} {r['count']:>10d} {r['dtype']:>8} {r['op']:>5} {r['root']:>4} "
+                    f"{r['algorithm']:>38} {r['mode']:>8} {r['time_us']:>11.2f} {r['time_us_min']:>10.2f} "
+                    f"{r['time_us_max']:>10.2f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['wrong']:>6d}")
+            for peer in peers:
+                t = theirs.get((peer,) + _key(r))
+                line += (f" {t['time_us']:>11.2f} {r['time_us'] / t['time_us']:>6.2f}"
+                         if t and t["time_us"] > 0 else f" {'-':>11} {'-':>6}")
+            out.append(line)
+        out.append("")
+    return "\n".join(out)
+
+
+def _versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for mod in ("collectives", "numpy", "zmq", "mpi4py", "torch"):
+        try:
+            m = __import__(mod)
+            found[mod] = str(getattr(m, "__version__", "?"))
+        except ImportError:
+            continue
+    return found
+
+
+def _model(transport: str) -> dict[str, Any] | None:
+    try:
+        from collectives.cost_models.params import load_profile
+    except ImportError:
+        return None
+    try:
+        prof = load_profile(transport)
+    except Exception:
+        return None
+    if prof is None:
+        return None
+    return prof if isinstance(prof, dict) else {k: v for k, v in vars(prof).items() if not k.startswith("_")}
+
+
+def results_document(rows: Sequence[dict[str, Any]], *, p: int, transport: str,
+                     args: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of a run: host, transport, versions, model parameters, options, rows."""
+    return {"schema": "collectives-bench/1", "host": socket.gethostname(), "platform": platform.platform(),
+            "cpus": os.cpu_count() or 1, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "p": p,
+            "transport": transport, "versions": _versions(), "model": _model(transport),
+            "args": args, "results": list(rows)}
+
+
+def load_schema() -> dict[str, Any]:
+    """bench/schema.json (package data)."""
+    return json.loads(resources.files("collectives.bench").joinpath("schema.json").read_text())
+
+
+_TYPES = {"object": dict, "array": list, "string": str, "integer": int, "number": (int, float),
+          "boolean": bool, "null": type(None)}
+
+
+def validate(doc: Any, schema: dict[str, Any] | None = None, path: str = "$") -> list[str]:
+    """Errors of ``doc`` against the JSON-schema subset used by schema.json
+    (type, required, properties, items, enum, minimum); empty when valid."""
+    schema = load_schema() if schema is None else schema
+    errors: list[str] = []
+    types = schema.get("type")
+    if types is not None:
+        names = types if isinstance(types, list) else [types]
+        ok = any(isinstance(doc, _TYPES[t]) and not (t in ("integer", "number") and isinstance(doc, bool))
+                 for t in names)
+        if not ok:
+            return [f"{path}: expected {types}, got {type(doc).__name__}"]
+    if "enum" in schema and doc not in schema["enum"]:
+        errors.append(f"{path}: {doc!r} not in {schema['enum']}")
+    if "minimum" in schema and isinstance(doc, (int, float)) and doc < schema["minimum"]:
+        errors.append(f"{path}: {doc} < {schema['minimum']}")
+    if isinstance(doc, dict):
+        errors += [f"{path}: missing {k!r}" for k in schema.get("required", []) if k not in doc]
+        for k, sub in schema.get("properties", {}).items():
+            if k in doc:
+                errors += validate(doc[k], sub, f"{path}.{k}")
+    if isinstance(doc, list) and "items" in schema:
+        for i, item in enumerate(doc):
+            errors += validate(item, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+def baseline_table(rows: Sequence[dict[str, Any]], old: dict[str, Any]) -> str:
+    """Per row, the old and new median time and the change (negative: faster now)."""
+    before = {(r["peer"], _base(r["algorithm"])) + _key(r): r for r in old.get("results", [])}
+    lines = [f"# change against the baseline ({old.get('host', '?')}, {old.get('time', '?')})",
+             f"# {'peer':>5} {'collective':>14} {'algorithm':>38} {'mode':>8} {'size(B)':>11} "
+             f"{'old(us)':>10} {'new(us)':>10} {'change':>8}"]
+    for r in rows:
+        b = before.get((r["peer"], _base(r["algorithm"])) + _key(r))
+        if b is None or b["time_us"] <= 0:
+            continue
+        change = (r["time_us"] - b["time_us"]) / b["time_us"] * 100
+        lines.append(f"  {r['peer']:>5} {r['collective']:>14} {r['algorithm']:>38} {r['mode']:>8} "
+                     f"{r['size']:>11d} {b['time_us']:>10.2f} {r['time_us']:>10.2f} {change:>+7.1f}%")
+    return "\n".join(lines)
