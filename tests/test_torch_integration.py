@@ -361,6 +361,11 @@ def main(names):
             failures.append(f"{name} raised:\n{traceback.format_exc()}")
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "failures": failures}), flush=True)
     dist.destroy_process_group()
+    sys.stderr.flush()
+    # torch 2.13 sometimes aborts in its C++ static destructors at interpreter exit
+    # under torchrun ("terminate called without an active exception"), after all
+    # work is done; the checks are over, so leave without running them.
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------- test side
