@@ -118,3 +118,18 @@ def test_pinned_memory_and_copies_round_trip():
         rt.free(dev)
         stream.close()
         pinned.close()
+
+
+needs_rdma = pytest.mark.skipif(not RDMA_OK, reason=f"no usable RDMA port: {RDMA_WHY}")
+
+
+def check_allreduce(comm):
+    x = np.arange(1 << 18, dtype=np.float32) + comm.rank
+    comm.allreduce(x, algorithm="ring")
+    want = sum(np.arange(1 << 18, dtype=np.float32) + r for r in range(comm.size))
+    return bool(np.array_equal(x, want))
+
+
+@needs_rdma
+def test_allreduce_over_rdma():
+    assert all(run_ranks(check_allreduce, 2, transport="rdma", timeout=120, comm_timeout=30))
