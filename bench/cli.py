@@ -4,19 +4,27 @@ Examples::
 
     collectives bench                                   # every collective, shared memory, one rank per core
     collectives bench allreduce -n 2 --algorithm all --sizes 8:64M --compare mpi,gloo --json r.json --plot r.png
+    collectives bench allreduce -n 2 --alloc            # our buffers from comm.alloc (shared memory)
     collectives bench allreduce --baseline r.json       # the change against an earlier run
+    collectives run -n 4 -m collectives.bench allreduce # under a launcher: the job's ranks run the sweep
 
 The command starts its own ranks (``collectives run`` for ours and Gloo,
-``mpiexec`` for MPI), one sweep per library in the same run, then prints
-the table: size, count, type, redop, root, algorithm, time (median of the
-per-iteration maximum over ranks; min and max too), algbw, busbw (nccl-tests
-bus factors) and #wrong (elements that differ from numpy's result), with a
-time and ratio column (ours / theirs) per compared library.
+``mpiexec`` for MPI), one sweep per library in the same run (``--repeat R``:
+R interleaved rounds, median of the medians), then prints the table: size,
+count, type, redop, root, algorithm, time (median of the per-iteration
+maximum over ranks; min and max too), algbw, busbw (nccl-tests bus factors)
+and #wrong (elements that differ from numpy's result), with a time and
+ratio column (ours / theirs) per compared library; then, per collective, a
+summary with one line per size: our time per algorithm, the peers' times,
+and the ratios of our fastest algorithm and of ``auto``. Started under a
+launcher (ours, torchrun or mpiexec), the process is one rank of the sweep
+and rank 0 reports; peers need the bench to start its own ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -25,12 +33,14 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
+from collectives.environment import detect_launch
 from collectives.launcher import launch
 from collectives.registry import COLLECTIVES
 
 from .peers import peer_available
 from .plot import plot_results
-from .report import baseline_table, results_document, table, validate
+from .report import baseline_table, merge_repeats, results_document, summary_table, table, validate
+from .sweep import REDUCE_OPS, run_sweep
 
 __all__ = ["main", "parse_sizes"]
 
@@ -60,23 +70,33 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="collectives bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("collective", nargs="?", default="all", help="a collective, a comma list, or all")
-    ap.add_argument("-n", "--nprocs", type=int, default=os.cpu_count() or 2, help="ranks (default: cores)")
-    ap.add_argument("--transport", default="shm", help="our transport (default shm)")
-    ap.add_argument("--algorithm", default="auto", help="auto, all, or an algorithm name")
+    ap.add_argument("-n", "--nprocs", type=int, default=len(os.sched_getaffinity(0)) or 2,
+                    help="ranks (default: the cores this process may run on)")
+    ap.add_argument("--transport", default=None,
+                    help="our transport (default: shm when the bench starts its ranks, else automatic)")
+    ap.add_argument("--algorithm", default="auto", help="auto, all, an algorithm name, or a comma list")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help="lo:hi (powers of --factor) or a list")
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--iters", type=int, default=100, help="timed iterations for small sizes")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--op", default="sum")
+    ap.add_argument("--op", default="sum", choices=sorted(REDUCE_OPS))
     ap.add_argument("--root", type=int, default=0)
     ap.add_argument("--mode", choices=("inplace", "outplace", "both"), default="inplace",
                     help="allreduce/allgather: in-place, out-of-place or both")
+    ap.add_argument("--inplace", dest="mode", action="store_const", const="inplace", help="same as --mode inplace")
+    ap.add_argument("--outplace", dest="mode", action="store_const", const="outplace",
+                    help="same as --mode outplace")
     ap.add_argument("--alloc", action="store_true", help="our buffers from comm.alloc (shared memory)")
     ap.add_argument("--compare", default="", help="comma list of mpi, gloo")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--plot", default=None, help="write plots (PNG and SVG) with this stem")
     ap.add_argument("--baseline", default=None, help="an earlier --json file to compare with")
+    ap.add_argument("--isolate", action="store_true",
+                    help="fresh ranks for each (collective, algorithm): no algorithm is timed after another")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole sweep (ours, then each peer) this many times, interleaved, and report "
+                         "the median of the medians: steadier numbers on a busy machine")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before every rank is stopped")
     return ap
 
@@ -89,26 +109,46 @@ def _collectives(spec: str) -> list[str]:
     return names
 
 
-def _sweep_args(ns: argparse.Namespace, colls: list[str], sizes: list[int], out: str, peer: str) -> list[str]:
-    modes = "inplace,outplace" if ns.mode == "both" else ns.mode
+def _our_jobs(ns: argparse.Namespace, colls: list[str]) -> list[tuple[list[str], str]]:
+    """(collectives, algorithm spec) of each set of our ranks: one set, or with --isolate one
+    set per (collective, algorithm), so that no algorithm runs after another in the same process."""
+    if not ns.isolate:
+        return [(colls, ns.algorithm)]
+    from collectives import algorithms_for
+    from collectives.registry import transport_class
+
+    caps = transport_class(ns.transport).capabilities
+    jobs = []
+    for coll in colls:
+        runnable = sorted(n for n, a in algorithms_for(coll).items() if a.needs <= caps)
+        wanted = runnable + ["auto"] if ns.algorithm == "all" else ns.algorithm.split(",")
+        jobs += [([coll], name) for name in wanted if name == "auto" or name in runnable]
+    return jobs
+
+
+def _sweep_args(ns: argparse.Namespace, colls: list[str], sizes: list[int], out: str, peer: str,
+                algorithm: str) -> list[str]:
+    modes = ",".join(_modes(ns))
     args = ["--peer", peer, "--collectives", ",".join(colls), "--sizes", ",".join(map(str, sizes)),
-            "--algorithm", ns.algorithm if peer == "ours" else "native", "--dtype", ns.dtype, "--op", ns.op,
+            "--algorithm", algorithm, "--dtype", ns.dtype, "--op", ns.op,
             "--root", str(ns.root), "--iters", str(ns.iters), "--warmup", str(ns.warmup), "--modes", modes,
             "--out", out, "--transport", ns.transport]
     return args + (["--alloc"] if ns.alloc and peer == "ours" else [])
 
 
-def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[int], tmp: str) -> dict | None:
+def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[int], tmp: str,
+              algorithm: str = "native") -> dict | None:
     out = os.path.join(tmp, f"{peer}.json")
-    cmd = [sys.executable, "-m", "collectives.bench.sweep"] + _sweep_args(ns, colls, sizes, out, peer)
-    print(f"# {peer}: {ns.nprocs} ranks", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "collectives.bench.sweep"] + _sweep_args(ns, colls, sizes, out, peer, algorithm)
+    print(f"# {peer}: {ns.nprocs} ranks, {','.join(colls)}, {algorithm}", file=sys.stderr, flush=True)
     if peer == "mpi":
         env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
         status = subprocess.run([shutil.which("mpiexec") or "mpiexec", "-n", str(ns.nprocs)] + cmd,
                                 env=env, timeout=ns.timeout).returncode
     else:
-        status = launch(cmd, ns.nprocs, transport=ns.transport if peer == "ours" else None, prefix=False,
-                        timeout=ns.timeout)
+        with _stdout_to_stderr():  # the ranks' progress lines are not part of the table
+            status = launch(cmd, ns.nprocs, transport=ns.transport if peer == "ours" else None, prefix=False,
+                            timeout=ns.timeout)
     if status != 0 or not os.path.exists(out):
         print(f"collectives bench: the {peer} sweep failed (status {status})", file=sys.stderr)
         return None
@@ -116,11 +156,77 @@ def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[i
         return json.load(f)
 
 
+def _stdout_to_stderr() -> contextlib.AbstractContextManager:
+    return contextlib.redirect_stdout(sys.stderr) if hasattr(sys.stderr, "buffer") else contextlib.nullcontext()
+
+
+def _modes(ns: argparse.Namespace) -> list[str]:
+    return ["inplace", "outplace"] if ns.mode == "both" else [ns.mode]
+
+
+def _run_here(ns: argparse.Namespace, colls: list[str], sizes: list[int]) -> int:
+    """Started under a launcher (ours, torchrun or mpiexec): this process is one rank; rank 0 reports."""
+    from .peers import OursRunner
+
+    runner = OursRunner(ns.transport or "auto", ns.alloc)
+    if ns.compare and runner.rank == 0:
+        print("collectives bench: --compare needs the bench to start its own ranks; ignored under a launcher",
+              file=sys.stderr)
+    try:
+        rows = run_sweep(runner, colls, sizes, algorithm=ns.algorithm, dtype=ns.dtype, op=ns.op, root=ns.root,
+                         iters=ns.iters, warmup=ns.warmup, modes=_modes(ns))
+    finally:
+        runner.close()
+    if runner.rank != 0:
+        return 0
+    return _report(ns, rows, [], {"p": runner.size, "transport": runner.transport})
+
+
+def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str], ours: dict[str, Any]) -> int:
+    """Print the tables, write JSON and plots; status 3 when a result was wrong."""
+    buffers = "comm.alloc (shared memory)" if ns.alloc else "numpy"
+    print(f"# collectives bench: {ours['p']} ranks, transport {ours['transport']}, dtype {ns.dtype}, "
+          f"op {ns.op}, our buffers {buffers}; time = median over iterations of the max over ranks"
+          + (f", median of {ns.repeat} rounds" if ns.repeat > 1 else "")
+          + ("; fresh ranks per algorithm" if getattr(ns, "isolate", False) else "")
+          + "; ratio = ours / theirs (< 1: ours is faster)")
+    print(table(rows, peers))
+    summary = summary_table(rows, peers)
+    if summary:
+        print(summary)
+    wrong = sum(r["wrong"] for r in rows)
+    print(f"# wrong results: {wrong}")
+    doc = results_document(rows, p=ours["p"], transport=ours["transport"], args=vars(ns))
+    if ns.baseline:
+        with open(ns.baseline) as f:
+            print(baseline_table(rows, json.load(f), p=ours["p"], transport=ours["transport"]))
+    if ns.json:
+        errors = validate(doc)
+        if errors:
+            print("collectives bench: results do not match the schema: " + "; ".join(errors[:5]), file=sys.stderr)
+        with open(ns.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    if ns.plot:
+        written = plot_results(rows, ns.plot, f"{ours['p']} ranks, {ours['transport']}")
+        print("# plots: " + (", ".join(written) if written else "matplotlib is not installed"))
+    return 0 if wrong == 0 else 3
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``collectives bench``."""
+    """Entry point of ``collectives bench``.
+
+    Args:
+        argv: command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 when every result was right, 3 when one was wrong, 1 when our sweep failed.
+    """
     ns = _parser().parse_args(argv)
     colls = _collectives(ns.collective)
     sizes = parse_sizes(ns.sizes, ns.factor)
+    if detect_launch().launcher != "none":
+        return _run_here(ns, colls, sizes)
+    ns.transport = ns.transport or "shm"
     peers = []
     for peer in filter(None, ns.compare.split(",")):
         ok, why = peer_available(peer)
@@ -128,32 +234,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             peers.append(peer)
         else:
             print(f"collectives bench: skipping {peer}: {why}", file=sys.stderr)
+    runs: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="collectives-bench-") as tmp:
-        ours = _run_peer("ours", ns, colls, sizes, tmp)
-        if ours is None:
-            return 1
-        rows = list(ours["rows"])
-        for peer in peers:
-            got = _run_peer(peer, ns, colls, sizes, tmp)
-            if got is not None:
-                rows += got["rows"]
+        for rep in range(max(ns.repeat, 1)):
+            if ns.repeat > 1:
+                print(f"# sweep {rep + 1} of {ns.repeat}", file=sys.stderr, flush=True)
+            rows = []
+            for job_colls, algorithm in _our_jobs(ns, colls):
+                ours = _run_peer("ours", ns, job_colls, sizes, tmp, algorithm)
+                if ours is None:
+                    return 1
+                rows += ours["rows"]
+            for peer in peers:
+                got = _run_peer(peer, ns, colls, sizes, tmp)
+                if got is not None:
+                    rows += got["rows"]
+            runs.append(rows)
+    rows = merge_repeats(runs) if len(runs) > 1 else runs[0]
     ran = [p for p in peers if any(r["peer"] == p for r in rows)]
-    print(f"# collectives bench: {ours['p']} ranks, transport {ours['transport']}, dtype {ns.dtype}, "
-          f"op {ns.op}; time = median over iterations of the max over ranks")
-    print(table(rows, ran))
-    wrong = sum(r["wrong"] for r in rows)
-    print(f"# wrong results: {wrong}")
-    doc = results_document(rows, p=ours["p"], transport=ours["transport"], args=vars(ns))
-    if ns.baseline:
-        with open(ns.baseline) as f:
-            print(baseline_table(rows, json.load(f)))
-    if ns.json:
-        errors = validate(doc)
-        if errors:
-            print("collectives bench: results do not match the schema: " + "; ".join(errors[:5]), file=sys.stderr)
-        with open(ns.json, "w") as f:
-            json.dump(doc, f, indent=1)
-    if ns.plot:
-        written = plot_results(rows, ns.plot, f"{ours['p']} ranks, {ours['transport']}")
-        print("# plots: " + (", ".join(written) if written else "matplotlib is not installed"))
-    return 0 if wrong == 0 else 3
+    return _report(ns, rows, ran, ours)

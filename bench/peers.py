@@ -61,10 +61,8 @@ class OursRunner:
         caps = self.comm.transport.capabilities
         runnable = sorted(a.name for a in collectives.algorithms_for(collective).values() if a.needs <= caps)
         if wanted == "all":
-            return runnable
-        if wanted == "auto" or wanted in runnable:
-            return [wanted]
-        return []
+            return runnable + ["auto"]
+        return [name for name in wanted.split(",") if name == "auto" or name in runnable]
 
     def label(self, collective: str, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
         """The algorithm's name; for "auto", also the one the selector picks."""
@@ -179,10 +177,13 @@ class GlooRunner:
 
     def __init__(self) -> None:
         import os
+        import warnings
 
         import torch
         import torch.distributed as dist
 
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.")
+        torch.set_num_threads(1)  # one rank per core: no intra-op thread pool competing with the peers
         self.torch, self.dist = torch, dist
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group("gloo", rank=rank, world_size=size,

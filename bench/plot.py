@@ -9,6 +9,19 @@ from typing import Any, Sequence
 
 __all__ = ["plot_results"]
 
+_PEER_NAMES = {"mpi": "MPICH (mpi4py)", "gloo": "Gloo (torch)"}
+
+
+def _series(row: dict[str, Any]) -> tuple[str, str, str]:
+    """(peer, algorithm, mode); "auto:ring" and "auto:mst" are one series, "auto"."""
+    return row["peer"], row["algorithm"].split(":", 1)[0], row["mode"]
+
+
+def _label(series: tuple[str, str, str]) -> str:
+    peer, algo, mode = series
+    name = _PEER_NAMES.get(peer, f"{peer}:{algo}")
+    return name + ("" if mode == "inplace" else " (out of place)")
+
 
 def plot_results(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> list[str]:
     """Write ``<stem>.png`` and ``<stem>.svg``; returns the paths (empty without matplotlib)."""
@@ -25,11 +38,10 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> 
     fig, axes = plt.subplots(2, len(colls), figsize=(4.2 * len(colls), 7), squeeze=False)
     for j, coll in enumerate(colls):
         mine = [r for r in rows if r["collective"] == coll and r["size"] > 0]
-        for label in dict.fromkeys((r["peer"], r["algorithm"], r["mode"]) for r in mine):
-            pts = sorted((r["size"], r["busbw"], r["time_us"]) for r in mine
-                         if (r["peer"], r["algorithm"], r["mode"]) == label)
-            name = f"{label[0]}:{label[1]}" + ("" if label[2] == "inplace" else " (out)")
-            style = "-" if label[0] == "ours" else "--"
+        for series in dict.fromkeys(_series(r) for r in mine):
+            pts = sorted((r["size"], r["busbw"], r["time_us"]) for r in mine if _series(r) == series)
+            name = _label(series)
+            style = "-" if series[0] == "ours" else "--"
             axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=name)
             axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], style, marker=".", label=name)
         axes[0][j].set_title(coll)

@@ -2,6 +2,9 @@
 
 * :func:`table`: an nccl-tests style table, with ratio columns (ours / peer
   time) when peers ran in the same sweep;
+* :func:`merge_repeats`: one row per measurement from several repeats of a sweep;
+* :func:`summary_table`: one line per size, a time column per algorithm and
+  peer, and ours / peer ratios of the best algorithm and of ``auto``;
 * :func:`results_document` and :func:`validate`: the JSON written by
   ``--json`` and its check against ``schema.json`` (no dependency needed);
 * :func:`baseline_table`: the change against an earlier run's JSON.
@@ -10,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -17,7 +21,7 @@ import time
 from importlib import resources
 from typing import Any, Sequence
 
-__all__ = ["table", "results_document", "load_schema", "validate", "baseline_table"]
+__all__ = ["merge_repeats", "table", "summary_table", "results_document", "load_schema", "validate", "baseline_table"]
 
 _HEAD = (f"{'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4} {'algorithm':>38} "
          f"{'mode':>8} {'time(us)':>11} {'min':>10} {'max':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}")
@@ -54,6 +58,68 @@ def table(rows: Sequence[dict[str, Any]], peers: Sequence[str] = ()) -> str:
     return "\n".join(out)
 
 
+def _summary_block(rows: Sequence[dict[str, Any]], peers: Sequence[str], coll: str, mode: str) -> list[str]:
+    mine = [r for r in rows if r["collective"] == coll and r["mode"] == mode]
+    ours = [r for r in mine if r["peer"] == "ours"]
+    algos = list(dict.fromkeys(_base(r["algorithm"]) for r in ours))
+    if len(algos) < 2 and not peers:
+        return []
+    widths = [max(9, len(a)) for a in algos]
+    time_of = {(r["peer"], _base(r["algorithm"]), r["size"]): r["time_us"] for r in mine}
+    chosen = {r["size"]: r["algorithm"].split(":", 1)[1] for r in ours if r["algorithm"].startswith("auto:")}
+    named = [a for a in algos if a != "auto"]
+    ratios = ([f"best/{p}" for p in peers] if named else []) + ([f"auto/{p}" for p in peers] if "auto" in algos else [])
+    head = (f"#{'size(B)':>10} " + " ".join(f"{a:>{w}}" for a, w in zip(algos, widths))
+            + "".join(f" {p:>10}" for p in peers) + "".join(f" {h:>10}" for h in ratios)
+            + ("  auto chose" if chosen else ""))
+    out = [f"# {coll} ({mode}): median time (us) per algorithm; ratio = ours / theirs, < 1: ours is faster", head]
+    for size in dict.fromkeys(r["size"] for r in ours):
+        mine_t = [time_of.get(("ours", a, size)) for a in algos]
+        line = f"{size:>11d} " + " ".join(f"{t:>{w}.2f}" if t else f"{'-':>{w}}"
+                                          for t, w in zip(mine_t, widths))
+        theirs = [time_of.get((p, "native", size)) for p in peers]
+        line += "".join(f" {t:>10.2f}" if t else f" {'-':>10}" for t in theirs)
+        best = min((t for a, t in zip(algos, mine_t) if t and a != "auto"), default=None)
+        auto = time_of.get(("ours", "auto", size))
+        for mine_best in ([best] if named else []) + ([auto] if "auto" in algos else []):
+            line += "".join(f" {mine_best / t:>10.2f}" if mine_best and t else f" {'-':>10}" for t in theirs)
+        out.append(line + (f"  {chosen[size]}" if size in chosen else ""))
+    return out + [""]
+
+
+def summary_table(rows: Sequence[dict[str, Any]], peers: Sequence[str] = ()) -> str:
+    """One line per size for each collective and mode: our time per algorithm, each peer's
+    time, and ours / peer for the fastest of our algorithms and for ``auto``; empty when
+    there is nothing to set side by side."""
+    out: list[str] = []
+    keys = dict.fromkeys((r["collective"], r["mode"]) for r in rows if r["peer"] == "ours")
+    for coll, mode in keys:
+        out += _summary_block(rows, peers, coll, mode)
+    return "\n".join(out)
+
+
+def merge_repeats(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of repeated sweeps merged per (peer, collective, algorithm, size, mode): the median of
+    the repeats' medians, the smallest min, the largest max, the sum of wrong results; bandwidths
+    follow the merged time. The order is the first run's."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for rows in runs:
+        for r in rows:
+            groups.setdefault((r["peer"], _base(r["algorithm"])) + _key(r), []).append(r)
+    merged = []
+    for reps in groups.values():
+        times = sorted(r["time_us"] for r in reps)
+        mid = len(times) // 2
+        t = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        first = reps[0]
+        scale = first["time_us"] / t if t > 0 else 0.0
+        merged.append(dict(first, time_us=t, time_us_min=min(r["time_us_min"] for r in reps),
+                           time_us_max=max(r["time_us_max"] for r in reps), wrong=sum(r["wrong"] for r in reps),
+                           iters=sum(r["iters"] for r in reps), repeats=len(reps),
+                           algbw=first["algbw"] * scale, busbw=first["busbw"] * scale))
+    return merged
+
+
 def _versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
     for mod in ("collectives", "numpy", "zmq", "mpi4py", "torch"):
@@ -67,7 +133,7 @@ def _versions() -> dict[str, str]:
 
 def _model(transport: str) -> dict[str, Any] | None:
     try:
-        from collectives.cost_models.params import load_profile
+        from collectives.cost_models.calibrate import load_profile
     except ImportError:
         return None
     try:
@@ -124,17 +190,29 @@ def validate(doc: Any, schema: dict[str, Any] | None = None, path: str = "$") ->
     return errors
 
 
-def baseline_table(rows: Sequence[dict[str, Any]], old: dict[str, Any]) -> str:
-    """Per row, the old and new median time and the change (negative: faster now)."""
+def baseline_table(rows: Sequence[dict[str, Any]], old: dict[str, Any], *, p: int | None = None,
+                   transport: str | None = None) -> str:
+    """Per row, the old and new median time and the change (negative: faster now), then the
+    geometric mean of new / old over the matched rows; notes a different world size or transport."""
     before = {(r["peer"], _base(r["algorithm"])) + _key(r): r for r in old.get("results", [])}
-    lines = [f"# change against the baseline ({old.get('host', '?')}, {old.get('time', '?')})",
-             f"# {'peer':>5} {'collective':>14} {'algorithm':>38} {'mode':>8} {'size(B)':>11} "
-             f"{'old(us)':>10} {'new(us)':>10} {'change':>8}"]
+    lines = [f"# change against the baseline ({old.get('host', '?')}, {old.get('time', '?')})"]
+    for what, new_value in (("p", p), ("transport", transport)):
+        if new_value is not None and old.get(what) not in (None, new_value):
+            lines.append(f"# note: the baseline ran with {what} = {old[what]}, this run with {new_value}")
+    lines.append(f"# {'peer':>5} {'collective':>14} {'algorithm':>38} {'mode':>8} {'size(B)':>11} "
+                 f"{'old(us)':>10} {'new(us)':>10} {'change':>8}")
+    log_ratios = []
     for r in rows:
         b = before.get((r["peer"], _base(r["algorithm"])) + _key(r))
-        if b is None or b["time_us"] <= 0:
+        if b is None or b["time_us"] <= 0 or r["time_us"] <= 0:
             continue
+        log_ratios.append(math.log(r["time_us"] / b["time_us"]))
         change = (r["time_us"] - b["time_us"]) / b["time_us"] * 100
         lines.append(f"  {r['peer']:>5} {r['collective']:>14} {r['algorithm']:>38} {r['mode']:>8} "
                      f"{r['size']:>11d} {b['time_us']:>10.2f} {r['time_us']:>10.2f} {change:>+7.1f}%")
+    if log_ratios:
+        mean = math.exp(sum(log_ratios) / len(log_ratios))
+        lines.append(f"# {len(log_ratios)} rows matched; geometric mean of new / old time: {mean:.3f}")
+    else:
+        lines.append("# no row of this run matches the baseline (collective, algorithm, size, mode)")
     return "\n".join(lines)

@@ -19,7 +19,8 @@ import numpy as np
 
 from .peers import make_runner
 
-__all__ = ["BUS_FACTOR", "bytes_of", "iterations", "run_sweep", "main"]
+__all__ = ["BUS_FACTOR", "REDUCE_OPS", "CallBuffers", "bytes_of", "dtype_of", "iterations", "measure",
+           "run_sweep", "main"]
 
 #: nccl-tests' bus bandwidth factors (busbw = algbw * factor(p)).
 BUS_FACTOR = {
@@ -37,6 +38,22 @@ REDUCING = ("allreduce", "reduce", "reduce_scatter")
 ROOTED = ("bcast", "reduce", "scatter", "gather")
 #: collectives with both an in-place and an out-of-place form
 TWO_FORMS = ("allreduce", "allgather")
+#: numpy's reference of each reduction op the bench checks
+REDUCE_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+              "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor,
+              "land": np.logical_and, "lor": np.logical_or}
+#: collectives whose buffer is split in p blocks
+BLOCKED = ("allgather", "reduce_scatter", "alltoall", "scatter", "gather")
+
+
+def dtype_of(name: str) -> np.dtype:
+    """numpy's dtype of ``name``; ``bfloat16`` and the other ml_dtypes types too."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
 
 
 def iterations(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
@@ -50,7 +67,7 @@ def iterations(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
 def bytes_of(collective: str, nbytes: int, p: int, itemsize: int) -> int:
     """nccl-tests' size: the per-rank buffer, rounded to whole elements (and to p blocks where split)."""
     count = max(nbytes // itemsize, 1)
-    if collective in ("allgather", "reduce_scatter", "alltoall", "scatter", "gather"):
+    if collective in BLOCKED:
         count = max(count // p, 1) * p
     return 0 if collective == "barrier" else count * itemsize
 
@@ -60,93 +77,100 @@ def _data(rank: int, count: int, dtype: np.dtype) -> np.ndarray:
     return ((np.arange(count) + 3 * rank) % 7 + 1).astype(dtype)
 
 
-def _buffers(runner: Any, collective: str, nbytes: int, dtype: np.dtype, op: str, root: int,
-             inplace: bool) -> tuple[dict[str, Any], Any]:
-    """Buffers for one call, and a function returning the count of wrong elements."""
-    p, r = runner.size, runner.rank
-    count = nbytes // dtype.itemsize
-    block = count // p if collective in ("allgather", "reduce_scatter", "alltoall", "scatter", "gather") else count
-    everyone = [_data(i, count, dtype) for i in range(p)]
-    b: dict[str, Any] = {"root": root, "op_name": op, "op": op}
-    reduce_ = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-               "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op].reduce
-    if collective in ("allreduce", "reduce", "bcast"):
-        b["send"] = runner.empty(count, dtype)
-        if collective == "allreduce" and not inplace:
-            b["out"] = runner.empty(count, dtype)
-        want = reduce_(np.stack(everyone), axis=0).astype(dtype) if collective != "bcast" else everyone[root]
+class CallBuffers:
+    """Buffers of one timed call on one rank: ``bufs`` (what the runner's ``call`` reads),
+    ``reset()`` (put the inputs back) and ``wrong()`` (elements that differ from numpy)."""
 
-        def reset() -> None:
-            b["send"][:] = everyone[r]
+    def __init__(self, runner: Any, collective: str, count: int, dtype: np.dtype, op: str, root: int,
+                 inplace: bool) -> None:
+        self.runner, self.dtype, self.root, self.inplace = runner, dtype, root, inplace
+        self.p, self.r = runner.size, runner.rank
+        self.block = count // self.p if collective in BLOCKED else count
+        self.everyone = [_data(i, count, dtype) for i in range(self.p)]
+        self.bufs: dict[str, Any] = {"op_name": op, "op": op}
+        if collective in ROOTED:
+            self.bufs["root"] = root
+        self.reduce = REDUCE_OPS[op].reduce
+        self._fill: list[tuple[str, np.ndarray]] = []
+        self._check: tuple[str, np.ndarray] | None = None
+        getattr(self, "_" + collective)()
 
-        def wrong() -> int:
-            got = b.get("out") if b.get("out") is not None else b["send"]
-            if collective == "reduce" and r != root:
-                return 0
-            return int(np.count_nonzero(got != want))
-    elif collective == "allgather":
-        b["recv"] = runner.empty(block * p, dtype)
-        if not inplace:
-            b["part"] = runner.empty(block, dtype)
-        want = np.concatenate([e[:block] for e in everyone])
+    def _empty(self, count: int) -> np.ndarray:
+        return self.runner.empty(count, self.dtype)
 
-        def reset() -> None:
-            b["recv"][:] = 0
-            if inplace:
-                b["recv"][r * block:(r + 1) * block] = everyone[r][:block]
-            else:
-                b["part"][:] = everyone[r][:block]
+    def _reduced(self, count: int) -> np.ndarray:
+        return self.reduce(np.stack([e[:count] for e in self.everyone]), axis=0).astype(self.dtype)
 
-        def wrong() -> int:
-            return int(np.count_nonzero(b["recv"] != want))
-    elif collective == "reduce_scatter":
-        b["send"], b["recv"] = runner.empty(block * p, dtype), runner.empty(block, dtype)
-        full = reduce_(np.stack([e[:block * p] for e in everyone]), axis=0).astype(dtype)
+    def _allreduce(self) -> None:
+        self.bufs["send"] = self._empty(self.block)
+        if not self.inplace:
+            self.bufs["out"] = self._empty(self.block)
+        self._fill = [("send", self.everyone[self.r])]
+        self._check = ("out" if not self.inplace else "send", self._reduced(self.block))
 
-        def reset() -> None:
-            b["send"][:] = everyone[r][:block * p]
+    def _reduce(self) -> None:
+        self.bufs["send"] = self._empty(self.block)
+        self._fill = [("send", self.everyone[self.r])]
+        self._check = ("send", self._reduced(self.block)) if self.r == self.root else None
 
-        def wrong() -> int:
-            return int(np.count_nonzero(b["recv"] != full[r * block:(r + 1) * block]))
-    elif collective == "alltoall":
-        b["send"], b["recv"] = runner.empty(block * p, dtype), runner.empty(block * p, dtype)
-        want = np.concatenate([everyone[i][r * block:(r + 1) * block] for i in range(p)])
+    def _bcast(self) -> None:
+        self.bufs["send"] = self._empty(self.block)
+        self._fill = [("send", self.everyone[self.r])]
+        self._check = ("send", self.everyone[self.root])
 
-        def reset() -> None:
-            b["send"][:] = everyone[r][:block * p]
+    def _allgather(self) -> None:
+        b, n = self.block, self.block * self.p
+        self.bufs["recv"] = self._empty(n)
+        mine = self.everyone[self.r][:b]
+        if self.inplace:
+            start = np.zeros(n, self.dtype)
+            start[self.r * b:(self.r + 1) * b] = mine
+            self._fill = [("recv", start)]
+        else:
+            self.bufs["part"] = self._empty(b)
+            self._fill = [("recv", np.zeros(n, self.dtype)), ("part", mine)]
+        self._check = ("recv", np.concatenate([e[:b] for e in self.everyone]))
 
-        def wrong() -> int:
-            return int(np.count_nonzero(b["recv"] != want))
-    elif collective == "scatter":
-        b["send"], b["recv"] = runner.empty(block * p, dtype), runner.empty(block, dtype)
+    def _reduce_scatter(self) -> None:
+        b, n = self.block, self.block * self.p
+        self.bufs["send"], self.bufs["recv"] = self._empty(n), self._empty(b)
+        self._fill = [("send", self.everyone[self.r][:n])]
+        self._check = ("recv", self._reduced(n)[self.r * b:(self.r + 1) * b])
 
-        def reset() -> None:
-            b["send"][:] = everyone[root][:block * p]
+    def _alltoall(self) -> None:
+        b, n = self.block, self.block * self.p
+        self.bufs["send"], self.bufs["recv"] = self._empty(n), self._empty(n)
+        self._fill = [("send", self.everyone[self.r][:n])]
+        self._check = ("recv", np.concatenate([e[self.r * b:(self.r + 1) * b] for e in self.everyone]))
 
-        def wrong() -> int:
-            return int(np.count_nonzero(b["recv"] != everyone[root][r * block:(r + 1) * block]))
-    elif collective == "gather":
-        b["send"], b["recv"] = runner.empty(block, dtype), runner.empty(block * p, dtype)
-        want = np.concatenate([e[:block] for e in everyone])
+    def _scatter(self) -> None:
+        b, n = self.block, self.block * self.p
+        self.bufs["send"], self.bufs["recv"] = self._empty(n), self._empty(b)
+        self._fill = [("send", self.everyone[self.root][:n])]
+        self._check = ("recv", self.everyone[self.root][self.r * b:(self.r + 1) * b])
 
-        def reset() -> None:
-            b["send"][:] = everyone[r][:block]
+    def _gather(self) -> None:
+        b, n = self.block, self.block * self.p
+        self.bufs["send"], self.bufs["recv"] = self._empty(b), self._empty(n)
+        self._fill = [("send", self.everyone[self.r][:b])]
+        self._check = ("recv", np.concatenate([e[:b] for e in self.everyone])) if self.r == self.root else None
 
-        def wrong() -> int:
-            return int(np.count_nonzero(b["recv"] != want)) if r == root else 0
-    else:  # barrier
-        def reset() -> None:
-            pass
+    def _barrier(self) -> None:
+        pass
 
-        def wrong() -> int:
+    def reset(self) -> None:
+        for key, source in self._fill:
+            self.bufs[key][:] = source
+
+    def wrong(self) -> int:
+        if self._check is None:
             return 0
-    if collective not in ROOTED:
-        b.pop("root")
-    b["reset"] = reset
-    return b, wrong
+        key, want = self._check
+        return int(np.count_nonzero(self.bufs[key] != want))
 
 
 def _time(runner: Any, collective: str, algo: str, b: dict[str, Any], iters: int, warmup: int) -> np.ndarray:
+    """Warm up, barrier, then time each iteration; returns each iteration's maximum over ranks."""
     for _ in range(warmup):
         runner.call(collective, algo, b)
     runner.barrier()
@@ -159,36 +183,57 @@ def _time(runner: Any, collective: str, algo: str, b: dict[str, Any], iters: int
     return runner.max_over_ranks(times)
 
 
+def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: str = "float32",
+            op: str = "sum", root: int = 0, mode: str = "inplace", iters: int = 100,
+            warmup: int = 10) -> dict[str, Any]:
+    """Time one (collective, algorithm, size in bytes, mode) and check its result.
+
+    Returns:
+        The row (the same on every rank): median, min and max over iterations of the
+        per-iteration maximum over ranks, bandwidths, and the count of wrong elements.
+    """
+    dt, p = dtype_of(dtype), runner.size
+    case = CallBuffers(runner, collective, size // dt.itemsize, dt, op, root % p, mode == "inplace")
+    n_iter, n_warm = iterations(size, iters, warmup)
+    case.reset()
+    times = _time(runner, collective, algorithm, case.bufs, n_iter, n_warm)
+    case.reset()
+    runner.call(collective, algorithm, case.bufs)
+    bad = runner.max_over_ranks(np.array([case.wrong()], dtype=np.float64))
+    med = float(np.median(times))
+    algbw = size / med / 1e9 if med > 0 else 0.0
+    return {"peer": runner.name, "collective": collective, "mode": mode,
+            "algorithm": runner.label(collective, algorithm, size, dt),
+            "size": size, "count": size // dt.itemsize, "dtype": dtype,
+            "op": op if collective in REDUCING else "none",
+            "root": root % p if collective in ROOTED else -1, "iters": n_iter,
+            "time_us": med * 1e6, "time_us_min": float(times.min()) * 1e6,
+            "time_us_max": float(times.max()) * 1e6, "algbw": algbw,
+            "busbw": algbw * BUS_FACTOR[collective](p), "wrong": int(bad[0])}
+
+
 def run_sweep(runner: Any, collectives: Sequence[str], sizes: Sequence[int], *, algorithm: str = "auto",
               dtype: str = "float32", op: str = "sum", root: int = 0, iters: int = 100, warmup: int = 10,
               modes: Sequence[str] = ("inplace",), progress: bool = True) -> list[dict[str, Any]]:
-    """Time every (collective, algorithm, size, mode); returns rows (the same on every rank)."""
-    dt = np.dtype(dtype)
-    p = runner.size
+    """Time every (collective, algorithm, size, mode) with :func:`measure`.
+
+    Args:
+        runner: a runner of :mod:`collectives.bench.peers` (this rank's).
+        collectives: collective names; sizes: requested sizes in bytes (rounded per collective).
+        algorithm: "auto", "all", a name or a comma list.
+
+    Returns:
+        The rows, the same on every rank; rank 0 prints a line per size to stderr.
+    """
+    itemsize = dtype_of(dtype).itemsize
     rows = []
     for coll in collectives:
         for algo in runner.algorithms(coll, algorithm):
             for nbytes in ([0] if coll == "barrier" else sizes):
-                size = bytes_of(coll, nbytes, p, dt.itemsize)
+                size = bytes_of(coll, nbytes, runner.size, itemsize)
                 for mode in (modes if coll in TWO_FORMS else ("inplace",)):
-                    b, wrong = _buffers(runner, coll, size, dt, op, root % p, mode == "inplace")
-                    n_iter, n_warm = iterations(size, iters, warmup)
-                    b["reset"]()
-                    times = _time(runner, coll, algo, b, n_iter, n_warm)
-                    b["reset"]()
-                    runner.call(coll, algo, b)
-                    bad = np.array([wrong()], dtype=np.float64)
-                    runner.max_over_ranks(bad)
-                    med = float(np.median(times))
-                    algbw = size / med / 1e9 if med > 0 else 0.0
-                    row = {"peer": runner.name, "collective": coll, "mode": mode,
-                           "algorithm": runner.label(coll, algo, size, dt),
-                           "size": size, "count": size // dt.itemsize, "dtype": dtype,
-                           "op": op if coll in REDUCING else "none",
-                           "root": root % p if coll in ROOTED else -1, "iters": n_iter,
-                           "time_us": med * 1e6, "time_us_min": float(times.min()) * 1e6,
-                           "time_us_max": float(times.max()) * 1e6, "algbw": algbw,
-                           "busbw": algbw * BUS_FACTOR[coll](p), "wrong": int(bad[0])}
+                    row = measure(runner, coll, algo, size, dtype=dtype, op=op, root=root, mode=mode,
+                                  iters=iters, warmup=warmup)
                     rows.append(row)
                     if progress and runner.rank == 0:
                         print(f"  {runner.name:5s} {coll:14s} {algo:38s} {mode:8s} {size:>11d} B "

@@ -1,6 +1,7 @@
-"""The bench command end to end: a tiny sweep of every collective on shared
-memory reports no wrong result, its JSON matches the documented schema, a
-baseline comparison and the plots work, and absent peers are skipped."""
+"""The bench command end to end: a tiny sweep of every collective and
+algorithm on shared memory reports no wrong result, its JSON matches the
+documented schema, a baseline comparison and the plots work, absent peers
+are skipped, and under a launcher the bench runs as the job's ranks."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from collectives.bench.cli import parse_sizes
-from collectives.bench.report import load_schema, validate
+from collectives.bench.report import load_schema, summary_table, validate
+from collectives.bench.sweep import CallBuffers
 
 BENCH = [sys.executable, "-m", "collectives.bench"]
 
@@ -24,8 +27,8 @@ def _run(args, tmp_path, timeout=240):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    res = _run(["all", "-n", "2", "--sizes", "8:1K", "--factor", "4", "--iters", "3", "--warmup", "1",
-                "--mode", "both", "--json", "r.json", "--plot", "r.png"], tmp)
+    res = _run(["all", "-n", "3", "--algorithm", "all", "--sizes", "8:1K", "--factor", "4", "--iters", "3",
+                "--warmup", "1", "--mode", "both", "--json", "r.json", "--plot", "r.png"], tmp)
     return res, tmp
 
 
@@ -36,7 +39,12 @@ def test_every_collective_runs_with_no_wrong_result(tiny_run):
     import collectives
 
     assert {r["collective"] for r in doc["results"]} == set(collectives.COLLECTIVES)
-    assert all(r["wrong"] == 0 for r in doc["results"])
+    timed = {(r["collective"], r["algorithm"]) for r in doc["results"]}
+    for coll in collectives.COLLECTIVES:
+        for name, algo in collectives.algorithms_for(coll).items():
+            if algo.needs <= {"window"}:  # what shared memory offers (not MPI's native collectives)
+                assert (coll, name) in timed
+    assert [(r["collective"], r["algorithm"], r["size"]) for r in doc["results"] if r["wrong"]] == []
     assert {r["mode"] for r in doc["results"] if r["collective"] == "allreduce"} == {"inplace", "outplace"}
     assert "# wrong results: 0" in res.stdout
 
@@ -58,10 +66,13 @@ def test_plots_are_written(tiny_run):
 def test_baseline_prints_the_change(tiny_run):
     _, tmp = tiny_run
     res = _run(["allreduce", "-n", "2", "--sizes", "8:1K", "--factor", "4", "--iters", "3", "--warmup", "1",
-                "--baseline", "r.json"], tmp)
+                "--repeat", "2", "--baseline", "r.json", "--json", "again.json"], tmp)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "change against the baseline" in res.stdout
     assert "%" in res.stdout.split("change against the baseline", 1)[1]
+    assert "baseline ran with p = 3" in res.stdout
+    again = json.loads((tmp / "again.json").read_text())
+    assert validate(again) == [] and {r["repeats"] for r in again["results"]} == {2}
 
 
 def test_unknown_peer_is_skipped_with_a_message(tmp_path):
@@ -70,7 +81,49 @@ def test_unknown_peer_is_skipped_with_a_message(tmp_path):
     assert "skipping nosuchlib" in res.stderr
 
 
+def test_under_a_launcher_the_bench_is_the_job(tmp_path):
+    res = subprocess.run([sys.executable, "-c", "import sys; from collectives.cli import main; sys.exit(main())",
+                          "run", "-n", "2", "--no-prefix", "-m",
+                          "collectives.bench", "allreduce,bcast", "--sizes", "8,1K", "--iters", "3", "--warmup", "1",
+                          "--alloc", "--json", "r.json"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stdout.count("# wrong results: 0") == 1  # rank 0 reports
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["p"] == 2 and doc["args"]["alloc"] and validate(doc) == []
+
+
+def test_summary_sets_algorithms_and_peers_side_by_side():
+    def row(peer, algorithm, size, t):
+        return {"peer": peer, "collective": "allreduce", "mode": "inplace", "algorithm": algorithm,
+                "size": size, "time_us": t}
+
+    rows = [row("ours", "ring", 8, 4.0), row("ours", "mst", 8, 2.0), row("ours", "auto:mst", 8, 2.5),
+            row("mpi", "native", 8, 5.0)]
+    text = summary_table(rows, ["mpi"])
+    head, line = text.splitlines()[1:3]
+    assert head.split()[2:] == ["ring", "mst", "auto", "mpi", "best/mpi", "auto/mpi", "auto", "chose"]
+    assert line.split() == ["8", "4.00", "2.00", "2.50", "5.00", "0.40", "0.50", "mst"]
+
+
 def test_size_specs():
     assert parse_sizes("8:64") == [8, 16, 32, 64]
     assert parse_sizes("1K,1M") == [1024, 1 << 20]
     assert parse_sizes("1K:4K", 4) == [1024, 4096]
+
+
+class _OneRankOfTwo:
+    """The runner interface the checker needs, for rank 0 of 2, with no communication at all."""
+
+    size, rank = 2, 0
+
+    @staticmethod
+    def empty(count, dtype):
+        return np.empty(count, dtype)
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce", "allgather", "reduce_scatter", "alltoall", "gather"])
+def test_the_check_counts_elements_a_collective_did_not_deliver(collective):
+    case = CallBuffers(_OneRankOfTwo(), collective, 64, np.dtype(np.float32), "sum", 0, inplace=True)
+    case.reset()  # inputs only: what a collective that did nothing would leave
+    assert case.wrong() > 0
