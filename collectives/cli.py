@@ -18,8 +18,6 @@ __all__ = ["main"]
 SUBCOMMANDS = {
     "run": ("collectives.cli", "start N local ranks of a script (like torchrun --standalone)"),
     "bench": ("collectives.bench.cli", "OSU / nccl-tests style microbenchmarks"),
-    "calibrate": ("collectives.cost_models.calibrate", "measure alpha, beta, gamma of a transport"),
-    "explain": ("collectives.cost_models.explain", "why an algorithm is chosen"),
     "model": ("collectives.cost_models.training_cli", "training-time what-if for P nodes"),
 }
 
