@@ -107,7 +107,20 @@ _MPI_OPS = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX", "band": "B
             "bxor": "BXOR", "land": "LAND", "lor": "LOR"}
 
 
-class MpiRunner:
+class _NativePeer:
+    """What the other libraries share: private numpy buffers, one algorithm (theirs)."""
+
+    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return np.empty(count, dtype)
+
+    def algorithms(self, collective: str, wanted: str) -> list[str]:
+        return ["native"]
+
+    def label(self, collective: str, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
+        return algorithm
+
+
+class MpiRunner(_NativePeer):
     """mpi4py's native collectives (MPICH's algorithms), under mpiexec."""
 
     name = "mpi"
@@ -118,15 +131,6 @@ class MpiRunner:
         self.MPI, self.c = MPI, MPI.COMM_WORLD
         self.rank, self.size = self.c.Get_rank(), self.c.Get_size()
         self.transport = "mpi"
-
-    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        return np.empty(count, dtype)
-
-    def algorithms(self, collective: str, wanted: str) -> list[str]:
-        return ["native"]
-
-    def label(self, collective: str, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
-        return algorithm
 
     def barrier(self) -> None:
         self.c.Barrier()
@@ -170,7 +174,7 @@ class MpiRunner:
         pass
 
 
-class GlooRunner:
+class GlooRunner(_NativePeer):
     """torch.distributed on the Gloo backend (CPU tensors over the numpy buffers)."""
 
     name = "gloo"
@@ -190,15 +194,6 @@ class GlooRunner:
                                 init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
         self.rank, self.size = rank, size
         self.transport = "gloo"
-
-    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        return np.empty(count, dtype)
-
-    def algorithms(self, collective: str, wanted: str) -> list[str]:
-        return ["native"]
-
-    def label(self, collective: str, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
-        return algorithm
 
     def barrier(self) -> None:
         self.dist.barrier()
