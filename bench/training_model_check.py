@@ -157,6 +157,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
     torch.set_num_threads(1)
     torch.manual_seed(0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.backend == "collectives":
+        import collectives.integrations.torch  # noqa: F401  (registers the backend)
     dist.init_process_group(args.backend, rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
     try:
         sizes = [4, 64 << 10, 1 << 20, 4 << 20]
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--backend", default="gloo", help="torch.distributed backend of the DDP run")
+    ap.add_argument("--backend", default="gloo",
+                    help="torch.distributed backend of the DDP run (gloo, or collectives for ours)")
     ap.add_argument("--transport", default="shm", help="calibration profile to use for the link")
     ap.add_argument("--bucket-mb", type=float, default=0.25, help="DDP bucket size")
     ap.add_argument("--json", default=None)
