@@ -18,6 +18,8 @@ __all__ = ["main"]
 SUBCOMMANDS = {
     "run": ("collectives.cli", "start N local ranks of a script (like torchrun --standalone)"),
     "bench": ("collectives.bench.cli", "OSU / nccl-tests style microbenchmarks"),
+    "calibrate": ("collectives.cost_models.calibrate", "measure alpha, beta, gamma and memory bandwidth of a transport"),
+    "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice"),
     "model": ("collectives.cost_models.training_cli", "training-time what-if for P nodes"),
 }
 

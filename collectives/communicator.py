@@ -221,6 +221,9 @@ class Communicator:
         if o is None:
             o = get_op(op)
             o.check(dtype)
+            wrap = getattr(self.transport, "wrap_op", None)  # e.g. the sim charges reductions
+            if wrap is not None:
+                o = wrap(o)
             if key is not None:
                 self._ops[key] = o
         return o

@@ -9,6 +9,7 @@ transport by name.
 from __future__ import annotations
 
 import importlib
+import threading
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable
@@ -58,6 +59,7 @@ class Algorithm:
 
 _ALGORITHMS: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
 _loaded = False
+_load_lock = threading.RLock()
 
 
 def register(collective: str, name: str, needs: tuple[str, ...] = (),
@@ -78,13 +80,16 @@ def _load_plugins() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
-    eps = entry_points(group=ALGORITHM_GROUP)
-    if not any(ep.value == "collectives.algorithms" for ep in eps):
-        # Running from a source tree without installed metadata.
-        importlib.import_module("collectives.algorithms")
-    for ep in eps:
-        ep.load()
+    with _load_lock:  # threads (the sim's ranks) must not see a half-filled table
+        if _loaded:
+            return
+        eps = entry_points(group=ALGORITHM_GROUP)
+        if not any(ep.value == "collectives.algorithms" for ep in eps):
+            # Running from a source tree without installed metadata.
+            importlib.import_module("collectives.algorithms")
+        for ep in eps:
+            ep.load()
+        _loaded = True
 
 
 def algorithms_for(collective: str) -> dict[str, Algorithm]:

@@ -109,6 +109,9 @@ def profile_link(transport: str = "shm") -> tuple[Link, str]:
         profile = calibrate.load_profile(transport)
     except Exception as exc:  # no calibration module, function or profile: fall back
         return FALLBACK_LINK, f"fallback constants ({type(exc).__name__}: no calibration profile for {transport!r})"
+    source = profile.get("source") if isinstance(profile, dict) else getattr(profile, "source", None)
+    if source == "defaults":
+        return FALLBACK_LINK, f"fallback constants (no calibration profile for {transport!r})"
     alpha, beta = _field(profile, "alpha"), _field(profile, "beta")
     if alpha is None or beta is None:
         return FALLBACK_LINK, f"fallback constants (profile for {transport!r} has no alpha/beta)"

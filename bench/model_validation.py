@@ -1,0 +1,149 @@
+"""Predicted versus measured time per algorithm on a live transport, and the regret of selection.
+
+    python -m collectives.bench.model_validation [-n P] [--transport shm] [--sizes 8,64K,1M]
+        [--collectives allreduce,bcast] [--repeats 5] [--out results.json]
+
+starts P local ranks; every rank runs every algorithm the transport offers
+for each collective and size (best of ``--repeats`` after a warm-up, the
+slowest rank's time), rank 0 predicts it with the transport's calibration
+profile (``collectives calibrate`` first; defaults otherwise), and prints per
+algorithm |predicted - measured| / measured, and per (collective, size) the
+regret of :class:`ModelSelector` and of the MPICH-style
+:class:`~collectives.selection.RuleSelector` (time of the chosen algorithm
+over the best measured one). Writes JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["main"]
+
+DEFAULT_COLLECTIVES = ("bcast", "allgather", "reduce", "allreduce", "reduce_scatter", "alltoall")
+
+
+def _args(collective: str, comm, count: int, dtype):
+    """Buffers of one call (count elements in the selector's size convention)."""
+    p = comm.size
+    if collective in ("bcast",):
+        return lambda algo: comm.bcast(np.ones(count, dtype), 0, algorithm=algo)
+    if collective == "reduce":
+        return lambda algo: comm.reduce(np.ones(count, dtype), 0, algorithm=algo)
+    if collective == "allreduce":
+        buf = np.ones(count, dtype)
+        return lambda algo: comm.allreduce(buf, algorithm=algo)
+    block = max(count // p, 1)
+    if collective == "allgather":
+        recv = np.zeros(block * p, dtype)
+        return lambda algo: comm.allgather(None, recv, algorithm=algo)
+    if collective == "reduce_scatter":
+        send, recv = np.ones(block * p, dtype), np.zeros(block, dtype)
+        return lambda algo: comm.reduce_scatter(send, recv, algorithm=algo)
+    if collective == "alltoall":
+        send, recv = np.ones(block * p, dtype), np.zeros(block * p, dtype)
+        return lambda algo: comm.alltoall(send, recv, algorithm=algo)
+    raise ValueError(collective)
+
+
+def _measure(comm, call, algo: str, repeats: int) -> float:
+    """Best of ``repeats`` of the slowest rank's time."""
+    call(algo)  # warm-up (scratch, window state)
+    best = float("inf")
+    stamp = np.zeros(1)
+    for _ in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        call(algo)
+        stamp[0] = time.perf_counter() - t0
+        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
+        best = min(best, float(stamp[0]))
+    return best
+
+
+def rank_main(ns) -> int:
+    import collectives
+    from collectives.cost_models import predict
+    from collectives.cost_models.calibrate import load_profile
+    from collectives.cost_models.explain import parse_bytes
+    from collectives.cost_models.selector import ModelSelector
+    from collectives.registry import algorithms_for
+    from collectives.selection import RuleSelector
+
+    comm = collectives.init()
+    caps = frozenset(comm.transport.capabilities)
+    params = load_profile(comm.transport.name)
+    dtype = np.dtype(np.float32)
+    rows, regrets = [], []
+    model_sel, rule_sel = ModelSelector(params), RuleSelector()
+    for collective in ns.collectives.split(","):
+        for size in (parse_bytes(s) for s in ns.sizes.split(",")):
+            count = max(size // dtype.itemsize, comm.size)
+            count -= count % comm.size
+            nbytes = count * dtype.itemsize
+            call = _args(collective, comm, count, dtype)
+            measured = {}
+            for name, algo in algorithms_for(collective).items():
+                if algo.needs <= caps and name != "native":
+                    measured[name] = _measure(comm, call, name, ns.repeats)
+            for name, t in measured.items():
+                pred = predict(collective, name, comm.size, nbytes, params, dtype)
+                rows.append({"collective": collective, "algorithm": name, "bytes": nbytes, "p": comm.size,
+                             "measured": t, "predicted": pred, "rel_error": abs(pred - t) / t})
+            best = min(measured.values())
+            picks = {"model": model_sel.choose(collective, nbytes, comm.size, dtype, caps),
+                     "rule": rule_sel.choose(collective, nbytes, comm.size, dtype, caps)}
+            regrets.append({"collective": collective, "bytes": nbytes, "p": comm.size,
+                            **{f"{k}_choice": v for k, v in picks.items()},
+                            **{f"{k}_regret": measured[v] / best - 1 for k, v in picks.items()}})
+    transport = comm.transport.name
+    comm.close()
+    if comm.rank != 0:
+        return 0
+    print(f"{'collective':15s} {'algorithm':38s} {'bytes':>9s} {'measured us':>12s} {'predicted us':>12s} {'err':>6s}")
+    for r in rows:
+        print(f"{r['collective']:15s} {r['algorithm']:38s} {r['bytes']:9d} {r['measured'] * 1e6:12.1f} "
+              f"{r['predicted'] * 1e6:12.1f} {r['rel_error']:6.0%}")
+    med = statistics.median(r["rel_error"] for r in rows)
+    mreg = [g["model_regret"] for g in regrets]
+    rreg = [g["rule_regret"] for g in regrets]
+    print(f"\n{transport}, p={rows[0]['p'] if rows else '?'}, profile: {params.source}")
+    print(f"median |predicted - measured| / measured: {med:.1%}")
+    print(f"regret of the model's choice: median {statistics.median(mreg):.1%}, max {max(mreg):.1%}")
+    print(f"regret of the rule's choice:  median {statistics.median(rreg):.1%}, max {max(rreg):.1%}")
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump({"transport": transport, "profile": params.as_dict(), "rows": rows, "regrets": regrets,
+                       "median_rel_error": med}, f, indent=2)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; starts the ranks unless run as one of them."""
+    ap = argparse.ArgumentParser(prog="python -m collectives.bench.model_validation", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", "--nprocs", type=int, default=4)
+    ap.add_argument("--transport", default="shm")
+    ap.add_argument("--sizes", default="8,4K,64K,1M")
+    ap.add_argument("--collectives", default=",".join(DEFAULT_COLLECTIVES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.rank_main:
+        return rank_main(ns)
+    from collectives.launcher import launch
+
+    cmd = [sys.executable, "-m", "collectives.bench.model_validation", "--rank-main", "--sizes", ns.sizes,
+           "--collectives", ns.collectives, "--repeats", str(ns.repeats)] + (["--out", ns.out] if ns.out else [])
+    return launch(cmd, ns.nprocs, transport=ns.transport, prefix=False, timeout=ns.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The alpha-beta-gamma model: parameters, the formula table and shared terms.
+
+A formula ``T(p, n, P)`` gives the predicted seconds of one algorithm for
+``p`` ranks and ``n`` bytes (the size convention of the selector: the whole
+buffer, or for scatter, gather, allgather, reduce_scatter and alltoall the
+p blocks together) under parameters ``P`` (:class:`Params`, resolved for one
+dtype). Formulas register with :func:`cost_model` under (collective, name),
+the same key as the algorithm they describe.
+
+Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
+
+* a message of m bytes costs ``P.msg(m) = alpha + m beta``; a transport
+  that changes protocol with size has piecewise (alpha, beta)
+  (``Params.protocol``);
+* a rank's outgoing and incoming links carry one message at a time, so the
+  messages a rank posts together cost the sum of their ``msg``;
+* reducing m bytes costs ``m gamma`` on the reducing rank;
+* copying m bytes locally costs ``m / mem_bandwidth`` (the simulator does
+  not charge copies; its tests use an infinite bandwidth);
+* a shared-window fence costs ``P.fence`` seconds.
+
+A long message travels in pieces of ``segment_bytes`` (rounded down to whole
+elements); when the receiver reduces each piece as it lands, the stream
+costs :func:`stream` (pieces arrive back to back; the last reduction ends
+the stream).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from collectives.context import SEGMENT_BYTES
+
+__all__ = ["Params", "CostModel", "MODELS", "cost_model", "predict", "lg", "pof2", "nsegments",
+           "segment_sizes", "stream", "even_blocks", "send_sum"]
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameters of the cost model (seconds, bytes).
+
+    Attributes:
+        alpha: latency of one message.
+        beta: seconds per byte of a message.
+        gamma: seconds per byte reduced, for dtypes not in ``gamma_by_dtype``.
+        gamma_by_dtype: seconds per byte reduced, by dtype name (``"float32"``).
+        mem_bandwidth: bytes per second of a local copy (np.copyto).
+        fence: seconds of one shared-window fence.
+        segment_bytes: pipeline segment size of the algorithms.
+        itemsize: element size in bytes (set by :meth:`for_dtype`).
+        protocol: optional piecewise (alpha, beta): tuples
+            ``(up_to_bytes, alpha, beta)`` in increasing size; messages above
+            the last bound use ``alpha`` and ``beta``.
+        source: where the numbers come from (a profile path or "defaults").
+    """
+
+    alpha: float = 5e-6
+    beta: float = 1.0 / 4e9
+    gamma: float = 1.0 / 2e9
+    gamma_by_dtype: dict[str, float] = field(default_factory=dict, compare=False)
+    mem_bandwidth: float = 8e9
+    fence: float = 2e-6
+    segment_bytes: int = SEGMENT_BYTES
+    itemsize: int = 8
+    protocol: tuple[tuple[int, float, float], ...] = ()
+    source: str = "defaults"
+
+    def for_dtype(self, dtype: Any) -> "Params":
+        """These parameters with ``gamma`` and ``itemsize`` of ``dtype``."""
+        dt = np.dtype(dtype)
+        gamma = self.gamma_by_dtype.get(dt.name, self.gamma)
+        if gamma == self.gamma and dt.itemsize == self.itemsize:
+            return self
+        return replace(self, gamma=gamma, itemsize=dt.itemsize)
+
+    def msg(self, m: float) -> float:
+        """Seconds of one message of ``m`` bytes."""
+        for bound, a, b in self.protocol:
+            if m <= bound:
+                return a + m * b
+        return self.alpha + m * self.beta
+
+    def copy(self, m: float) -> float:
+        """Seconds of a local copy of ``m`` bytes."""
+        return m / self.mem_bandwidth if self.mem_bandwidth > 0 and math.isfinite(self.mem_bandwidth) else 0.0
+
+    @property
+    def segment(self) -> int:
+        """Bytes of one pipeline piece (whole elements, at least one)."""
+        return max(1, self.segment_bytes // self.itemsize) * self.itemsize
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (see :mod:`collectives.cost_models.calibrate`)."""
+        return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
+                "gamma_by_dtype": dict(self.gamma_by_dtype), "mem_bandwidth": self.mem_bandwidth,
+                "fence": self.fence, "segment_bytes": self.segment_bytes,
+                "protocol": [list(t) for t in self.protocol], "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Params":
+        """Inverse of :meth:`as_dict` (unknown keys ignored)."""
+        known = {k: d[k] for k in ("alpha", "beta", "gamma", "mem_bandwidth", "fence", "segment_bytes",
+                                   "source") if k in d}
+        return cls(**known, gamma_by_dtype=dict(d.get("gamma_by_dtype", {})),
+                   protocol=tuple(tuple(t) for t in d.get("protocol", ())))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A registered formula.
+
+    Attributes:
+        collective, name: the algorithm it describes.
+        func: ``func(p, n, P) -> seconds``.
+        summary: first line of its docstring.
+    """
+
+    collective: str
+    name: str
+    func: Callable[[int, int, Params], float]
+    summary: str
+
+
+MODELS: dict[tuple[str, str], CostModel] = {}
+
+
+def cost_model(collective: str, name: str) -> Callable:
+    """Decorator: register ``func(p, n, P)`` as the formula of (collective, name)."""
+    def deco(func: Callable[[int, int, Params], float]) -> Callable:
+        summary = (func.__doc__ or "").strip().split("\n")[0]
+        MODELS[(collective, name)] = CostModel(collective, name, func, summary)
+        return func
+    return deco
+
+
+def predict(collective: str, name: str, p: int, nbytes: int, params: Params | None = None,
+            dtype: Any = np.float32) -> float:
+    """Predicted seconds of algorithm ``name`` of ``collective``.
+
+    Args:
+        collective, name: the algorithm.
+        p: number of ranks.
+        nbytes: message size (the selector's convention).
+        params: model parameters (default: :class:`Params` defaults).
+        dtype: element type (sets gamma and the element size).
+
+    Returns:
+        Seconds; 0 for p == 1 where the algorithm does nothing.
+    """
+    from . import _load
+
+    _load()
+    model = MODELS[(collective, name)]
+    P = (params or Params()).for_dtype(dtype)
+    nbytes = int(nbytes) - int(nbytes) % P.itemsize
+    return float(model.func(int(p), nbytes, P))
+
+
+# ------------------------------------------------------------ shared terms
+
+
+def lg(p: int) -> int:
+    """ceil(log2 p) (0 for p <= 1)."""
+    return max(p - 1, 0).bit_length()
+
+
+def pof2(p: int) -> int:
+    """The largest power of two not above p."""
+    return 1 << (max(p, 1).bit_length() - 1)
+
+
+def even_blocks(n: int, parts: int, itemsize: int) -> list[int]:
+    """Bytes of ``parts`` blocks that differ by at most one element (as the algorithms cut)."""
+    q, r = divmod(n // itemsize, parts)
+    return [(q + (1 if i < r else 0)) * itemsize for i in range(parts)]
+
+
+def segment_sizes(n: int, P: Params) -> list[int]:
+    """Bytes of the pieces a message of ``n`` bytes travels in (none for n == 0)."""
+    seg = P.segment
+    full, rest = divmod(n, seg)
+    return [seg] * full + ([rest] if rest else [])
+
+
+def nsegments(n: int, P: Params) -> int:
+    """Number of pieces of an n-byte message."""
+    return -(-n // P.segment)
+
+
+def send_sum(n: int, P: Params) -> float:
+    """Seconds to send n bytes as back-to-back pieces over one link."""
+    return sum(P.msg(m) for m in segment_sizes(n, P))
+
+
+def stream(n: int, P: Params, reduce: bool = True) -> float:
+    """Seconds to receive n bytes in pieces and reduce each piece as it lands.
+
+    Piece i arrives at ``A_i`` (the pieces' messages back to back) and its
+    reduction starts when both it and the previous reduction are done; the
+    stream ends with the last reduction: ``max_i (A_i + sum_{j >= i} m_j gamma)``.
+    """
+    sizes = segment_sizes(n, P)
+    if not reduce:
+        return sum(P.msg(m) for m in sizes)
+    t_arrive, t_done = 0.0, 0.0
+    for m in sizes:
+        t_arrive += P.msg(m)
+        t_done = max(t_done, t_arrive) + m * P.gamma
+    return t_done

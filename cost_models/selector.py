@@ -1,0 +1,149 @@
+"""``ModelSelector``: the algorithm with the least predicted time.
+
+Implements the :class:`collectives.selection.Selector` protocol. For a
+collective, size, p, dtype and the transport's capabilities it predicts
+every registered algorithm the transport can run (``needs`` a subset of the
+capabilities) with the formulas of :mod:`collectives.cost_models` and the
+parameters of the transport's calibration profile, and picks the least.
+Decisions are cached per (collective, size bucket, p, itemsize,
+capabilities); a bucket is decided on its lower bound so that every rank
+decides alike, so the hot path costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from collectives.errors import BadArgument
+from collectives.registry import algorithms_for
+from collectives.selection import size_bucket
+
+from .model import MODELS, Params, predict
+
+__all__ = ["ModelSelector", "Explanation", "Candidate"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One algorithm's prediction.
+
+    Attributes:
+        name: the algorithm.
+        seconds: predicted time (inf when the transport cannot run it).
+        runnable: whether the transport offers what it needs.
+        needs: capabilities it needs.
+        formula: one line of its cost model.
+    """
+
+    name: str
+    seconds: float
+    runnable: bool
+    needs: frozenset[str]
+    formula: str
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why an algorithm is chosen.
+
+    Attributes:
+        collective, nbytes, p, dtype: the call.
+        params: the parameters used.
+        candidates: every algorithm, fastest first (runnable before others).
+        choice: the chosen algorithm.
+    """
+
+    collective: str
+    nbytes: int
+    p: int
+    dtype: str
+    params: Params
+    candidates: list[Candidate]
+    choice: str
+
+    def table(self) -> str:
+        """A printable table of the candidates and the parameters."""
+        P = self.params
+        lines = [f"{self.collective}: {self.nbytes} bytes, {self.p} ranks, {self.dtype}",
+                 f"params ({P.source}): alpha={P.alpha * 1e6:.3f} us, beta={P.beta * 1e9:.4f} ns/B "
+                 f"({1e-9 / P.beta if P.beta else float('inf'):.2f} GB/s), gamma={P.gamma * 1e9:.4f} ns/B, "
+                 f"memory {P.mem_bandwidth / 1e9:.2f} GB/s, fence={P.fence * 1e6:.2f} us, "
+                 f"segment={P.segment_bytes} B",
+                 f"{'algorithm':40s} {'predicted':>14s}  formula"]
+        for c in self.candidates:
+            t = f"{c.seconds * 1e6:11.2f} us" if c.runnable else f"{'(needs ' + ','.join(sorted(c.needs)) + ')':>14s}"
+            mark = "*" if c.name == self.choice else " "
+            lines.append(f"{mark}{c.name:39s} {t}  {c.formula}")
+        lines.append(f"choice: {self.choice}")
+        return "\n".join(lines)
+
+
+class ModelSelector:
+    """Picks the algorithm with the least predicted time.
+
+    Args:
+        params: model parameters; default: the calibration profile of
+            ``transport`` (see :func:`collectives.cost_models.calibrate.load_profile`),
+            or the documented defaults.
+        transport: name of the transport whose profile to load.
+    """
+
+    def __init__(self, params: Params | None = None, transport: str | None = None) -> None:
+        if params is None:
+            from .calibrate import load_profile
+
+            params = load_profile(transport or "shm")
+        self.params = params
+        self.transport = transport
+        self._cache: dict[tuple, str] = {}
+
+    def choose(self, collective: str, nbytes: int, p: int, dtype: np.dtype,
+               capabilities: frozenset[str]) -> str:
+        """Name of the algorithm to run (see :class:`collectives.selection.Selector`)."""
+        dtype = np.dtype(dtype)
+        key = (collective, size_bucket(nbytes), p, dtype.itemsize, capabilities)
+        name = self._cache.get(key)
+        if name is None:
+            canonical = 1 << (key[1] - 1) if nbytes else 0
+            name = self.explain(collective, canonical, p, dtype, capabilities).choice
+            self._cache[key] = name
+        return name
+
+    def explain(self, collective: str, nbytes: int, p: int, dtype: Any = np.float32,
+                capabilities: frozenset[str] | None = None) -> Explanation:
+        """Every candidate's predicted time and the choice.
+
+        Args:
+            collective: the collective.
+            nbytes: message size (the selector's convention).
+            p: number of ranks.
+            dtype: element type.
+            capabilities: the transport's capabilities (default: none).
+
+        Returns:
+            An :class:`Explanation`.
+        """
+        from . import _load
+
+        _load()
+        capabilities = frozenset(capabilities or ())
+        dtype = np.dtype(dtype)
+        cands = []
+        for algo in algorithms_for(collective).values():
+            runnable = algo.needs <= capabilities
+            model = MODELS.get((collective, algo.name))
+            seconds = predict(collective, algo.name, p, nbytes, self.params, dtype) if model else float("inf")
+            cands.append(Candidate(algo.name, seconds if runnable else float("inf"), runnable, algo.needs,
+                                   model.summary if model else "(no cost model)"))
+        runnable = [c for c in cands if c.runnable]
+        if not runnable:
+            raise BadArgument(f"no {collective} algorithm can run on a transport offering "
+                              f"{sorted(capabilities) or 'no capabilities'}")
+        # The transport's own collective is a baseline, never the automatic choice.
+        pool = [c for c in runnable if c.name != "native"] or runnable
+        choice = min(pool, key=lambda c: c.seconds).name
+        cands.sort(key=lambda c: (not c.runnable, c.seconds))
+        return Explanation(collective, int(nbytes), int(p), dtype.name, self.params, cands, choice)

@@ -1,0 +1,71 @@
+"""Formulas of the shared-window algorithms (collectives.algorithms.window).
+
+Their cost is memory traffic and fences, not messages: ``copy(m)`` is a
+local copy of m bytes at the memory bandwidth, ``F`` one fence (a barrier
+through shared memory), gamma the reduction of one byte. Below
+``DIRECT_BYTES`` data goes through the window (copy in, fence, copy out);
+from it on, ranks publish their buffers (one fence) and read each other's
+directly (one copy), with a closing fence.
+
+* allreduce, n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma
+  (every rank reduces all p vectors itself).
+* allreduce, larger: publish F, each rank reads and reduces its 1/p from
+  every rank ((p-1)/p n copy and (p-1)/p n gamma), F, reads the others'
+  reduced blocks ((p-1)/p n copy), F:
+  T = 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma.
+* reduce_scatter: 2F + (p-1) copy(b) + (p-1) b gamma (direct), or
+  copy((p-1) b) + F + (p-1) b gamma through the window.
+* allgather: 2F + (p-1) copy(b) (direct), or copy(b) + F + (p-1) copy(b).
+* bcast: 2F + copy(n) (direct), or 2 copy(n) + F.
+"""
+
+from __future__ import annotations
+
+from .model import Params, cost_model
+
+SMALL_BYTES = 32 * 1024
+SMALL_TOTAL_BYTES = 1 << 20
+DIRECT_BYTES = 64 * 1024
+
+
+@cost_model("allreduce", "shared_window")
+def allreduce(p: int, n: int, P: Params) -> float:
+    """copy(n) + F + (p-1) n gamma small; 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma large."""
+    if p == 1 or n == 0:
+        return 0.0
+    if n <= max(SMALL_BYTES, SMALL_TOTAL_BYTES // p):
+        return P.copy(n) + P.fence + (p - 1) * n * P.gamma
+    share = (p - 1) / p * n
+    return 3 * P.fence + 2 * P.copy(share) + share * P.gamma
+
+
+@cost_model("reduce_scatter", "shared_window")
+def reduce_scatter(p: int, n: int, P: Params) -> float:
+    """2F + (p-1) copy(b) + (p-1) b gamma."""
+    if p == 1:
+        return P.copy(n)
+    b = n / p
+    if n >= DIRECT_BYTES:
+        return 2 * P.fence + P.copy((p - 1) * b) + (p - 1) * b * P.gamma
+    return P.copy((p - 1) * b) + P.fence + (p - 1) * b * P.gamma
+
+
+@cost_model("allgather", "shared_window")
+def allgather(p: int, n: int, P: Params) -> float:
+    """2F + (p-1) copy(b)."""
+    if p == 1 or n == 0:
+        return 0.0
+    b = n / p
+    if n >= DIRECT_BYTES:
+        return 2 * P.fence + P.copy((p - 1) * b)
+    return P.copy(b) + P.fence + P.copy((p - 1) * b)
+
+
+@cost_model("bcast", "shared_window")
+def bcast(p: int, n: int, P: Params) -> float:
+    """2F + copy(n)."""
+    if p == 1 or n == 0:
+        return 0.0
+    if n >= DIRECT_BYTES:
+        return 2 * P.fence + P.copy(n)
+    return 2 * P.copy(n) + P.fence

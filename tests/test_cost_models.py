@@ -1,0 +1,113 @@
+"""Cost models: coverage of the algorithms, calibration fits, profiles, selection, explain."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from collectives.cost_models import MODELS, Params, _load, predict
+from collectives.cost_models.calibrate import DEFAULTS, fit_line, fit_piecewise, load_profile, profile_path
+from collectives.cost_models.explain import main as explain_main, parse_bytes
+from collectives.cost_models.selector import ModelSelector
+from collectives.registry import all_algorithms, algorithms_for
+
+
+def test_every_algorithm_has_a_model_and_every_model_an_algorithm() -> None:
+    _load()
+    algos = {(a.collective, a.name) for a in all_algorithms()}
+    assert algos - set(MODELS) == set(), "algorithms without a cost model"
+    assert set(MODELS) - algos == set(), "cost models without an algorithm"
+
+
+@pytest.mark.parametrize("key", sorted({(a.collective, a.name) for a in all_algorithms()}))
+def test_predictions_are_finite_and_grow_with_size(key) -> None:
+    collective, name = key
+    P = Params()
+    for p in (1, 2, 3, 8, 1000):
+        small = predict(collective, name, p, 8 * p, P)
+        large = predict(collective, name, p, 1000 * 8 * p, P)
+        assert math.isfinite(small) and small >= 0
+        assert large >= small
+
+
+def test_textbook_forms_for_powers_of_two() -> None:
+    P = Params(alpha=1e-6, beta=1e-9, gamma=0.0, mem_bandwidth=math.inf)
+    n, p = 1 << 16, 16
+    assert predict("allgather", "ring", p, n, P) == pytest.approx((p - 1) * (1e-6 + n / p * 1e-9))
+    assert predict("allgather", "recursive_doubling", p, n, P) == pytest.approx(4e-6 + (p - 1) / p * n * 1e-9)
+    assert predict("bcast", "binomial", p, n, P) == pytest.approx(4 * (1e-6 + n * 1e-9))
+    assert predict("barrier", "dissemination", 1000, 0, P) == pytest.approx(10e-6)
+
+
+def test_gamma_per_dtype() -> None:
+    P = Params(gamma=1e-9, gamma_by_dtype={"float16": 4e-9})
+    assert predict("allreduce", "ring", 4, 1 << 16, P, np.float16) > predict("allreduce", "ring", 4, 1 << 16, P, np.float32)
+
+
+def test_fit_line_recovers_parameters() -> None:
+    sizes = [0, 64, 1024, 16384, 1 << 20]
+    alpha, beta, err = fit_line(sizes, [3e-6 + n * 2e-10 for n in sizes])
+    assert alpha == pytest.approx(3e-6, rel=1e-6) and beta == pytest.approx(2e-10, rel=1e-6) and err < 1e-9
+
+
+def test_fit_piecewise_finds_the_protocol_switch() -> None:
+    sizes = [0, 8, 64, 512, 4096, 32768, 262144, 1 << 20, 4 << 20]
+    times = [1e-6 + n * 1e-9 if n <= 4096 else 20e-6 + n * 2e-10 for n in sizes]
+    fit = fit_piecewise(sizes, times)
+    assert fit["protocol"] and fit["protocol"][0][0] == 4096
+    assert fit["alpha"] == pytest.approx(20e-6, rel=1e-3) and fit["beta"] == pytest.approx(2e-10, rel=1e-3)
+    P = Params(alpha=fit["alpha"], beta=fit["beta"], protocol=tuple(tuple(t) for t in fit["protocol"]))
+    assert P.msg(512) == pytest.approx(1e-6 + 512e-9, rel=1e-3)
+
+
+def test_profiles_default_and_override(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("COLLECTIVES_PROFILE", str(tmp_path))
+    assert load_profile("shm") == DEFAULTS["shm"]
+    path = profile_path("shm")
+    assert path.parent == tmp_path
+    path.write_text(json.dumps(Params(alpha=7e-6, gamma_by_dtype={"float32": 1e-10}).as_dict()))
+    loaded = load_profile("shm")
+    assert loaded.alpha == 7e-6 and loaded.gamma_by_dtype == {"float32": 1e-10}
+    assert loaded.source == str(path)
+
+
+def test_selector_picks_least_predicted_runnable() -> None:
+    sel = ModelSelector(Params(alpha=1e-6, beta=1e-9, gamma=1e-10))
+    for collective in ("bcast", "allreduce", "allgather", "reduce_scatter", "alltoall", "barrier"):
+        for nbytes in (8, 1 << 12, 1 << 22):
+            exp = sel.explain(collective, nbytes, 8, np.float32, frozenset())
+            runnable = [c for c in exp.candidates if c.runnable and c.name != "native"]
+            assert exp.choice == min(runnable, key=lambda c: c.seconds).name
+            assert not algorithms_for(collective)[exp.choice].needs
+    assert sel.choose("allreduce", 8, 8, np.dtype(np.float32), frozenset()) == "recursive_doubling"
+    assert sel.choose("allreduce", 1 << 24, 8, np.dtype(np.float32), frozenset()) in ("rabenseifner", "ring")
+    assert sel.choose("allreduce", 1 << 24, 8, np.dtype(np.float32), frozenset({"window"})) == "shared_window"
+    assert len(sel._cache) == 3
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("4M") == 4 << 20 and parse_bytes("512") == 512 and parse_bytes("64KiB") == 64 << 10
+
+
+def test_explain_cli(capsys) -> None:
+    assert explain_main(["allreduce", "--bytes", "4M", "-n", "8", "--transport", "shm"]) == 0
+    out = capsys.readouterr().out
+    for name in ("ring", "rabenseifner", "recursive_doubling", "mst", "shared_window", "choice:"):
+        assert name in out
+
+
+def test_calibrate_on_shared_memory(tmp_path) -> None:
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "-m", "collectives.cost_models.calibrate", "--transport", "shm",
+                           "-n", "2", "--quick", "--out", str(out), "--timeout", "120"],
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["transport"] == "shm" and data["alpha"] > 0 and data["beta"] > 0
+    assert data["gamma_by_dtype"]["float32"] > 0 and data["mem_bandwidth"] > 0
+    assert load_profile("shm", out).alpha == data["alpha"]
