@@ -66,7 +66,8 @@ class Communicator:
         self.rank: int = transport.rank
         self.size: int = transport.size
         self.timeout = float(timeout)
-        self.selector: Selector = selector if selector is not None else RuleSelector()
+        self._persistent: dict[tuple, tuple[Callable, Algorithm] | None] = {}
+        self.selector = selector if selector is not None else RuleSelector()
         self.segment_bytes = segment_bytes
         self._capabilities = frozenset(transport.capabilities)
         self._seq = 0
@@ -81,6 +82,16 @@ class Communicator:
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
+
+    @property
+    def selector(self) -> Selector:
+        """Chooses the algorithm of ``algorithm="auto"`` calls."""
+        return self._selector
+
+    @selector.setter
+    def selector(self, selector: Selector) -> None:
+        self._selector = selector
+        self._persistent.clear()  # prepared plans follow the old choices
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, transport={self.transport.name!r})"
@@ -167,6 +178,40 @@ class Communicator:
                 f"which transport {self.transport.name!r} does not offer")
         self._algorithms[(collective, name)] = algo
         return algo
+
+    def _persistent_key(self, buf: Any, op: Any, algorithm: str, out: Any) -> tuple | None:
+        """Key of a call that may use a prepared plan: a blocking call on a 1-D
+        numpy array, in place, with an op given by name."""
+        if out is None and type(buf) is np.ndarray and type(op) is str and buf.ndim == 1:
+            return (buf.dtype, buf.size, op, algorithm)
+        return None
+
+    def _run_persistent(self, entry: tuple[Callable, Algorithm], buf: np.ndarray,
+                        timeout: float | None) -> bool:
+        """Run a prepared plan; False (nothing done) when the call needs the full path."""
+        flags = buf.flags
+        if (self._broken is not None or self._closed or not self._lane.idle
+                or not flags.c_contiguous or not flags.writeable):
+            return False
+        run, algo = entry
+        self._seq = (self._seq + 1) % _TAG_SPACE  # keep tags in step with the full path
+        try:
+            run(buf, time.monotonic() + (self.timeout if timeout is None else float(timeout)))
+        except BaseException as exc:
+            self._fail(algo, exc)
+            raise
+        return True
+
+    def _remember_plan(self, key: tuple, plan: _Plan, op: Op) -> None:
+        """Prepare (once per key) the algorithm's persistent plan, if it has one."""
+        algo, arr = plan.algo, plan.args[0]
+        entry = None
+        if algo.prepare is not None and plan.finalize is None and not self._stages:
+            run = algo.prepare(self.transport, arr.nbytes, arr.dtype, op)
+            entry = (run, algo) if run is not None else None
+        if len(self._persistent) >= 256:
+            self._persistent.clear()
+        self._persistent[key] = entry
 
     def _next_tag(self) -> int:
         self._seq = (self._seq + 1) % _TAG_SPACE
@@ -416,7 +461,15 @@ class Communicator:
         Returns:
             The buffer holding the result (``buf`` or ``out``).
         """
-        return self._call(self._plan_allreduce(buf, op, algorithm, out), timeout)
+        key = self._persistent_key(buf, op, algorithm, out)
+        if key is not None:
+            entry = self._persistent.get(key, False)
+            if entry and self._run_persistent(entry, buf, timeout):
+                return buf
+        plan = self._plan_allreduce(buf, op, algorithm, out)
+        if key is not None and entry is False:
+            self._remember_plan(key, plan, plan.args[1])
+        return self._call(plan, timeout)
 
     def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
                    timeout: float | None = None, out: Any = None) -> Handle:

@@ -48,6 +48,11 @@ class Algorithm:
         func: the implementation, ``func(ctx, ...)``.
         needs: transport capabilities it requires (e.g. ``{"window"}``).
         description: one line for ``explain`` and docs.
+        prepare: optional persistent plan, ``prepare(transport, nbytes, dtype, op)``
+            returning ``run(buf, deadline)`` (or None where it does not apply):
+            the work that does not depend on the data (views, offsets,
+            checks) done once per buffer shape, as MPI's persistent
+            collectives do. Only for blocking calls on contiguous numpy arrays.
     """
 
     collective: str
@@ -55,6 +60,7 @@ class Algorithm:
     func: Callable = field(compare=False)
     needs: frozenset[str] = frozenset()
     description: str = ""
+    prepare: Callable | None = field(default=None, compare=False)
 
 
 _ALGORITHMS: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
@@ -63,14 +69,16 @@ _load_lock = threading.RLock()
 
 
 def register(collective: str, name: str, needs: tuple[str, ...] = (),
-             description: str = "") -> Callable[[Callable], Callable]:
-    """Decorator: register ``func`` as algorithm ``name`` of ``collective``."""
+             description: str = "", prepare: Callable | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: register ``func`` as algorithm ``name`` of ``collective``
+    (``prepare``: its persistent plan, see :class:`Algorithm`)."""
     if collective not in _ALGORITHMS:
         raise ValueError(f"unknown collective {collective!r}")
 
     def deco(func: Callable) -> Callable:
         doc = description or (func.__doc__ or "").strip().split("\n")[0]
-        _ALGORITHMS[collective][name] = Algorithm(collective, name, func, frozenset(needs), doc)
+        _ALGORITHMS[collective][name] = Algorithm(collective, name, func, frozenset(needs), doc,
+                                                   prepare)
         return func
 
     return deco

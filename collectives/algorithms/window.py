@@ -84,10 +84,13 @@ class _WindowState:
 
 
 def _state_of(ctx) -> tuple[object, _WindowState]:
-    window = ctx.transport.window
+    return _window_state(ctx.transport.window, ctx.size)
+
+
+def _window_state(window, size: int) -> tuple[object, _WindowState]:
     st = _state.get(window)
     if st is None:
-        st = _state[window] = _WindowState(window, ctx.size)
+        st = _state[window] = _WindowState(window, size)
     return window, st
 
 
@@ -147,14 +150,45 @@ def _striped(counts: list[int], step: int):
 # ------------------------------------------------------------------ allreduce
 
 
-@register("allreduce", "shared_window", needs=("window",),
+def _single_fence(nbytes: int, p: int, st: _WindowState) -> bool:
+    """Whether ``nbytes`` take the one-fence path (every rank's copy in the window)."""
+    return nbytes <= min(max(SMALL_BYTES, SMALL_TOTAL_BYTES // p), st.half)
+
+
+def _prepare_allreduce(transport, nbytes: int, dtype: np.dtype, op: Op):
+    """Persistent plan of the one-fence path: both halves' views made once, so a
+    call is one copy in, one fence and p - 1 ufunc calls."""
+    p, rank = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    if p == 1 or nbytes == 0 or dtype in _LOW or not _single_fence(nbytes, p, st):
+        return None
+    halves = []
+    for off in (META_BYTES, META_BYTES + st.half):
+        views = st.views(off, nbytes, dtype)
+        halves.append((views[rank], views[0], views[1], tuple(views[2:])))
+    fence, ufunc, copyto = window.fence, op.ufunc, np.copyto
+
+    def run(buf: np.ndarray, deadline: float) -> None:
+        h = st.turn & 1
+        st.turn += 1
+        mine, first, second, rest = halves[h]
+        copyto(mine, buf)
+        fence(deadline)
+        ufunc(first, second, out=buf)
+        for v in rest:
+            ufunc(buf, v, out=buf)
+
+    return run
+
+
+@register("allreduce", "shared_window", needs=("window",), prepare=_prepare_allreduce,
           description="single-copy reduction through the shared window (1/p per rank)")
 def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
     p = ctx.size
     if p == 1 or buf.size == 0:
         return
     window, st = _state_of(ctx)
-    if buf.nbytes <= min(max(SMALL_BYTES, SMALL_TOTAL_BYTES // p), st.half):
+    if _single_fence(buf.nbytes, p, st):
         _allreduce_small(ctx, window, st, buf, op)
         return
     if not _allreduce_direct(ctx, window, st, buf, op):
