@@ -182,6 +182,16 @@ def _run_here(ns: argparse.Namespace, colls: list[str], sizes: list[int]) -> int
     return _report(ns, rows, [], {"p": runner.size, "transport": runner.transport})
 
 
+def _profile(transport: str) -> Any:
+    """The transport's cost-model parameters (calibrated or defaults), or None."""
+    try:
+        from collectives.cost_models.calibrate import load_profile
+
+        return load_profile(transport)
+    except Exception:
+        return None
+
+
 def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str], ours: dict[str, Any]) -> int:
     """Print the tables, write JSON and plots; status 3 when a result was wrong."""
     buffers = "comm.alloc (shared memory)" if ns.alloc else "numpy"
@@ -207,7 +217,8 @@ def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str]
         with open(ns.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
     if ns.plot:
-        written = plot_results(rows, ns.plot, f"{ours['p']} ranks, {ours['transport']}")
+        written = plot_results(rows, ns.plot, f"{ours['p']} ranks, {ours['transport']}", p=ours["p"],
+                               params=_profile(ours["transport"]))
         print("# plots: " + (", ".join(written) if written else "matplotlib is not installed"))
     return 0 if wrong == 0 else 3
 

@@ -19,7 +19,7 @@ import argparse
 import json
 import statistics
 import sys
-import time
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -32,12 +32,12 @@ DEFAULT_COLLECTIVES = ("bcast", "allgather", "reduce", "allreduce", "reduce_scat
 def _args(collective: str, comm, count: int, dtype):
     """Buffers of one call (count elements in the selector's size convention)."""
     p = comm.size
-    if collective in ("bcast",):
-        return lambda algo: comm.bcast(np.ones(count, dtype), 0, algorithm=algo)
+    buf = np.ones(count, dtype)  # made once: the timed call moves data, nothing else
+    if collective == "bcast":
+        return lambda algo: comm.bcast(buf, 0, algorithm=algo)
     if collective == "reduce":
-        return lambda algo: comm.reduce(np.ones(count, dtype), 0, algorithm=algo)
+        return lambda algo: comm.reduce(buf, 0, algorithm=algo)
     if collective == "allreduce":
-        buf = np.ones(count, dtype)
         return lambda algo: comm.allreduce(buf, algorithm=algo)
     block = max(count // p, 1)
     if collective == "allgather":
@@ -52,25 +52,18 @@ def _args(collective: str, comm, count: int, dtype):
     raise ValueError(collective)
 
 
-def _measure(comm, call, algo: str, repeats: int) -> float:
-    """Best of ``repeats`` of the slowest rank's time."""
-    call(algo)  # warm-up (scratch, window state)
-    best = float("inf")
-    stamp = np.zeros(1)
-    for _ in range(repeats):
-        comm.barrier()
-        t0 = time.perf_counter()
-        call(algo)
-        stamp[0] = time.perf_counter() - t0
-        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
-        best = min(best, float(stamp[0]))
-    return best
+def _measure(comm, call, algo: str, repeats: int, nbytes: int) -> float:
+    """Best of ``repeats`` (fewer for large sizes) of the slowest rank's time."""
+    from collectives.cost_models.calibrate import slowest_best
+
+    reps = repeats if nbytes <= (1 << 20) else max(2, repeats // 3)
+    return slowest_best(comm, lambda: call(algo), reps)
 
 
 def rank_main(ns) -> int:
     import collectives
     from collectives.cost_models import predict
-    from collectives.cost_models.calibrate import load_profile
+    from collectives.cost_models.calibrate import host_cores, load_profile
     from collectives.cost_models.explain import parse_bytes
     from collectives.cost_models.selector import ModelSelector
     from collectives.registry import algorithms_for
@@ -79,6 +72,8 @@ def rank_main(ns) -> int:
     comm = collectives.init()
     caps = frozenset(comm.transport.capabilities)
     params = load_profile(comm.transport.name)
+    if not params.cores:  # every rank of this job runs on this host
+        params = replace(params, cores=host_cores())
     dtype = np.dtype(np.float32)
     rows, regrets = [], []
     model_sel, rule_sel = ModelSelector(params), RuleSelector()
@@ -91,7 +86,7 @@ def rank_main(ns) -> int:
             measured = {}
             for name, algo in algorithms_for(collective).items():
                 if algo.needs <= caps and name != "native":
-                    measured[name] = _measure(comm, call, name, ns.repeats)
+                    measured[name] = _measure(comm, call, name, ns.repeats, nbytes)
             for name, t in measured.items():
                 pred = predict(collective, name, comm.size, nbytes, params, dtype)
                 rows.append({"collective": collective, "algorithm": name, "bytes": nbytes, "p": comm.size,

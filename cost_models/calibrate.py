@@ -3,14 +3,25 @@
     collectives calibrate [--transport NAME] [-n P] [--out PATH] [--quick]
 
 starts P local ranks (2 by default; ``mpiexec`` for ``--transport mpi``).
-Ranks 0 and 1 run a ping-pong sweep from 0 bytes to 4 MiB; half the best
+Ranks 0 and 1 run a ping-pong sweep from 0 bytes to 64 MiB; half the best
 round trip per size is fitted to ``alpha + n beta`` by least squares,
 weighted by 1/t so that small messages count. Where the transport changes
-protocol with size, a two-piece fit (the breakpoint chosen among the
-measured sizes) replaces the single line when it cuts the error by half:
-the lower piece goes to ``protocol``. Rank 0 also measures gamma per dtype
-(seconds per byte of ``np.add(a, b, out=a)`` on 4 MiB), the copy bandwidth
-(``np.copyto`` of 64 MiB) and the fence (a barrier of all ranks).
+protocol with size, a piecewise fit (up to three pieces, the breakpoints
+chosen among the measured sizes) replaces the single line when each piece
+cuts the error by a tenth or more (a protocol change, or messages that no
+longer fit the caches): the lower pieces go to ``protocol``. Rank 0 also
+measures gamma per dtype (seconds per byte of ``np.add(a, b, out=a)`` on 4 MiB), the copy bandwidth
+(``np.copyto`` of 64 MiB) and the fence (the shared window's fence where
+the transport has one, else a barrier of all ranks).
+
+Then every rank runs a few small collectives (allreduce by recursive
+doubling and by reduce + bcast, bcast and reduce by binomial tree, at 8 B
+and 4 KiB): their times, less what the fitted model already predicts, are
+fitted by least squares to ``call + k overhead``, k being the number of
+messages on the algorithm's critical path. ``overhead`` is the CPU cost an
+algorithm adds around each message (LogP's o) and ``call`` the fixed cost
+of one call. For shared memory, whose ranks share one host by
+construction, the profile also records the host's cores (``cores``).
 
 Profiles are JSON (:meth:`Params.as_dict` plus ``transport``, ``host``,
 ``ranks`` and the raw sweep), one per transport and host, in
@@ -23,6 +34,7 @@ for every transport. :func:`load_profile` falls back to :data:`DEFAULTS`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -30,6 +42,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,8 +50,8 @@ import numpy as np
 
 from .model import Params
 
-__all__ = ["main", "load_profile", "profile_path", "fit_line", "fit_piecewise", "DEFAULTS",
-           "measure_gamma", "measure_copy_bandwidth"]
+__all__ = ["main", "load_profile", "profile_path", "fit_line", "fit_piecewise", "fit_overheads", "DEFAULTS",
+           "measure_gamma", "measure_copy_bandwidth", "measure_probes", "slowest_best", "host_cores"]
 
 #: Parameters used when a transport has no profile (seconds, bytes/s).
 #: shm: copy through a shared ring, a few microseconds per message;
@@ -51,7 +64,7 @@ DEFAULTS: dict[str, Params] = {
     "sim": Params(alpha=2e-6, beta=1e-10, gamma=2.5e-10, mem_bandwidth=math.inf, fence=2e-6),
 }
 GENERIC = Params()
-SWEEP_BYTES = [0, 8, 64, 512, 2048, 8192, 32768, 131072, 524288, 1 << 20, 4 << 20]
+SWEEP_BYTES = [0, 8, 64, 512, 2048, 8192, 32768, 131072, 524288, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 GAMMA_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 
 
@@ -107,21 +120,41 @@ def fit_line(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, flo
     return alpha, beta, err
 
 
-def fit_piecewise(sizes: Sequence[float], times: Sequence[float]) -> dict[str, Any]:
-    """One line, or two pieces split at a measured size when that halves the error.
+def _fit_pieces(sizes: Sequence[float], times: Sequence[float], cuts: Sequence[int]) -> tuple[list, float]:
+    """Lines fitted on the pieces ``sizes[cuts[i]:cuts[i+1]]``; (pieces, overall error)."""
+    bounds = [0, *cuts, len(sizes)]
+    pieces, sq = [], 0.0
+    for lo, hi in zip(bounds, bounds[1:]):
+        a, b, e = fit_line(sizes[lo:hi], times[lo:hi])
+        pieces.append((int(sizes[hi - 1]), a, b))
+        sq += e * e * (hi - lo)
+    return pieces, math.sqrt(sq / len(sizes))
+
+
+def fit_piecewise(sizes: Sequence[float], times: Sequence[float], max_pieces: int = 3,
+                  min_points: int = 3) -> dict[str, Any]:
+    """A line per size range: one more piece (split at measured sizes) each time
+    it cuts the error by a tenth, up to ``max_pieces`` of at least ``min_points``.
 
     Returns:
-        ``{"alpha", "beta", "protocol", "error"}`` (protocol: [(bound, alpha, beta)] or []).
+        ``{"alpha", "beta", "protocol", "error"}``: the last piece's line, and
+        the lower pieces as ``protocol`` ``[(up_to_bytes, alpha, beta), ...]``.
     """
-    alpha, beta, err = fit_line(sizes, times)
-    best = {"alpha": alpha, "beta": beta, "protocol": [], "error": err}
-    for k in range(3, len(sizes) - 2):
-        a1, b1, e1 = fit_line(sizes[:k], times[:k])
-        a2, b2, e2 = fit_line(sizes[k:], times[k:])
-        e = math.sqrt((e1 ** 2 * k + e2 ** 2 * (len(sizes) - k)) / len(sizes))
-        if e < best["error"] / 2 and e < err / 2:
-            best = {"alpha": a2, "beta": b2, "protocol": [(int(sizes[k - 1]), a1, b1)], "error": e}
-    return best
+    n = len(sizes)
+    pieces, err = _fit_pieces(sizes, times, [])
+    for count in range(2, max_pieces + 1):
+        best = None
+        for cuts in itertools.combinations(range(min_points, n - min_points + 1), count - 1):
+            if any(b - a < min_points for a, b in zip(cuts, cuts[1:])):
+                continue
+            cand = _fit_pieces(sizes, times, cuts)
+            if best is None or cand[1] < best[1]:
+                best = cand
+        if best is None or best[1] >= 0.9 * err:
+            break
+        pieces, err = best
+    *lower, (_, alpha, beta) = pieces
+    return {"alpha": alpha, "beta": beta, "protocol": lower, "error": err}
 
 
 # --------------------------------------------------------------- measuring
@@ -158,12 +191,107 @@ def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:
     return nbytes / _best(lambda: np.copyto(dst, src), repeats)
 
 
+def slowest_best(comm, call, repeats: int) -> float:
+    """Best of ``repeats`` (after one warm-up) of the slowest rank's time of ``call()``."""
+    call()
+    best = math.inf
+    stamp = np.zeros(1)
+    for _ in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        call()
+        stamp[0] = time.perf_counter() - t0
+        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
+        best = min(best, float(stamp[0]))
+    return best
+
+
+def _window_fence(comm, rounds: int, runs: int = 10) -> float | None:
+    """Seconds of the shared window's fence (the best of ``runs`` means over
+    ``rounds`` fences), or None without a window."""
+    window = getattr(comm.transport, "window", None) if "window" in comm.transport.capabilities else None
+    if window is None:
+        return None
+    stamp = np.zeros(1)
+    best = math.inf
+    for _ in range(runs):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            window.fence(time.monotonic() + comm.timeout)
+        stamp[0] = (time.perf_counter() - t0) / rounds
+        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
+        best = min(best, float(stamp[0]))
+    return best
+
+
+#: Small collectives whose times calibrate ``overhead`` and ``call``.
+PROBES = (("allreduce", "recursive_doubling"), ("allreduce", "mst"), ("bcast", "binomial"),
+          ("reduce", "binomial"))
+PROBE_BYTES = (8, 4096)
+
+
+def _run_probe(comm, collective: str, algorithm: str, count: int):
+    buf = np.ones(count, np.float32)
+    if collective == "allreduce":
+        return lambda: comm.allreduce(buf, algorithm=algorithm)
+    if collective == "bcast":
+        return lambda: comm.bcast(buf, 0, algorithm=algorithm)
+    return lambda: comm.reduce(buf, 0, algorithm=algorithm)
+
+
+def measure_probes(comm, repeats: int) -> list[tuple[str, str, int, float]]:
+    """(collective, algorithm, bytes, seconds) of every probe on every rank."""
+    out = []
+    for collective, algorithm in PROBES:
+        for nbytes in PROBE_BYTES:
+            call = _run_probe(comm, collective, algorithm, nbytes // 4)
+            out.append((collective, algorithm, nbytes, slowest_best(comm, call, repeats)))
+    return out
+
+
+def fit_overheads(probes: Sequence[tuple[str, str, int, float]], params: Params, p: int) -> tuple[float, float]:
+    """Least-squares ``(overhead, call)`` from probe times (both clipped at 0).
+
+    Each probe's residual ``t - predict(o=0, call=0)`` is modelled as
+    ``call + k o`` with ``k`` the derivative of the prediction in ``o``.
+    """
+    from .model import predict
+
+    if p < 2 or not probes:
+        return 0.0, 0.0
+    base = replace(params, overhead=0.0, call=0.0, cores=0)
+    unit = replace(base, overhead=1e-6)
+    rows, rhs = [], []
+    for collective, algorithm, nbytes, t in probes:
+        t0 = predict(collective, algorithm, p, nbytes, base)
+        k = (predict(collective, algorithm, p, nbytes, unit) - t0) / 1e-6
+        rows.append([1.0, k])
+        rhs.append(t - t0)
+    (call, overhead), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    if overhead < 0:
+        overhead, call = 0.0, float(np.median(rhs))
+    if call < 0:
+        call = 0.0
+        ks = np.array([r[1] for r in rows])
+        overhead = max(float(np.dot(ks, rhs) / max(np.dot(ks, ks), 1e-30)), 0.0)
+    return float(overhead), float(call)
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _pingpong(comm, sizes: Sequence[int], quick: bool) -> list[float]:
     """Half the best round trip per size (ranks 0 and 1; other ranks skip)."""
     out = []
     for n in sizes:
         buf = np.zeros(n, np.uint8)
-        reps = 3 if quick else (30 if n <= 65536 else 8)
+        reps = 3 if quick else (30 if n <= 65536 else 8 if n <= 4 << 20 else 3)
         best = math.inf
         for _ in range(reps + 1):
             comm.barrier()
@@ -187,8 +315,11 @@ def rank_main(out: str | None, quick: bool) -> int:
     sizes = SWEEP_BYTES[:8] if quick else SWEEP_BYTES
     times = _pingpong(comm, sizes, quick) if comm.size > 1 else []
     comm.barrier()
-    fence = _best(comm.barrier, 5 if quick else 50)
-    name = comm.transport.name
+    fence = _window_fence(comm, 20 if quick else 50)
+    if fence is None:
+        fence = _best(comm.barrier, 5 if quick else 50)
+    probes = measure_probes(comm, 3 if quick else 20) if comm.size > 1 else []
+    name, p = comm.transport.name, comm.size
     comm.close()
     if comm.rank != 0:
         return 0
@@ -199,16 +330,20 @@ def rank_main(out: str | None, quick: bool) -> int:
     params = Params(alpha=fit["alpha"], beta=fit["beta"], gamma=gammas.get("float32", GENERIC.gamma),
                     gamma_by_dtype=gammas, mem_bandwidth=measure_copy_bandwidth(16 << 20 if quick else 64 << 20),
                     fence=fence, protocol=tuple(tuple(t) for t in fit["protocol"]))
+    overhead, call = fit_overheads(probes, params, p)
+    params = replace(params, overhead=overhead, call=call, cores=host_cores() if name == "shm" else 0)
     path = Path(out) if out else profile_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {**params.as_dict(), "transport": name, "host": socket.gethostname(), "ranks": comm.size,
             "fit_error": fit["error"], "sweep": {"bytes": list(sizes), "seconds": times},
+            "probes": [list(t) for t in probes],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     data.pop("source", None)
     path.write_text(json.dumps(data, indent=2))
     print(f"{name}: alpha={params.alpha * 1e6:.2f} us, beta={params.beta * 1e9:.4f} ns/B "
           f"({1e-9 / max(params.beta, 1e-30):.2f} GB/s), gamma(float32)={params.gamma * 1e9:.3f} ns/B, "
           f"copy {params.mem_bandwidth / 1e9:.2f} GB/s, fence {fence * 1e6:.2f} us, "
+          f"overhead {overhead * 1e6:.2f} us/msg, call {call * 1e6:.2f} us, "
           f"{len(params.protocol) + 1} piece(s), fit error {fit['error']:.1%}\nprofile: {path}")
     return 0
 

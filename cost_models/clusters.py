@@ -115,6 +115,10 @@ def profile_link(transport: str = "shm") -> tuple[Link, str]:
     alpha, beta = _field(profile, "alpha"), _field(profile, "beta")
     if alpha is None or beta is None:
         return FALLBACK_LINK, f"fallback constants (profile for {transport!r} has no alpha/beta)"
+    pieces = getattr(profile, "protocol", None) or ()
+    if pieces:  # latency from the small-message piece, bandwidth from the large one
+        alpha = pieces[0][1]
+    alpha += _field(profile, "overhead") or 0.0
     return Link(alpha, beta, _field(profile, "gamma") or 0.0), f"calibration profile of {transport!r}"
 
 

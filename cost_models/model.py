@@ -17,7 +17,14 @@ Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
 * reducing m bytes costs ``m gamma`` on the reducing rank;
 * copying m bytes locally costs ``m / mem_bandwidth`` (the simulator does
   not charge copies; its tests use an infinite bandwidth);
-* a shared-window fence costs ``P.fence`` seconds.
+* a shared-window fence costs ``P.fence`` seconds;
+* every message also costs its sender and receiver ``P.overhead`` of CPU
+  (LogP's o: the algorithm's bookkeeping around a send or receive), so
+  ``msg(m) = alpha + overhead + m beta``; and every call costs ``P.call``
+  once (argument checks, algorithm choice, the plan), added by
+  :func:`predict`;
+* when more ranks share a host than it has cores (``P.cores``), they take
+  turns: every term stretches by ``p / cores``.
 
 A long message travels in pieces of ``segment_bytes`` (rounded down to whole
 elements); when the receiver reduces each piece as it lands, the stream
@@ -55,6 +62,9 @@ class Params:
         protocol: optional piecewise (alpha, beta): tuples
             ``(up_to_bytes, alpha, beta)`` in increasing size; messages above
             the last bound use ``alpha`` and ``beta``.
+        overhead: CPU seconds per message around the transport's own latency.
+        call: seconds of one collective call's fixed work (checks, choice, plan).
+        cores: cores the ranks share on one host (0: every rank has its own).
         source: where the numbers come from (a profile path or "defaults").
     """
 
@@ -67,6 +77,9 @@ class Params:
     segment_bytes: int = SEGMENT_BYTES
     itemsize: int = 8
     protocol: tuple[tuple[int, float, float], ...] = ()
+    overhead: float = 0.0
+    call: float = 0.0
+    cores: int = 0
     source: str = "defaults"
 
     def for_dtype(self, dtype: Any) -> "Params":
@@ -81,8 +94,8 @@ class Params:
         """Seconds of one message of ``m`` bytes."""
         for bound, a, b in self.protocol:
             if m <= bound:
-                return a + m * b
-        return self.alpha + m * self.beta
+                return a + self.overhead + m * b
+        return self.alpha + self.overhead + m * self.beta
 
     def copy(self, m: float) -> float:
         """Seconds of a local copy of ``m`` bytes."""
@@ -97,14 +110,15 @@ class Params:
         """JSON-ready form (see :mod:`collectives.cost_models.calibrate`)."""
         return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
                 "gamma_by_dtype": dict(self.gamma_by_dtype), "mem_bandwidth": self.mem_bandwidth,
-                "fence": self.fence, "segment_bytes": self.segment_bytes,
+                "fence": self.fence, "segment_bytes": self.segment_bytes, "overhead": self.overhead,
+                "call": self.call, "cores": self.cores,
                 "protocol": [list(t) for t in self.protocol], "source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Params":
         """Inverse of :meth:`as_dict` (unknown keys ignored)."""
         known = {k: d[k] for k in ("alpha", "beta", "gamma", "mem_bandwidth", "fence", "segment_bytes",
-                                   "source") if k in d}
+                                   "overhead", "call", "cores", "source") if k in d}
         return cls(**known, gamma_by_dtype=dict(d.get("gamma_by_dtype", {})),
                    protocol=tuple(tuple(t) for t in d.get("protocol", ())))
 
@@ -149,7 +163,7 @@ def predict(collective: str, name: str, p: int, nbytes: int, params: Params | No
         dtype: element type (sets gamma and the element size).
 
     Returns:
-        Seconds; 0 for p == 1 where the algorithm does nothing.
+        Seconds; for p == 1 only the call's fixed work.
     """
     from . import _load
 
@@ -157,7 +171,8 @@ def predict(collective: str, name: str, p: int, nbytes: int, params: Params | No
     model = MODELS[(collective, name)]
     P = (params or Params()).for_dtype(dtype)
     nbytes = int(nbytes) - int(nbytes) % P.itemsize
-    return float(model.func(int(p), nbytes, P))
+    seconds = float(model.func(int(p), nbytes, P)) + P.call
+    return seconds * max(1.0, p / P.cores) if P.cores else seconds
 
 
 # ------------------------------------------------------------ shared terms

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from collectives.cost_models import MODELS, Params, _load, predict
-from collectives.cost_models.calibrate import DEFAULTS, fit_line, fit_piecewise, load_profile, profile_path
+from collectives.cost_models.calibrate import (DEFAULTS, PROBES, PROBE_BYTES, fit_line, fit_overheads, fit_piecewise,
+                                              load_profile, profile_path)
 from collectives.cost_models.explain import main as explain_main, parse_bytes
 from collectives.cost_models.selector import ModelSelector
 from collectives.registry import all_algorithms, algorithms_for
@@ -63,6 +64,37 @@ def test_fit_piecewise_finds_the_protocol_switch() -> None:
     assert fit["alpha"] == pytest.approx(20e-6, rel=1e-3) and fit["beta"] == pytest.approx(2e-10, rel=1e-3)
     P = Params(alpha=fit["alpha"], beta=fit["beta"], protocol=tuple(tuple(t) for t in fit["protocol"]))
     assert P.msg(512) == pytest.approx(1e-6 + 512e-9, rel=1e-3)
+
+
+def test_fit_piecewise_three_ranges() -> None:
+    sizes = [0, 8, 64, 512, 4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+    def t(n: int) -> float:
+        if n <= 512:
+            return 5e-6 + n * 1e-9
+        return 10e-6 + n * 1e-10 if n <= 1 << 20 else n * 2e-10
+
+    fit = fit_piecewise(sizes, [t(n) for n in sizes])
+    assert [piece[0] for piece in fit["protocol"]] == [512, 1 << 20]
+    assert fit["beta"] == pytest.approx(2e-10, rel=1e-3)
+
+
+def test_fit_overheads_recovers_call_and_overhead() -> None:
+    base = Params(alpha=4e-6, beta=2e-10, gamma=3e-11, mem_bandwidth=8e9)
+    truth = Params(alpha=4e-6, beta=2e-10, gamma=3e-11, mem_bandwidth=8e9, overhead=6e-6, call=3e-6)
+    p = 4
+    probes = [(c, a, n, predict(c, a, p, n, truth)) for c, a in PROBES for n in PROBE_BYTES]
+    overhead, call = fit_overheads(probes, base, p)
+    assert overhead == pytest.approx(6e-6, rel=1e-6) and call == pytest.approx(3e-6, rel=1e-6)
+
+
+def test_call_and_shared_cores_in_predict() -> None:
+    P = Params(alpha=1e-6, beta=0.0, gamma=0.0, call=2e-6)
+    rd = predict("allreduce", "recursive_doubling", 4, 8, P)
+    assert rd == pytest.approx(2e-6 + 2 * 1e-6)
+    shared = predict("allreduce", "recursive_doubling", 4, 8, Params(alpha=1e-6, beta=0.0, gamma=0.0, call=2e-6,
+                                                                      cores=2))
+    assert shared == pytest.approx(2 * rd)
 
 
 def test_profiles_default_and_override(tmp_path, monkeypatch) -> None:

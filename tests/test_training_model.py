@@ -182,9 +182,14 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert data["results"][2]["overlap"] is False and len(data["results"][2]["layers"]) == 11
 
 
-def test_calibrated_preset_builds():
+def test_calibrated_preset_builds(tmp_path, monkeypatch):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"alpha": 0.0, "beta": 2e-10, "gamma": 3e-11, "overhead": 2e-6,
+                                   "protocol": [[8192, 8e-6, 1e-9]]}))
+    monkeypatch.setenv("COLLECTIVES_PROFILE", str(profile))
     c = calibrated(nodes=2, node=Node("given", 1e10, 1e10))
-    assert c.link.alpha > 0 and c.link.beta > 0 and math.isfinite(predict(NET, c, 2, 4).step)
+    assert c.link.alpha == pytest.approx(10e-6) and c.link.beta == 2e-10  # small-message latency + overhead
+    assert math.isfinite(predict(NET, c, 2, 4).step)
 
 
 def test_from_torch():
