@@ -63,6 +63,18 @@ def test_plots_are_written(tiny_run):
     assert (tmp / "r.png").stat().st_size > 0 and (tmp / "r.svg").stat().st_size > 0
 
 
+def test_predicted_times_sit_next_to_the_measured(tiny_run):
+    from collectives.bench.plot import _predicted
+    from collectives.cost_models import MODELS, Params
+
+    _, tmp = tiny_run
+    rows = json.loads((tmp / "r.json").read_text())["results"]
+    series = _predicted(rows, 3, Params())
+    assert ("allreduce", "ring") in series and set(series) <= set(MODELS)
+    for points in series.values():
+        assert all(measured > 0 and predicted > 0 for _, measured, predicted in points)
+
+
 def test_baseline_prints_the_change(tiny_run):
     _, tmp = tiny_run
     res = _run(["allreduce", "-n", "2", "--sizes", "8:1K", "--factor", "4", "--iters", "3", "--warmup", "1",
