@@ -202,9 +202,9 @@ class Communicator:
             raise
         return True
 
-    def _remember_plan(self, key: tuple, plan: _Plan, op: Op) -> None:
+    def _remember_plan(self, key: tuple, plan: _Plan) -> None:
         """Prepare (once per key) the algorithm's persistent plan, if it has one."""
-        algo, arr = plan.algo, plan.args[0]
+        algo, (arr, op) = plan.algo, plan.args
         entry = None
         if algo.prepare is not None and plan.finalize is None and not self._stages:
             run = algo.prepare(self.transport, arr.nbytes, arr.dtype, op)
@@ -468,7 +468,7 @@ class Communicator:
                 return buf
         plan = self._plan_allreduce(buf, op, algorithm, out)
         if key is not None and entry is False:
-            self._remember_plan(key, plan, plan.args[1])
+            self._remember_plan(key, plan)
         return self._call(plan, timeout)
 
     def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",

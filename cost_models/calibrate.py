@@ -208,21 +208,16 @@ def slowest_best(comm, call, repeats: int) -> float:
 
 def _window_fence(comm, rounds: int, runs: int = 10) -> float | None:
     """Seconds of the shared window's fence (the best of ``runs`` means over
-    ``rounds`` fences), or None without a window."""
+    ``rounds`` fences, slowest rank), or None without a window."""
     window = getattr(comm.transport, "window", None) if "window" in comm.transport.capabilities else None
     if window is None:
         return None
-    stamp = np.zeros(1)
-    best = math.inf
-    for _ in range(runs):
-        comm.barrier()
-        t0 = time.perf_counter()
+
+    def fences() -> None:
         for _ in range(rounds):
             window.fence(time.monotonic() + comm.timeout)
-        stamp[0] = (time.perf_counter() - t0) / rounds
-        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
-        best = min(best, float(stamp[0]))
-    return best
+
+    return slowest_best(comm, fences, runs) / rounds
 
 
 #: Small collectives whose times calibrate ``overhead`` and ``call``.

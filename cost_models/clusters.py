@@ -115,7 +115,7 @@ def profile_link(transport: str = "shm") -> tuple[Link, str]:
     alpha, beta = _field(profile, "alpha"), _field(profile, "beta")
     if alpha is None or beta is None:
         return FALLBACK_LINK, f"fallback constants (profile for {transport!r} has no alpha/beta)"
-    pieces = getattr(profile, "protocol", None) or ()
+    pieces = (profile.get("protocol") if isinstance(profile, dict) else getattr(profile, "protocol", None)) or ()
     if pieces:  # latency from the small-message piece, bandwidth from the large one
         alpha = pieces[0][1]
     alpha += _field(profile, "overhead") or 0.0
