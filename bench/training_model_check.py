@@ -6,17 +6,22 @@ the model's prediction (:mod:`collectives.cost_models.training`) for the
 same network (derived from the live module), with:
 
 - the node measured in-process with torch (1 thread): FP32 GEMM rate and
-  copy bandwidth;
+  copy bandwidth, once alone (``gemm_calibrated``) and once while every
+  rank computes at the same time (``gemm_calibrated_busy``: what sharing
+  the host's cores and memory costs);
 - the link from the transport's calibration profile when one exists
   (``collectives.cost_models.calibrate.load_profile``), otherwise fitted on
-  the spot from a ping-pong of the process group (alpha + n beta).
+  the spot from a ping-pong of the process group (alpha + n beta); and,
+  in ``gemm_calibrated_busy_group_link``, the link fitted to the process
+  group's own ``all_reduce`` times, which include the framework's per-call
+  costs.
 
 The process group backend is ``--backend`` (default gloo; a backend that
 the library registers with torch.distributed can be named instead). DDP
 buckets are kept small (``--bucket-mb``) so that gradients travel about one
-layer at a time, as the model assumes. Also measures one rank alone (no
-communication) to separate the compute model's error from the
-communication model's.
+layer at a time, as the model assumes. Also measures one rank alone and
+every rank training without DDP, to separate the compute model's error
+from the communication model's.
 
 Run from a checkout (needs torch)::
 
@@ -31,13 +36,15 @@ import os
 import socket
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from collectives.cost_models.clusters import profile_link
 from collectives.cost_models.networks import Network, from_torch
-from collectives.cost_models.training import SKYLAKE_BLOCKING, Cluster, Gemm, Link, Node, layer_gemms, predict
+from collectives.cost_models.training import (SKYLAKE_BLOCKING, Cluster, Gemm, Link, Node, allreduce_time, layer_gemms,
+                                              predict)
 
 
 def build_model() -> Any:
@@ -140,6 +147,26 @@ def _pingpong(rank: int, sizes: list[int], repeats: int = 30) -> list[float]:
     return out
 
 
+def _allreduce_times(sizes: list[int], repeats: int = 30) -> list[float]:
+    """Median seconds of ``dist.all_reduce`` per size (what each DDP bucket costs)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for n in sizes:
+        buf = torch.zeros(max(n // 4, 1))
+        for _ in range(3):
+            dist.all_reduce(buf)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        out.append(float(np.median(times)))
+    return out
+
+
 def _exchange(dist: Any, buf: Any, rank: int) -> None:
     if rank == 0:
         dist.send(buf, 1)
@@ -163,13 +190,31 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
     try:
         sizes = [4, 64 << 10, 1 << 20, 4 << 20]
         pingpong = _pingpong(rank, sizes)
+        allreduce = _allreduce_times(sizes)
+        # Every rank computing at once, no communication: what sharing the
+        # host's cores and memory costs, apart from the gradient allreduces.
+        model = build_model()
+        network = from_torch(model, torch.zeros(1, 3, 32, 32), name="small_cnn")
+        dist.barrier()
+        busy_node = measure_torch_node(network, args.batch)
+        dist.barrier()
+        local = _train(model, args.batch, args.steps, args.warmup)
+        dist.barrier()
         ddp = DistributedDataParallel(build_model(), bucket_cap_mb=args.bucket_mb)
         step = _train(ddp, args.batch, args.steps, args.warmup)
         if rank == 0:
             with open(result_path, "w") as fh:
-                json.dump({"step": step, "pingpong": dict(zip(map(str, sizes), pingpong))}, fh)
+                json.dump({"step": step, "local": local, "busy_gflops": busy_node.peak_flops / 1e9,
+                           "busy_gbytes_per_s": busy_node.mem_bandwidth / 1e9,
+                           "pingpong": dict(zip(map(str, sizes), pingpong)),
+                           "allreduce": dict(zip(map(str, sizes), allreduce))}, fh)
     finally:
         dist.destroy_process_group()
+    # torch sometimes aborts in its C++ static destructors at interpreter
+    # exit; the result is written, so leave without running them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _fit_link(pingpong: dict[str, float]) -> Link:
@@ -178,6 +223,16 @@ def _fit_link(pingpong: dict[str, float]) -> Link:
     t = np.array(list(pingpong.values()))
     beta, alpha = np.polyfit(n, t, 1)
     return Link(max(alpha, 1e-7), max(beta, 1e-12))
+
+
+def _fit_allreduce_link(allreduce: dict[str, float], gamma: float) -> Link:
+    """The link whose 2-rank bucket allreduce (2 alpha + n beta + n gamma / 2)
+    best fits the process group's measured allreduce times: what the
+    framework's per-call costs add to the transport's own alpha and beta."""
+    n = np.array([float(k) for k in allreduce])
+    t = np.array(list(allreduce.values()))
+    slope, intercept = np.polyfit(n, t, 1)
+    return Link(max(intercept / 2, 1e-7), max(slope - gamma / 2, 1e-12), gamma)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -204,21 +259,38 @@ def run(args: argparse.Namespace) -> dict:
     report = {
         "network": network.name, "params": network.params, "batch_per_rank": args.batch,
         "link": {"alpha_us": link.alpha * 1e6, "gbytes_per_s": 1e-9 / link.beta, "source": source},
-        "measured_ms": {"p1": single * 1e3, "p2": measured["step"] * 1e3},
+        "measured_ms": {"p1": single * 1e3, "p2": measured["step"] * 1e3,
+                        "p2_without_communication": measured["local"] * 1e3},
         "load_average": os.getloadavg(),
     }
-    for label, node in (("peak_roofline", peak_node), ("gemm_calibrated", gemm_node)):
-        cluster = Cluster("this machine", node, Link(link.alpha, link.beta, link.gamma or 3.0 / node.mem_bandwidth), 2)
+    comm_link = Link(link.alpha, link.beta, link.gamma or 3.0 / gemm_node.mem_bandwidth)
+    busy_node = replace(gemm_node, name=gemm_node.name + ", all ranks computing",
+                        peak_flops=measured["busy_gflops"] * 1e9,
+                        mem_bandwidth=measured["busy_gbytes_per_s"] * 1e9)
+    group_link = _fit_allreduce_link(measured["allreduce"], comm_link.gamma)
+    report["group_link"] = {"alpha_us": group_link.alpha * 1e6, "gbytes_per_s": 1e-9 / group_link.beta,
+                            "source": f"allreduce times of the {args.backend} process group"}
+    for label, node, node_link in (
+            ("peak_roofline", peak_node, None), ("gemm_calibrated", gemm_node, None),
+            ("gemm_calibrated_busy", busy_node, None), ("gemm_calibrated_busy_group_link", busy_node, group_link)):
+        node_link = node_link or Link(link.alpha, link.beta, link.gamma or 3.0 / node.mem_bandwidth)
+        cluster = Cluster("this machine", node, node_link, 2)
         one = predict(network, cluster, 1, args.batch)
         two = predict(network, cluster, 2, args.batch, allreduce="auto", overlap=True)
+        # When the ranks fill the host's cores, moving and reducing gradients
+        # takes the cores the backward pass needs: nothing overlaps.
+        serial = predict(network, cluster, 2, args.batch, allreduce="auto", overlap=False)
         report[label] = {
             "node_gflops": node.peak_flops / 1e9, "node_gbytes_per_s": node.mem_bandwidth / 1e9,
             "p1_ms": one.step * 1e3, "p1_error": one.step / single - 1,
             "p2_ms": two.step * 1e3, "p2_compute_ms": two.compute * 1e3, "p2_comm_ms": two.communication * 1e3,
             "p2_exposed_ms": two.exposed_communication * 1e3, "p2_error": two.step / measured["step"] - 1,
+            "p2_no_overlap_ms": serial.step * 1e3, "p2_no_overlap_error": serial.step / measured["step"] - 1,
         }
     return report | {
         "pingpong_us": {k: v * 1e6 for k, v in measured["pingpong"].items()},
+        "allreduce_us": {k: {"measured": v * 1e6, "predicted": allreduce_time(float(k), 2, comm_link)[0] * 1e6}
+                         for k, v in measured["allreduce"].items()},
     }
 
 
@@ -241,11 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = run(args)
     measured = report["measured_ms"]
-    for label in ("peak_roofline", "gemm_calibrated"):
+    print(f"measured p2 without communication (every rank computing, no DDP): "
+          f"{measured['p2_without_communication']:8.2f} ms/step")
+    for label in ("peak_roofline", "gemm_calibrated", "gemm_calibrated_busy", "gemm_calibrated_busy_group_link"):
         r = report[label]
         for p in ("p1", "p2"):
             print(f"{label:16s} {p}: measured {measured[p]:8.2f} ms/step, predicted {r[p + '_ms']:8.2f} ms/step, "
                   f"error {r[p + '_error'] * 100:+6.1f}%")
+        print(f"{label:16s} p2 without overlap: predicted {r['p2_no_overlap_ms']:8.2f} ms/step, "
+              f"error {r['p2_no_overlap_error'] * 100:+6.1f}%")
+    for size, t in report["allreduce_us"].items():
+        print(f"allreduce {int(size):>8d} B: measured {t['measured']:9.1f} us, predicted {t['predicted']:9.1f} us")
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as fh:

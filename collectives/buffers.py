@@ -21,8 +21,15 @@ __all__ = ["as_array", "flat", "is_device_array", "element_count"]
 _DLPACK_CPU = 1
 
 
+def _torch_tensor(buf: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(buf, torch.Tensor)
+
+
 def is_device_array(buf: Any) -> bool:
     """True for arrays whose memory is on a GPU (CUDA array interface or DLPack device)."""
+    if _torch_tensor(buf):  # the cheap test first: the generic one costs microseconds per call
+        return buf.device.type != "cpu"
     if hasattr(buf, "__cuda_array_interface__"):
         return True
     dev = getattr(buf, "__dlpack_device__", None)
@@ -34,10 +41,9 @@ def is_device_array(buf: Any) -> bool:
     return False
 
 
-def _from_torch(buf: Any) -> np.ndarray | None:
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(buf, torch.Tensor):
-        return None
+def _from_torch(buf: Any) -> np.ndarray:
+    import torch
+
     t = buf.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BFLOAT16)
@@ -51,9 +57,8 @@ def _view(buf: Any) -> np.ndarray:
         raise BadArgument(
             f"{type(buf).__name__} lives in device memory, and no device-capable transport "
             "is in use (no usable GPU): copy it to the host or use a device transport")
-    arr = _from_torch(buf)
-    if arr is not None:
-        return arr
+    if _torch_tensor(buf):
+        return _from_torch(buf)
     if hasattr(buf, "__dlpack__"):
         try:
             return np.from_dlpack(buf)

@@ -8,10 +8,11 @@ the user's buffers. ``iX`` forms return a :class:`~collectives.handles.Handle`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -78,6 +79,7 @@ class Communicator:
         self._stages: list[Callable[[], None]] = []
         self._ok_dtypes: set[np.dtype] = set()
         self._algorithms: dict[tuple[str, str], Algorithm] = {}
+        self._eager = False
         self._ops: dict[tuple[str, np.dtype], Op] = {}
         _live.add(self)
 
@@ -258,7 +260,28 @@ class Communicator:
         self._take_stages(plan)
         tag = self._next_tag()
         handle = Handle(timeout)
+        if self._eager and self._lane.idle:
+            try:
+                result = self._execute(plan, tag, timeout)
+            except BaseException as exc:  # delivered to the waiter, as from the worker
+                handle._finish(error=exc)
+            else:
+                handle._finish(result=result)
+            return handle
         return self._lane.submit(lambda: self._execute(plan, tag, timeout), handle)
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator["Communicator"]:
+        """Within this block, a nonblocking collective posted while nothing else
+        is pending runs to completion in the calling thread and returns a done
+        handle. For callers that wait at once (a framework's blocking call made
+        through its nonblocking interface): it saves the two thread hand-offs
+        of the worker lane, tens of microseconds per call."""
+        previous, self._eager = self._eager, True
+        try:
+            yield self
+        finally:
+            self._eager = previous
 
     def _op(self, op: Any, dtype: np.dtype) -> Op:
         key = (op, dtype) if isinstance(op, str) else None

@@ -53,6 +53,13 @@ def configure(transport: str = "auto", **options: Any) -> None:
     _settings["options"] = dict(options)
 
 
+# As in Gloo, on bool tensors sum and max are "or", min and product "and".
+_BOOL_OPS = {_RED.SUM: "lor", _RED.MAX: "lor", _RED.BOR: "lor", _RED.MIN: "land",
+             _RED.PRODUCT: "land", _RED.BAND: "land", _RED.BXOR: "bxor"}
+_OPS = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.PRODUCT: "prod", _RED.MIN: "min",
+        _RED.MAX: "max", _RED.BAND: "band", _RED.BOR: "bor", _RED.BXOR: "bxor"}
+
+
 def reduce_op_name(op: Any, dtype: torch.dtype) -> str:
     """Our op name for a ``torch.distributed.ReduceOp`` on tensors of ``dtype``.
 
@@ -60,15 +67,10 @@ def reduce_op_name(op: Any, dtype: torch.dtype) -> str:
         BadArgument: for ``PREMUL_SUM`` and other ops without an equivalent.
     """
     kind = op.op if hasattr(op, "op") else op
-    if dtype == torch.bool:  # as in Gloo: sum and max are "or", min and product "and"
-        table = {_RED.SUM: "lor", _RED.MAX: "lor", _RED.BOR: "lor", _RED.MIN: "land",
-                 _RED.PRODUCT: "land", _RED.BAND: "land", _RED.BXOR: "bxor"}
-    else:
-        table = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.PRODUCT: "prod", _RED.MIN: "min",
-                 _RED.MAX: "max", _RED.BAND: "band", _RED.BOR: "bor", _RED.BXOR: "bxor"}
-    if kind not in table:
+    name = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
+    if name is None:
         raise BadArgument(f"reduce op {kind} is not supported by the collectives backend")
-    return table[kind]
+    return name
 
 
 class StoreAdapter:
@@ -236,14 +238,21 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         return _work(fut)
 
     def _chain(self, steps: Sequence[Callable[[], Any]], result: Any,
-               finish: Callable[[], None] | None = None) -> dist.Work:
-        """Post several nonblocking collectives back to back; one Work for all."""
+               finish: Callable[[], None] | None = None, opts: Any = None) -> dist.Work:
+        """Post several nonblocking collectives back to back; one Work for all.
+        When ``opts`` says the call is blocking (``asyncOp`` false), they run
+        in this thread if nothing else is pending."""
         if not steps:
             if finish is not None:
                 finish()
             return _work(_completed(result))
+        eager = getattr(opts, "asyncOp", True) is False
         with self._lock:
-            handles = [s() for s in steps]
+            if eager:
+                with self.comm.eager():
+                    handles = [s() for s in steps]
+            else:
+                handles = [s() for s in steps]
         return self._post(lambda: handles[-1], result, finish)
 
     # ---------------------------------------------------------- collectives
@@ -256,7 +265,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         bufs = [staged.writable(t) for t in tensors]
         steps = [(lambda b=b: self.comm.iallreduce(as_numpy(b), reduce_op_name(opts.reduceOp, b.dtype)))
                  for b in bufs]
-        return self._chain(steps, tensors, staged.finish)
+        return self._chain(steps, tensors, staged.finish, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """``dist.all_reduce_coalesced``: one allreduce per dtype over a flat copy."""
@@ -276,7 +285,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
 
         steps = [(lambda f=f: self.comm.iallreduce(as_numpy(f), reduce_op_name(opts.reduceOp, f.dtype)))
                  for f in flats.values()]
-        return self._chain(steps, tensors, finish)
+        return self._chain(steps, tensors, finish, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """``dist.broadcast`` from ``opts.rootRank``."""
@@ -285,7 +294,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         staged = _Staged()
         bufs = [staged.writable(t) for t in tensors]
         steps = [(lambda b=b: self.comm.ibcast(as_numpy(b), int(opts.rootRank))) for b in bufs]
-        return self._chain(steps, tensors, staged.finish)
+        return self._chain(steps, tensors, staged.finish, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """``dist.reduce`` to ``opts.rootRank``."""
@@ -295,7 +304,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         bufs = [staged.writable(t) for t in tensors]
         steps = [(lambda b=b: self.comm.ireduce(as_numpy(b), int(opts.rootRank),
                                                 reduce_op_name(opts.reduceOp, b.dtype))) for b in bufs]
-        return self._chain(steps, tensors, staged.finish)
+        return self._chain(steps, tensors, staged.finish, opts)
 
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> Callable[[], Any]:
         out = output if output.is_contiguous() else None
@@ -360,7 +369,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         _check_cpu([output, input])
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         staged = _Staged()
-        return self._chain([self._reduce_scatter_one(output, input, opts, staged)], output, staged.finish)
+        return self._chain([self._reduce_scatter_one(output, input, opts, staged)], output, staged.finish, opts)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -371,7 +380,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         staged = _Staged()
         steps = [self._reduce_scatter_one(o, i, opts, staged) for o, i in zip(outputs, inputs)]
-        return self._chain(steps, outputs, staged.finish)
+        return self._chain(steps, outputs, staged.finish, opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -387,7 +396,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
                 raise BadArgument(f"reduce_scatter needs {self.size()} input tensors, got {len(ins)}")
             flat_in = torch.cat([t.reshape(-1) for t in ins])
             steps.append(self._reduce_scatter_one(out, flat_in, opts, staged))
-        return self._chain(steps, output_tensors, staged.finish)
+        return self._chain(steps, output_tensors, staged.finish, opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> dist.Work:
@@ -401,7 +410,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
                 raise BadArgument(f"all_to_all_single: {input.numel()} elements do not split evenly over {p} ranks")
             staged = _Staged()
             out, src = staged.writable(output), _Staged.readable(input)
-            return self._chain([lambda: self.comm.ialltoall(as_numpy(src), as_numpy(out))], output, staged.finish)
+            return self._chain([lambda: self.comm.ialltoall(as_numpy(src), as_numpy(out))], output, staged.finish, opts)
         in_splits = list(input_split_sizes) or [input.shape[0] // p] * p
         out_splits = list(output_split_sizes) or [output.shape[0] // p] * p
         return self._alltoallv(output, input, [s * row_in for s in in_splits],
@@ -488,7 +497,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
                     o.copy_(flat_out[i * n:(i + 1) * n].view_as(o))
 
         return self._chain([lambda: self.comm.igather(as_numpy(inp), None if flat_out is None else as_numpy(flat_out), root)],
-                           output_tensors, finish)
+                           output_tensors, finish, opts)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> dist.Work:
@@ -501,11 +510,11 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         flat_in = (torch.cat([t.reshape(-1) for t in input_tensors[0]])
                    if self.rank() == root else None)
         return self._chain([lambda: self.comm.iscatter(None if flat_in is None else as_numpy(flat_in), as_numpy(out), root)],
-                           output_tensors, staged.finish)
+                           output_tensors, staged.finish, opts)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         """``dist.barrier``."""
-        return self._chain([lambda: self.comm.ibarrier()], None)
+        return self._chain([lambda: self.comm.ibarrier()], None, opts=opts)
 
     # ------------------------------------------------------- point to point
 

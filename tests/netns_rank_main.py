@@ -18,7 +18,37 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def until_cut(ready_file: str, heartbeat: float) -> int:
+    """Allreduce in a loop until the job breaks (another host's link is cut);
+    print ``RESULT`` with the error's type, message and wall-clock time."""
+    import numpy as np
+
+    import collectives
+
+    comm = collectives.init(transport="zmq", timeout=60.0, zmq_heartbeat_timeout=heartbeat)
+    buf = np.ones(1024, np.float32)
+    try:
+        comm.allreduce(buf)
+        with open(f"{ready_file}.{comm.rank}", "w"):
+            pass
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            buf[:] = 1
+            comm.allreduce(buf, timeout=30.0)
+        error = None
+    except collectives.CollectiveError as exc:
+        error = exc
+    at = time.time()
+    result = {"rank": comm.rank, "error": type(error).__name__ if error else None,
+              "message": str(error), "at": at}
+    print("RESULT " + json.dumps(result), flush=True)
+    comm.close()
+    return 0
+
+
 def main() -> int:
+    if os.environ.get("NETNS_READY_FILE"):
+        return until_cut(os.environ["NETNS_READY_FILE"], float(os.environ.get("NETNS_HEARTBEAT", "2")))
     import collectives
     from test_collectives import CHECKS
 

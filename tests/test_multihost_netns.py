@@ -5,7 +5,8 @@ other end is a port of a bridge that lives in a namespace of its own, so
 nothing is added to the machine's own network. Ranks run in different
 namespaces over the ZeroMQ transport with torchrun's environment and check
 every collective and algorithm against numpy; then the same with one host's
-link limited by a token bucket (``tc ... tbf rate 50mbit``). The namespaces
+link limited by a token bucket (``tc ... tbf rate 50mbit``), and one host's
+link cut in the middle of a stream of allreduces. The namespaces
 are named per run and removed after each test, even when it fails.
 
 Needs root and kernel support for namespaces, veth and bridges; skips with
@@ -53,6 +54,11 @@ class Hosts:
         tbf = ["root", "tbf", "rate", rate, "burst", "32kbit", "latency", "50ms"]
         _ip("netns", "exec", self.names[i], "tc", "qdisc", "add", "dev", "eth0", *tbf)
         _ip("netns", "exec", self.switch, "tc", "qdisc", "add", "dev", self._port(i), *tbf)
+
+    def cut(self, i: int) -> None:
+        """Take host ``i``'s link down (its switch port and its own end)."""
+        _ip("-n", self.switch, "link", "set", self._port(i), "down")
+        _ip("-n", self.names[i], "link", "set", "eth0", "down")
 
     def _port(self, i: int) -> str:
         return f"{self.prefix}p{i}"
@@ -133,21 +139,28 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def run_across(hosts: Hosts, placement: list[int], deadline: float = RANK_DEADLINE) -> list[dict]:
-    """Run one rank per entry of ``placement`` (its host index) and return their results.
-
-    Every rank is killed at ``deadline`` seconds; any failure fails the test
-    with each rank's output.
-    """
+def _start(hosts: Hosts, placement: list[int], extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start one rank per entry of ``placement`` (its host index)."""
     size, secret = len(placement), secrets.token_hex(16)
     master = hosts.address(placement[0])
-    procs, outputs = [], []
+    procs = []
     try:
         for rank, host in enumerate(placement):
             cmd = ["ip", "netns", "exec", hosts.names[host], sys.executable, RANK_MAIN]
-            procs.append(subprocess.Popen(cmd, env=_rank_env(rank, size, master, secret), text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            env = {**_rank_env(rank, size, master, secret), **(extra_env or {})}
+            procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    except BaseException:
+        _stop(procs)
+        raise
+    return procs
+
+
+def _collect(procs: list[subprocess.Popen], deadline: float) -> list[dict]:
+    """Every rank's ``RESULT``; ranks still running at ``deadline`` seconds are
+    killed, and any failure fails the test with each rank's output."""
+    outputs = []
+    try:
         end = time.monotonic() + deadline
         for p in procs:
             try:
@@ -168,6 +181,11 @@ def run_across(hosts: Hosts, placement: list[int], deadline: float = RANK_DEADLI
             pytest.fail(f"rank {rank} failed\n{report}")
         results.append(json.loads(lines[-1][len("RESULT "):]))
     return results
+
+
+def run_across(hosts: Hosts, placement: list[int], deadline: float = RANK_DEADLINE) -> list[dict]:
+    """Run one rank per entry of ``placement`` (its host index) and return their results."""
+    return _collect(_start(hosts, placement), deadline)
 
 
 def _assert_all_correct(hosts: Hosts, placement: list[int], results: list[dict]) -> None:
@@ -193,3 +211,30 @@ def test_every_collective_with_one_slow_link(hosts):
     hosts.limit(2)
     placement = list(range(HOSTS))
     _assert_all_correct(hosts, placement, run_across(hosts, placement))
+
+
+def test_cut_link_becomes_peer_lost_on_every_surviving_rank(hosts, tmp_path):
+    """Host 2's link goes down in the middle of a stream of allreduces: the
+    ranks on hosts 0 and 1 raise PeerLost within the heartbeat timeout (plus
+    the grace period and scheduling slack), and the cut-off rank fails too."""
+    heartbeat = 2.0
+    ready = str(tmp_path / "ready")
+    placement = [0, 1, 2]
+    procs = _start(hosts, placement, {"NETNS_READY_FILE": ready, "NETNS_HEARTBEAT": str(heartbeat)})
+    try:
+        end = time.monotonic() + 90
+        while not all(os.path.exists(f"{ready}.{r}") for r in range(len(placement))):
+            if time.monotonic() > end or any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # allreduces in flight
+        hosts.cut(2)
+        cut_at = time.time()
+    except BaseException:
+        _stop(procs)
+        raise
+    results = _collect(procs, 90)
+    for res in results[:2]:
+        assert res["error"] == "PeerLost", res
+        assert res["at"] - cut_at <= heartbeat + 4.0, (res, cut_at)
+    assert results[2]["error"] in ("PeerLost", "CollectiveTimeout"), results[2]

@@ -43,6 +43,31 @@ def many_in_flight(comm):
     return errors
 
 
+def eager_posts(comm):
+    """Under ``comm.eager()`` a post with nothing pending runs in the calling
+    thread (its handle is done on return); behind a pending post it queues."""
+    p, r = comm.size, comm.rank
+    errors = []
+    with comm.eager():
+        x = np.full(5, float(r))
+        h = comm.iallreduce(x)
+        if not h.done() or not np.all(x == sum(range(p))):
+            errors.append(f"eager iallreduce: done={h.done()} {x}")
+    big = np.ones(1 << 20, np.float32)
+    pending = comm.iallreduce(big)  # on the worker lane
+    with comm.eager():
+        y = np.full(3, float(r))
+        h2 = comm.iallreduce(y)  # must not overtake the pending one
+        h2.wait()
+    if not pending.done() or not np.all(big == p) or not np.all(y == sum(range(p))):
+        errors.append("eager post overtook a pending one")
+    h3 = comm.iallreduce(np.ones(2))  # outside the block: the lane again
+    h3.wait()
+    if comm._eager:
+        errors.append("eager mode leaked out of its block")
+    return errors
+
+
 def back_to_back(comm):
     p, r = comm.size, comm.rank
     errors = []
@@ -72,6 +97,12 @@ def point_to_point(comm):
 @pytest.mark.parametrize("p", [2, 3, 5])
 def test_concurrent_nonblocking(p):
     for r, errs in enumerate(run_ranks(many_in_flight, p, timeout=90)):
+        assert not errs, f"rank {r}: {errs}"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_eager_posts_run_inline_in_order(p):
+    for r, errs in enumerate(run_ranks(eager_posts, p, timeout=60)):
         assert not errs, f"rank {r}: {errs}"
 
 

@@ -70,8 +70,8 @@ GRACE_SECONDS = 0.5
 POLL_SLICE = 0.05
 #: Seconds between looks at the connection monitors (peer loss, handshakes).
 MONITOR_EVERY = 0.02
-#: CPU yields (each followed by a look at the socket) before a blocking poll.
-SPIN_YIELDS = 10
+#: Seconds of yielding the CPU (each yield followed by a look at the socket) before a blocking poll.
+SPIN_SECONDS = 0.0002
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
@@ -425,7 +425,8 @@ class ZmqTransport(Transport):
         if self._lost_since:
             timeout = max(0.0, min(timeout, min(self._lost_since.values()) + GRACE_SECONDS - time.monotonic()))
         if not self._drain_router() and timeout > 0:
-            for _ in range(SPIN_YIELDS):  # the answer is often microseconds away
+            spin_until = time.perf_counter() + min(timeout, SPIN_SECONDS)
+            while time.perf_counter() < spin_until:  # the answer is often microseconds away
                 _yield()
                 if self._drain_router():
                     break
@@ -445,7 +446,7 @@ class ZmqTransport(Transport):
         """Handle every message waiting on the inbound socket; return how many."""
         sock = self._router
         count = 0
-        while True:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
             try:
                 ident = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -464,6 +465,7 @@ class ZmqTransport(Transport):
                     more = sock.rcvmore
                 continue
             self._handle(sock, peer, header, more)
+        return count
 
     def _handle(self, sock: zmq.Socket, peer: int, header: zmq.Frame, more: bool) -> None:
         kind, tag, total, offset = HEADER.unpack_from(header.buffer)
