@@ -54,7 +54,7 @@ def _args(collective: str, comm, count: int, dtype):
 
 def _measure(comm, call, algo: str, repeats: int, nbytes: int) -> float:
     """Best of ``repeats`` (fewer for large sizes) of the slowest rank's time."""
-    from collectives.cost_models.calibrate import slowest_best
+    from collectives.cost_models.timing import slowest_best
 
     reps = repeats if nbytes <= (1 << 20) else max(2, repeats // 3)
     return slowest_best(comm, lambda: call(algo), reps)

@@ -1,6 +1,6 @@
 """``collectives calibrate``: measure alpha, beta, gamma and memory bandwidth.
 
-    collectives calibrate [--transport NAME] [-n P] [--out PATH] [--quick]
+    collectives calibrate [--transport NAME] [-n P] [--out PATH] [--quick] [--stretch-ranks LIST]
 
 starts P local ranks (2 by default; ``mpiexec`` for ``--transport mpi``).
 Ranks 0 and 1 run a ping-pong sweep from 0 bytes to 64 MiB; half the best
@@ -23,6 +23,17 @@ algorithm adds around each message (LogP's o) and ``call`` the fixed cost
 of one call. For shared memory, whose ranks share one host by
 construction, the profile also records the host's cores (``cores``).
 
+Last, the stretch table (``stretch``): the same probes plus 1 MiB ones run
+(and the shared-window allreduce and bcast where the transport has a
+window) run at P ranks and, in further jobs, at each count of
+``--stretch-ranks`` (on shared memory by default every count above P up
+to 8, or 4 per core); at each count the times are fitted to
+``a L + b B + f F``, L, B and F being the message-latency, per-byte and
+fence terms of the unstretched prediction. Ranks that outnumber the cores
+wait for descheduled peers, which multiplies the latency terms far more
+than the per-byte ones, and a fence waits for every rank; the measured
+factors replace the ``p / cores`` guess.
+
 Profiles are JSON (:meth:`Params.as_dict` plus ``transport``, ``host``,
 ``ranks`` and the raw sweep), one per transport and host, in
 ``$XDG_CACHE_HOME/collectives/`` (default ``~/.cache/collectives/``) named
@@ -41,6 +52,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -49,9 +61,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from .model import Params
+from .timing import slowest_best
 
 __all__ = ["main", "load_profile", "profile_path", "fit_line", "fit_piecewise", "fit_overheads", "DEFAULTS",
-           "measure_gamma", "measure_copy_bandwidth", "measure_probes", "slowest_best", "host_cores"]
+           "measure_gamma", "measure_copy_bandwidth", "measure_probes", "host_cores"]
 
 #: Parameters used when a transport has no profile (seconds, bytes/s).
 #: shm: copy through a shared ring, a few microseconds per message;
@@ -191,21 +204,6 @@ def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:
     return nbytes / _best(lambda: np.copyto(dst, src), repeats)
 
 
-def slowest_best(comm, call, repeats: int) -> float:
-    """Best of ``repeats`` (after one warm-up) of the slowest rank's time of ``call()``."""
-    call()
-    best = math.inf
-    stamp = np.zeros(1)
-    for _ in range(repeats):
-        comm.barrier()
-        t0 = time.perf_counter()
-        call()
-        stamp[0] = time.perf_counter() - t0
-        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
-        best = min(best, float(stamp[0]))
-    return best
-
-
 def _window_fence(comm, rounds: int, runs: int = 10) -> float | None:
     """Seconds of the shared window's fence (the best of ``runs`` means over
     ``rounds`` fences, slowest rank), or None without a window."""
@@ -235,14 +233,58 @@ def _run_probe(comm, collective: str, algorithm: str, count: int):
     return lambda: comm.reduce(buf, 0, algorithm=algorithm)
 
 
-def measure_probes(comm, repeats: int) -> list[tuple[str, str, int, float]]:
-    """(collective, algorithm, bytes, seconds) of every probe on every rank."""
+#: Probe sizes where the per-byte terms dominate (for the stretch factors).
+STRETCH_BYTES = (1 << 20, 16 << 20)
+
+
+def measure_probes(comm, repeats: int, sizes: Sequence[int] = PROBE_BYTES,
+                   pairs: Sequence[tuple[str, str]] = PROBES) -> list[tuple[str, str, int, float]]:
+    """(collective, algorithm, bytes, seconds) of every probe (``pairs`` x ``sizes``) on every rank."""
     out = []
-    for collective, algorithm in PROBES:
-        for nbytes in PROBE_BYTES:
+    for collective, algorithm in pairs:
+        for nbytes in sizes:
             call = _run_probe(comm, collective, algorithm, nbytes // 4)
             out.append((collective, algorithm, nbytes, slowest_best(comm, call, repeats)))
     return out
+
+
+#: Shared-window collectives, probed for the fence's stretch where the transport has a window.
+WINDOW_PROBES = (("allreduce", "shared_window"), ("bcast", "shared_window"))
+
+
+def window_probes(comm) -> tuple[tuple[str, str], ...]:
+    """:data:`WINDOW_PROBES` where the transport offers a window, else none."""
+    return WINDOW_PROBES if "window" in comm.transport.capabilities else ()
+
+
+def fit_stretch(probes: Sequence[tuple[str, str, int, float]], params: Params,
+                p: int) -> tuple[float, float, float]:
+    """Least-squares ``(message latency, per-byte, fence)`` factors at ``p`` ranks.
+
+    Each probe time is modelled as ``a L + b B + f F`` with ``(L, B, F)``
+    the terms of its unstretched prediction
+    (:func:`~collectives.cost_models.model.split_terms`); residuals are
+    relative, so that microsecond and millisecond probes weigh alike. A
+    factor that comes out non-positive, or whose terms no probe has, is
+    dropped and set to the mean of the others.
+    """
+    from .model import split_terms
+
+    t = np.array([probe[3] for probe in probes], dtype=float)
+    if not len(t) or p < 2:
+        return 1.0, 1.0, 1.0
+    A = np.array([split_terms(c, a, p, n, params) for c, a, n, _ in probes], dtype=float) / t[:, None]
+    y = np.ones_like(t)
+    keep = [j for j in range(3) if A[:, j].any()]
+    while keep:
+        coef, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
+        bad = [j for j, c in zip(keep, coef) if c <= 0]
+        if not bad:
+            break
+        keep.remove(bad[0])
+    factors = dict(zip(keep, coef)) if keep else {}
+    fill = float(np.mean(list(factors.values()))) if factors else 1.0
+    return tuple(float(factors.get(j, fill)) for j in range(3))  # type: ignore[return-value]
 
 
 def fit_overheads(probes: Sequence[tuple[str, str, int, float]], params: Params, p: int) -> tuple[float, float]:
@@ -282,23 +324,22 @@ def host_cores() -> int:
 
 
 def _pingpong(comm, sizes: Sequence[int], quick: bool) -> list[float]:
-    """Half the best round trip per size (ranks 0 and 1; other ranks skip)."""
+    """Half the best round trip per size between ranks 0 and 1 (other ranks
+    skip), each timed from a common start (:func:`~.timing.slowest_best`)."""
     out = []
     for n in sizes:
         buf = np.zeros(n, np.uint8)
         reps = 3 if quick else (30 if n <= 65536 else 8 if n <= 4 << 20 else 3)
-        best = math.inf
-        for _ in range(reps + 1):
-            comm.barrier()
-            t0 = time.perf_counter()
+
+        def round_trip() -> None:
             if comm.rank == 0:
                 comm.send(buf, 1)
                 comm.recv(buf, 1)
             elif comm.rank == 1:
                 comm.recv(buf, 0)
                 comm.send(buf, 0)
-            best = min(best, time.perf_counter() - t0)
-        out.append(best / 2)
+
+        out.append(slowest_best(comm, round_trip, reps) / 2)
     return out
 
 
@@ -314,6 +355,10 @@ def rank_main(out: str | None, quick: bool) -> int:
     if fence is None:
         fence = _best(comm.barrier, 5 if quick else 50)
     probes = measure_probes(comm, 3 if quick else 20) if comm.size > 1 else []
+    heavy, windowed = [], []
+    if comm.size > 1:
+        heavy = measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, PROBES + window_probes(comm))
+        windowed = measure_probes(comm, 3 if quick else 10, PROBE_BYTES, window_probes(comm))
     name, p = comm.transport.name, comm.size
     comm.close()
     if comm.rank != 0:
@@ -327,11 +372,13 @@ def rank_main(out: str | None, quick: bool) -> int:
                     fence=fence, protocol=tuple(tuple(t) for t in fit["protocol"]))
     overhead, call = fit_overheads(probes, params, p)
     params = replace(params, overhead=overhead, call=call, cores=host_cores() if name == "shm" else 0)
+    if p > 1:
+        params = replace(params, stretch=((p, *fit_stretch(probes + heavy + windowed, params, p)),))
     path = Path(out) if out else profile_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {**params.as_dict(), "transport": name, "host": socket.gethostname(), "ranks": comm.size,
             "fit_error": fit["error"], "sweep": {"bytes": list(sizes), "seconds": times},
-            "probes": [list(t) for t in probes],
+            "probes": [list(t) for t in probes + heavy + windowed],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     data.pop("source", None)
     path.write_text(json.dumps(data, indent=2))
@@ -343,6 +390,50 @@ def rank_main(out: str | None, quick: bool) -> int:
     return 0
 
 
+def stretch_main(out: str, quick: bool) -> int:
+    """What every rank of a stretch job runs: the probes at this rank count;
+    rank 0 writes them to ``out`` (JSON)."""
+    import collectives
+
+    comm = collectives.init()
+    pairs = PROBES + window_probes(comm)
+    probes = (measure_probes(comm, 3 if quick else 10, PROBE_BYTES, pairs)
+              + measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, pairs))
+    comm.close()
+    if comm.rank == 0:
+        Path(out).write_text(json.dumps(probes))
+    return 0
+
+
+def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
+    """Measure the probes at each rank count of ``ranks`` (``launch_job(p,
+    out) -> status`` runs one stretch job) and add the fitted factors to the
+    profile at ``path``."""
+    data = json.loads(path.read_text())
+    params = Params.from_dict(data)
+    table = {int(t[0]): tuple(map(float, t[1:4])) for t in data.get("stretch", ()) if len(t) == 4}
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in ranks:
+            out = os.path.join(tmp, f"probes-{p}.json")
+            if launch_job(p, out) != 0 or not os.path.exists(out):
+                print(f"calibrate: the {p}-rank stretch job failed; no factors for {p} ranks", file=sys.stderr)
+                continue
+            probes = [tuple(t) for t in json.loads(Path(out).read_text())]
+            table[p] = fit_stretch(probes, replace(params, stretch=()), p)
+    data["stretch"] = [[p, *table[p]] for p in sorted(table)]
+    path.write_text(json.dumps(data, indent=2))
+    print("stretch (ranks: message latency x, per-byte x, fence x): "
+          + ", ".join(f"{p}: {a:.2f}, {b:.2f}, {f:.2f}" for p, (a, b, f) in sorted(table.items())))
+
+
+def default_stretch_ranks(transport: str, nprocs: int) -> list[int]:
+    """Rank counts measured for the stretch table: on shared memory every
+    count above the main job's up to 8 (or 4 per core), elsewhere none."""
+    if transport != "shm":
+        return []
+    return list(range(nprocs + 1, max(8, 4 * host_cores()) + 1))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``collectives calibrate [--transport NAME] [-n P] [--out PATH] [--quick]``."""
     ap = argparse.ArgumentParser(prog="collectives calibrate", description=__doc__.split("\n\n")[0])
@@ -351,20 +442,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="profile path (default: the user cache directory)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     ap.add_argument("--timeout", type=float, default=300.0, help="stop after this many seconds")
+    ap.add_argument("--stretch-ranks", default=None,
+                    help="comma list of rank counts whose stretch factors are measured "
+                         "(default on shm: every count above -n up to 8; 'none' to skip)")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stretch-main", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.rank_main:
         return rank_main(ns.out, ns.quick)
-    cmd = [sys.executable, "-m", "collectives.cost_models.calibrate", "--rank-main"]
-    cmd += (["--out", ns.out] if ns.out else []) + (["--quick"] if ns.quick else [])
-    if ns.transport == "mpi":
-        try:
-            return subprocess.run(["mpiexec", "-n", str(ns.nprocs), *cmd], timeout=ns.timeout).returncode
-        except subprocess.TimeoutExpired:
-            return 124
-    from collectives.launcher import launch
+    if ns.stretch_main:
+        return stretch_main(ns.out, ns.quick)
+    module = [sys.executable, "-m", "collectives.cost_models.calibrate"]
+    flags = ["--quick"] if ns.quick else []
 
-    return launch(cmd, ns.nprocs, transport=ns.transport, prefix=False, timeout=ns.timeout)
+    def run_job(p: int, mode: str, out: str | None) -> int:
+        cmd = [*module, mode, *(["--out", out] if out else []), *flags]
+        if ns.transport == "mpi":
+            try:
+                return subprocess.run(["mpiexec", "-n", str(p), *cmd], timeout=ns.timeout).returncode
+            except subprocess.TimeoutExpired:
+                return 124
+        from collectives.launcher import launch
+
+        return launch(cmd, p, transport=ns.transport, prefix=False, timeout=ns.timeout)
+
+    status = run_job(ns.nprocs, "--rank-main", ns.out)
+    if ns.stretch_ranks is None:
+        ranks = default_stretch_ranks(ns.transport, ns.nprocs)
+    elif ns.stretch_ranks.strip().lower() in ("", "none"):
+        ranks = []
+    else:
+        ranks = [int(x) for x in ns.stretch_ranks.split(",") if x.strip()]
+    if status == 0 and ranks:
+        add_stretch(Path(ns.out) if ns.out else profile_path(ns.transport), ranks,
+                    lambda p, out: run_job(p, "--stretch-main", out))
+    return status
 
 
 if __name__ == "__main__":

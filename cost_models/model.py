@@ -24,7 +24,11 @@ Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
   once (argument checks, algorithm choice, the plan), added by
   :func:`predict`;
 * when more ranks share a host than it has cores (``P.cores``), they take
-  turns: every term stretches by ``p / cores``.
+  turns: every term stretches by ``p / cores``; a calibrated profile
+  replaces that guess with measured stretch factors per rank count
+  (``P.stretch``: one each for the message latency, per-byte and fence
+  terms, since waiting for a descheduled peer costs latency far more than
+  bandwidth, and a fence waits for every rank).
 
 A long message travels in pieces of ``segment_bytes`` (rounded down to whole
 elements); when the receiver reduces each piece as it lands, the stream
@@ -43,7 +47,7 @@ import numpy as np
 from collectives.context import SEGMENT_BYTES
 
 __all__ = ["Params", "CostModel", "MODELS", "cost_model", "predict", "lg", "pof2", "nsegments",
-           "segment_sizes", "stream", "even_blocks", "send_sum"]
+           "segment_sizes", "stream", "even_blocks", "send_sum", "split_terms"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class Params:
         overhead: CPU seconds per message around the transport's own latency.
         call: seconds of one collective call's fixed work (checks, choice, plan).
         cores: cores the ranks share on one host (0: every rank has its own).
+        stretch: measured ``(p, message-latency factor, per-byte factor,
+            fence factor)`` in increasing p (see :meth:`stretch_at`); when
+            given, it replaces the ``p / cores`` stretch.
         source: where the numbers come from (a profile path or "defaults").
     """
 
@@ -80,6 +87,7 @@ class Params:
     overhead: float = 0.0
     call: float = 0.0
     cores: int = 0
+    stretch: tuple[tuple[int, float, float, float], ...] = ()
     source: str = "defaults"
 
     def for_dtype(self, dtype: Any) -> "Params":
@@ -89,6 +97,30 @@ class Params:
         if gamma == self.gamma and dt.itemsize == self.itemsize:
             return self
         return replace(self, gamma=gamma, itemsize=dt.itemsize)
+
+    def stretch_at(self, p: int) -> tuple[float, float, float]:
+        """(message latency, per-byte, fence) stretch factors at ``p`` ranks:
+        measured ones, linear between measured rank counts, 1 below the
+        first, and growing as ``p`` beyond the last."""
+        table = self.stretch
+        if not table or p < table[0][0]:
+            return 1.0, 1.0, 1.0
+        for lo, hi in zip(table, table[1:]):
+            if lo[0] <= p <= hi[0]:
+                w = (p - lo[0]) / (hi[0] - lo[0]) if hi[0] > lo[0] else 0.0
+                return tuple(a + w * (b - a) for a, b in zip(lo[1:], hi[1:]))  # type: ignore[return-value]
+        last = table[-1]
+        return tuple(f * p / last[0] for f in last[1:])  # type: ignore[return-value]
+
+    def latency_only(self) -> "Params":
+        """These parameters with every per-byte cost zero (the latency terms of a formula)."""
+        return replace(self, beta=0.0, gamma=0.0, gamma_by_dtype={}, mem_bandwidth=math.inf,
+                       protocol=tuple((bound, a, 0.0) for bound, a, _ in self.protocol), stretch=())
+
+    def fence_only(self) -> "Params":
+        """These parameters with every cost but the fence zero (the fence terms of a formula)."""
+        return replace(self.latency_only(), alpha=0.0, overhead=0.0, call=0.0,
+                       protocol=tuple((bound, 0.0, 0.0) for bound, _, _ in self.protocol))
 
     def msg(self, m: float) -> float:
         """Seconds of one message of ``m`` bytes."""
@@ -111,7 +143,7 @@ class Params:
         return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
                 "gamma_by_dtype": dict(self.gamma_by_dtype), "mem_bandwidth": self.mem_bandwidth,
                 "fence": self.fence, "segment_bytes": self.segment_bytes, "overhead": self.overhead,
-                "call": self.call, "cores": self.cores,
+                "call": self.call, "cores": self.cores, "stretch": [list(t) for t in self.stretch],
                 "protocol": [list(t) for t in self.protocol], "source": self.source}
 
     @classmethod
@@ -120,7 +152,9 @@ class Params:
         known = {k: d[k] for k in ("alpha", "beta", "gamma", "mem_bandwidth", "fence", "segment_bytes",
                                    "overhead", "call", "cores", "source") if k in d}
         return cls(**known, gamma_by_dtype=dict(d.get("gamma_by_dtype", {})),
-                   protocol=tuple(tuple(t) for t in d.get("protocol", ())))
+                   protocol=tuple(tuple(t) for t in d.get("protocol", ())),
+                   stretch=tuple((int(t[0]), *map(float, t[1:4])) for t in d.get("stretch", ())
+                                 if len(t) == 4))
 
 
 @dataclass(frozen=True)
@@ -172,7 +206,31 @@ def predict(collective: str, name: str, p: int, nbytes: int, params: Params | No
     P = (params or Params()).for_dtype(dtype)
     nbytes = int(nbytes) - int(nbytes) % P.itemsize
     seconds = float(model.func(int(p), nbytes, P)) + P.call
+    if P.stretch:
+        latency, per_byte, fences = _terms(model, int(p), nbytes, P, seconds)
+        s_latency, s_bytes, s_fence = P.stretch_at(int(p))
+        return s_latency * latency + s_bytes * per_byte + s_fence * fences
     return seconds * max(1.0, p / P.cores) if P.cores else seconds
+
+
+def _terms(model: CostModel, p: int, nbytes: int, P: Params, total: float) -> tuple[float, float, float]:
+    latency = float(model.func(p, nbytes, P.latency_only())) + P.call
+    fences = float(model.func(p, nbytes, P.fence_only()))
+    return max(latency - fences, 0.0), max(total - latency, 0.0), fences
+
+
+def split_terms(collective: str, name: str, p: int, nbytes: int, params: Params,
+                dtype: Any = np.float32) -> tuple[float, float, float]:
+    """(message latency, per-byte, fence) seconds of a prediction without
+    stretch: what the :attr:`Params.stretch` factors multiply."""
+    from . import _load
+
+    _load()
+    model = MODELS[(collective, name)]
+    P = replace(params, stretch=(), cores=0).for_dtype(dtype)
+    nbytes = int(nbytes) - int(nbytes) % P.itemsize
+    total = float(model.func(int(p), nbytes, P)) + P.call
+    return _terms(model, int(p), nbytes, P, total)
 
 
 # ------------------------------------------------------------ shared terms

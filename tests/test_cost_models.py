@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -143,3 +144,51 @@ def test_calibrate_on_shared_memory(tmp_path) -> None:
     assert data["transport"] == "shm" and data["alpha"] > 0 and data["beta"] > 0
     assert data["gamma_by_dtype"]["float32"] > 0 and data["mem_bandwidth"] > 0
     assert load_profile("shm", out).alpha == data["alpha"]
+
+
+# ----------------------------------------------------- timing and stretch
+
+
+def _timed_sleeps(comm, lead: float) -> tuple[bool, float]:
+    from collectives.cost_models import timing
+
+    timing.START_LEAD = lead  # a tiny lead makes the first tries late: they must be retried
+    nap = 0.003 if comm.rank == comm.size - 1 else 0.0
+    return timing.shared_clock(comm), timing.slowest_best(comm, lambda: time.sleep(nap), 5)
+
+
+@pytest.mark.parametrize("lead", [200e-6, 1e-9])
+def test_slowest_best_times_from_a_common_start(lead) -> None:
+    from harness import run_ranks
+
+    results = run_ranks(_timed_sleeps, 3, lead, timeout=60)
+    assert all(shared for shared, _ in results)  # one kernel: one clock
+    seconds = {t for _, t in results}
+    assert len(seconds) == 1  # every rank reports the same time
+    assert 0.003 <= seconds.pop() < 0.003 + 0.002
+
+
+def test_stretch_table_interpolates_and_scales() -> None:
+    P = Params(stretch=((2, 1.0, 1.0, 2.0), (4, 3.0, 2.0, 10.0)))
+    assert P.stretch_at(1) == (1.0, 1.0, 1.0)
+    assert P.stretch_at(3) == pytest.approx((2.0, 1.5, 6.0))
+    assert P.stretch_at(8) == pytest.approx((6.0, 4.0, 20.0))  # beyond the table: grows as p
+    assert Params.from_dict(P.as_dict()).stretch == P.stretch
+
+
+def test_fit_stretch_recovers_known_factors() -> None:
+    from collectives.cost_models.calibrate import STRETCH_BYTES, WINDOW_PROBES, fit_stretch
+    from collectives.cost_models.model import split_terms
+
+    base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=8e9, fence=1e-6, overhead=2e-6)
+    truth = (3.0, 1.5, 40.0)
+    p = 4
+    probes = []
+    for c, a in PROBES + WINDOW_PROBES:
+        for n in PROBE_BYTES + STRETCH_BYTES:
+            terms = split_terms(c, a, p, n, base)
+            probes.append((c, a, n, sum(f * t for f, t in zip(truth, terms))))
+    assert fit_stretch(probes, base, p) == pytest.approx(truth, rel=1e-6)
+    stretched = Params(**{**base.__dict__, "stretch": ((p, *truth),)})
+    c, a, n, t = probes[0]
+    assert predict(c, a, p, n, stretched) == pytest.approx(t, rel=1e-9)

@@ -1,0 +1,109 @@
+"""Timing one collective call the way its cost model defines it.
+
+A cost model predicts the time from the moment every rank starts a call
+together to the moment the last rank finishes it. Starting after a barrier
+adds the barrier's skew (ranks leave it up to a message latency apart),
+which for a microsecond collective is most of what gets measured. When
+every rank reads the same monotonic clock (one kernel, which network
+namespaces share), :func:`slowest_best` instead agrees on a start instant a
+little in the future, every rank waits for it on the clock, and the time is
+the latest finish minus that instant. A rank that reaches the agreement
+after the instant makes that try void, and the lead doubles. Ranks on
+different kernels fall back to starting after a barrier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+import weakref
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["shared_clock", "slowest_best", "sleep_until", "START_LEAD"]
+
+#: First lead of the agreed start over the agreement itself (seconds).
+START_LEAD = 200e-6
+#: Sleep (rather than yield) while the start is further off than this.
+_SLEEP_MARGIN = 300e-6
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_clock_shared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _kernel_id() -> int:
+    """A 63-bit id of the running kernel instance (its boot id), or a random one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = os.urandom(16)  # unknown: no two ranks will match
+    return int.from_bytes(hashlib.sha256(boot).digest()[:8], "little") >> 1
+
+
+def shared_clock(comm) -> bool:
+    """Whether every rank of ``comm`` reads the same ``time.monotonic`` clock
+    (they run on one kernel). Collective; the answer is cached per communicator."""
+    known = _clock_shared.get(comm)
+    if known is None:
+        ids = np.zeros(comm.size, np.int64)
+        comm.allgather(np.array([_kernel_id()], np.int64), ids)
+        known = _clock_shared[comm] = bool((ids == ids[0]).all())
+    return known
+
+
+def sleep_until(instant: float) -> None:
+    """Return at ``time.monotonic() >= instant``: sleep while it is far, then yield."""
+    while True:
+        left = instant - time.monotonic()
+        if left <= 0:
+            return
+        if left > _SLEEP_MARGIN:
+            time.sleep(left - _SLEEP_MARGIN)
+        else:
+            _yield()
+
+
+def _barrier_best(comm, call: Callable[[], object], repeats: int) -> float:
+    best = math.inf
+    stamp = np.zeros(1)
+    for _ in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        call()
+        stamp[0] = time.perf_counter() - t0
+        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
+        best = min(best, float(stamp[0]))
+    return best
+
+
+def slowest_best(comm, call: Callable[[], object], repeats: int) -> float:
+    """Best of ``repeats`` (after one warm-up) of ``call()``'s time from a common
+    start to the last rank's finish (see the module's docstring). Collective."""
+    call()
+    if comm.size == 1:
+        return _barrier_best(comm, call, repeats)
+    if not shared_clock(comm):
+        return _barrier_best(comm, call, repeats)
+    best, lead, done, tries = math.inf, START_LEAD, 0, 0
+    stamp = np.zeros(2)
+    monotonic = time.monotonic
+    while done < repeats:
+        tries += 1
+        stamp[0] = monotonic() + lead
+        comm.allreduce(stamp[:1], op="max", algorithm="recursive_doubling")
+        start = float(stamp[0])
+        stamp[1] = monotonic() - start  # > 0: this rank learnt the start too late
+        sleep_until(start)
+        call()
+        stamp[0] = monotonic()
+        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
+        if stamp[1] > 0 and tries < 4 * repeats:
+            lead *= 2
+            continue
+        best = min(best, float(stamp[0]) - start)
+        done += 1
+    return best
