@@ -58,6 +58,12 @@ class CallContext:
     def irecv(self, arr: np.ndarray, peer: int) -> Request:
         return self.transport.irecv(arr, peer, self.tag)
 
+    def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, op, tmp: np.ndarray) -> Request:
+        """Receive from ``peer`` and set ``out = mine (op) received`` (see
+        :meth:`~collectives.transport.Transport.irecv_reduce`; ``tmp`` is scratch
+        of ``out``'s size)."""
+        return self.transport.irecv_reduce(out, mine, peer, self.tag, op, tmp)
+
     def send(self, arr: np.ndarray, peer: int) -> None:
         self.transport.isend(arr, peer, self.tag).wait(self.remaining())
 

@@ -1,7 +1,9 @@
 """``collectives run``: start N local ranks, like ``torchrun --standalone``.
 
 Each rank gets the environment :func:`collectives.init` reads (and torch's
-RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so torch scripts run unchanged).
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so torch scripts run unchanged);
+with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set (as torchrun
+does; OpenBLAS and torch follow it).
 Output is streamed with a rank prefix. If one rank fails, the others are
 stopped and the launcher exits with that rank's status.
 """
@@ -43,6 +45,8 @@ def rank_environment(rank: int, size: int, *, job: str, secret: str, master_port
     })
     if transport:
         env["COLLECTIVES_TRANSPORT"] = transport
+    if size > 1:  # as torchrun does: ranks sharing a host do not each start a thread per core
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

@@ -64,6 +64,33 @@ class CompletedRequest(Request):
 COMPLETED = CompletedRequest()
 
 
+class _ReduceOnCompletion(Request):
+    """A receive into scratch whose completion also reduces it into place
+    (:meth:`Transport.irecv_reduce`'s default)."""
+
+    __slots__ = ("_inner", "_out", "_mine", "_tmp", "_op")
+
+    def __init__(self, inner: Request, out: np.ndarray, mine: np.ndarray, tmp: np.ndarray, op: Any) -> None:
+        self._inner, self._out, self._mine, self._tmp, self._op = inner, out, mine, tmp, op
+
+    def _reduce(self) -> None:
+        if self._op is not None:
+            op, self._op = self._op, None
+            op.reduce_into(self._out, self._mine, self._tmp)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._inner.wait(timeout)
+        self._reduce()
+
+    def test(self) -> bool:
+        if self._op is None:
+            return True
+        if self._inner.test():
+            self._reduce()
+            return True
+        return False
+
+
 class SharedWindow(Protocol):
     """Memory of every rank mapped into every rank's address space.
 
@@ -131,6 +158,19 @@ class Transport(abc.ABC):
     def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
         """Start receiving a message from ``peer`` with ``tag`` into the
         C-contiguous writable array ``buf`` (exactly ``buf.nbytes`` bytes)."""
+
+    def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
+                     tmp: np.ndarray) -> Request:
+        """Start receiving ``out.nbytes`` bytes from ``peer`` with ``tag`` and
+        setting ``out = mine (op) received`` (``out`` may alias ``mine``).
+
+        ``tmp`` (``out``'s size and dtype) is scratch the transport may receive
+        into; the reduction is done by the time the request completes. A
+        transport that can reduce straight from its own receive buffers
+        overrides this and saves a copy; it may then reduce before ``wait``,
+        so ``out`` and ``mine`` must not change while the request is pending.
+        """
+        return _ReduceOnCompletion(self.irecv(tmp, peer, tag), out, mine, tmp, op)
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request (transports may override with a faster path)."""

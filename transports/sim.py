@@ -401,7 +401,11 @@ class SimTransport(Transport):
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         self._ready()
-        self.world.wait(self.rank, list(requests))
+        if all(type(r) is _SimRequest for r in requests):
+            self.world.wait(self.rank, list(requests))
+            return
+        for r in requests:  # e.g. receives that reduce on completion
+            r.wait(timeout)
 
     def charge(self, seconds: float) -> None:
         """Advance this rank's clock by ``seconds`` of local work."""

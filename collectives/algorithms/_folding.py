@@ -127,20 +127,25 @@ def recv_segments(ctx: CallContext, arr: np.ndarray, peer: int) -> list[Request]
 
 def recv_reduce(ctx: CallContext, peer: int, tmp: np.ndarray, out: np.ndarray,
                 mine: np.ndarray, op: Op, sends: Sequence[Request] = ()) -> None:
-    """Receive ``out.size`` elements from ``peer`` into ``tmp`` piece by piece and
-    set ``out = mine (op) received`` as each piece lands.
+    """Receive ``out.size`` elements from ``peer`` piece by piece and set
+    ``out = mine (op) received`` as each piece lands (``tmp``: scratch of
+    ``out``'s size).
 
     ``sends``, if given, are requests over the same pieces of a buffer that
     aliases ``out``; piece i is reduced only after send i completed.
     """
     seg = segment_elems(ctx, out.dtype)
     parts = pieces(out.size, seg)
-    reqs = [ctx.irecv(tmp[a:b], peer) for a, b in parts]
-    for i, ((a, b), req) in enumerate(zip(parts, reqs)):
-        req.wait(ctx.remaining())
-        if sends:
+    if sends and not all(s.test() for s in sends):
+        reqs = [ctx.irecv(tmp[a:b], peer) for a, b in parts]
+        for i, ((a, b), req) in enumerate(zip(parts, reqs)):
+            req.wait(ctx.remaining())
             sends[i].wait(ctx.remaining())
-        op.reduce_into(out[a:b], mine[a:b], tmp[a:b])
+            op.reduce_into(out[a:b], mine[a:b], tmp[a:b])
+        return
+    reqs = [ctx.irecv_reduce(out[a:b], mine[a:b], peer, op, tmp[a:b]) for a, b in parts]
+    for req in reqs:  # in order: piece i is reduced while piece i + 1 arrives
+        req.wait(ctx.remaining())
 
 
 def exchange_reduce(ctx: CallContext, peer: int, send: np.ndarray, keep: np.ndarray,
@@ -289,7 +294,10 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
     def post(i: int) -> None:
         t, j, a, b = units[i]
         if t < p - 1:
-            posted.append(ctx.irecv(tmp[(i % WINDOW) * longest:][:b - a], left))
+            blk = block_at(t)
+            off = bounds[blk]
+            posted.append(ctx.irecv_reduce(dest_of(blk)[a:b], src[off + a:off + b], left, op,
+                                           tmp[(i % WINDOW) * longest:][:b - a]))
         else:  # allgather: straight into place, once our send of it is done
             req = sent.get((t - (p - 1), j))
             if req is not None:
@@ -300,11 +308,7 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
         post(i)
     for i, (t, j, a, b) in enumerate(units):
         posted[i].wait(ctx.remaining())
-        blk = block_at(t)
-        out = dest_of(blk)[a:b]
-        if t < p - 1:
-            off = bounds[blk]
-            op.reduce_into(out, src[off + a:off + b], tmp[(i % WINDOW) * longest:][:b - a])
+        out = dest_of(block_at(t))[a:b]
         if i + WINDOW < len(units):
             post(i + WINDOW)
         if t + 1 < steps:
