@@ -94,6 +94,7 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     status = 0
+    restore = _stop_on_signals()
     try:
         for r in range(nprocs):
             env = rank_environment(r, nprocs, job=job, secret=secret, master_port=port, transport=transport)
@@ -123,8 +124,35 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
             time.sleep(0.02)
     except KeyboardInterrupt:
         status = 130
+    except _Terminated as exc:
+        sys.stderr.write(f"collectives run: {signal.Signals(exc.signum).name}; stopping every rank\n")
+        status = 128 + exc.signum
     finally:
         _stop(procs)
+        restore()
         for t in pumps:
             t.join(timeout=1.0)
     return status
+
+
+class _Terminated(Exception):
+    """The launcher was told to stop (SIGTERM, SIGHUP)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals():
+    """Turn SIGTERM and SIGHUP into :class:`_Terminated` while ranks run (the
+    ranks sit in sessions of their own, so a signal to the launcher alone
+    would leave them behind). Returns the function that restores the old
+    handlers; a no-op off the main thread, where handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def raise_terminated(signum, frame):
+        raise _Terminated(signum)
+
+    old = {sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]
