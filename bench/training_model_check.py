@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
                         "p2_without_communication": measured["local"] * 1e3},
         "load_average": os.getloadavg(),
     }
-    comm_link = Link(link.alpha, link.beta, link.gamma or 3.0 / gemm_node.mem_bandwidth)
+    comm_link = replace(link, gamma=link.gamma or 3.0 / gemm_node.mem_bandwidth)
     busy_node = replace(gemm_node, name=gemm_node.name + ", all ranks computing",
                         peak_flops=measured["busy_gflops"] * 1e9,
                         mem_bandwidth=measured["busy_gbytes_per_s"] * 1e9)
@@ -287,9 +287,30 @@ def run(args: argparse.Namespace) -> dict:
             "p2_exposed_ms": two.exposed_communication * 1e3, "p2_error": two.step / measured["step"] - 1,
             "p2_no_overlap_ms": serial.step * 1e3, "p2_no_overlap_error": serial.step / measured["step"] - 1,
         }
+    # The library's cost models with the calibration profile, on compute
+    # calibrated by measurement: the roofline's per-layer times scaled to the
+    # measured step of one rank alone (p1), or of every rank computing
+    # without communication (p2 compute). What is left of the p2 error is
+    # the communication model's and the overlap assumption's.
+    cluster = Cluster("this machine", gemm_node, comm_link, 2)
+    roofline = predict(network, cluster, 1, args.batch)
+    spread = [(c.fp, c.bp_gc, c.bp_wu) for c in roofline.layers]
+    for label, target in (("library_compute_of_p1", single), ("library_compute_of_p2", measured["local"])):
+        k = target / roofline.compute
+        times = [(fp * k, gc * k, wu * k) for fp, gc, wu in spread]
+        two = predict(network, cluster, 2, args.batch, models="library", layer_times=times)
+        serial = predict(network, cluster, 2, args.batch, models="library", layer_times=times, overlap=False)
+        report[label] = {
+            "p1_ms": k * roofline.compute * 1e3, "p1_error": k * roofline.compute / single - 1,
+            "p2_ms": two.step * 1e3, "p2_compute_ms": two.compute * 1e3, "p2_comm_ms": two.communication * 1e3,
+            "p2_exposed_ms": two.exposed_communication * 1e3, "p2_error": two.step / measured["step"] - 1,
+            "p2_no_overlap_ms": serial.step * 1e3, "p2_no_overlap_error": serial.step / measured["step"] - 1,
+            "algorithms": sorted({c.algorithm for c in two.layers if c.algorithm != "none"}),
+        }
     return report | {
         "pingpong_us": {k: v * 1e6 for k, v in measured["pingpong"].items()},
-        "allreduce_us": {k: {"measured": v * 1e6, "predicted": allreduce_time(float(k), 2, comm_link)[0] * 1e6}
+        "allreduce_us": {k: {"measured": v * 1e6, "predicted": allreduce_time(float(k), 2, comm_link)[0] * 1e6,
+                             "predicted_library": allreduce_time(float(k), 2, comm_link, models="library")[0] * 1e6}
                          for k, v in measured["allreduce"].items()},
     }
 
@@ -315,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     measured = report["measured_ms"]
     print(f"measured p2 without communication (every rank computing, no DDP): "
           f"{measured['p2_without_communication']:8.2f} ms/step")
-    for label in ("peak_roofline", "gemm_calibrated", "gemm_calibrated_busy", "gemm_calibrated_busy_group_link"):
+    print(f"link: {report['link']['source']}")
+    for label in ("peak_roofline", "gemm_calibrated", "gemm_calibrated_busy", "gemm_calibrated_busy_group_link",
+                  "library_compute_of_p1", "library_compute_of_p2"):
         r = report[label]
         for p in ("p1", "p2"):
             print(f"{label:16s} {p}: measured {measured[p]:8.2f} ms/step, predicted {r[p + '_ms']:8.2f} ms/step, "
@@ -323,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:16s} p2 without overlap: predicted {r['p2_no_overlap_ms']:8.2f} ms/step, "
               f"error {r['p2_no_overlap_error'] * 100:+6.1f}%")
     for size, t in report["allreduce_us"].items():
-        print(f"allreduce {int(size):>8d} B: measured {t['measured']:9.1f} us, predicted {t['predicted']:9.1f} us")
+        print(f"allreduce {int(size):>8d} B: measured {t['measured']:9.1f} us, predicted {t['predicted']:9.1f} us "
+              f"(paper), {t['predicted_library']:9.1f} us (library)")
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as fh:

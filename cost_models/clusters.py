@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -119,7 +120,8 @@ def profile_link(transport: str = "shm") -> tuple[Link, str]:
     if pieces:  # latency from the small-message piece, bandwidth from the large one
         alpha = pieces[0][1]
     alpha += _field(profile, "overhead") or 0.0
-    return Link(alpha, beta, _field(profile, "gamma") or 0.0), f"calibration profile of {transport!r}"
+    params = profile if hasattr(profile, "stretch_at") else None  # the library's models use all of it
+    return Link(alpha, beta, _field(profile, "gamma") or 0.0, params), f"calibration profile of {transport!r}"
 
 
 def calibrated(nodes: int = 2, transport: str = "shm", node: Node | None = None) -> Cluster:
@@ -136,7 +138,7 @@ def calibrated(nodes: int = 2, transport: str = "shm", node: Node | None = None)
     node = node or measure_node()
     link, source = profile_link(transport)
     if link.gamma == 0.0:
-        link = Link(link.alpha, link.beta, 3.0 / node.mem_bandwidth)
+        link = replace(link, gamma=3.0 / node.mem_bandwidth)
     description = (f"{node.name}: {node.peak_flops / 1e9:.1f} GFLOP/s, {node.mem_bandwidth / 1e9:.1f} GB/s; "
                    f"{transport} link alpha={link.alpha * 1e6:.2f} us, {1e-9 / link.beta:.2f} GB/s from {source}")
     return Cluster(f"calibrated-{transport}", node, link, nodes, description)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .networks import Layer, Network
 
@@ -217,16 +217,33 @@ class Link:
         alpha: latency per message, seconds.
         beta: seconds per byte (1 / bandwidth).
         gamma: seconds per byte reduced (the arithmetic of a reduction).
+        params: the calibration profile's full cost-model parameters
+            (per-message overhead, size ranges, ...) when the link came
+            from one; the library's allreduce models use them.
     """
 
     alpha: float
     beta: float
     gamma: float = 0.0
+    params: Any = field(default=None, compare=False)
 
     @classmethod
     def from_rate(cls, gbits_per_s: float, latency_us: float, gamma: float = 0.0) -> "Link":
         """Link of the given bandwidth (Gb/s) and latency (microseconds)."""
         return cls(latency_us * 1e-6, 8.0 / (gbits_per_s * 1e9), gamma)
+
+    def cost_params(self) -> Any:
+        """The library's cost-model parameters
+        (:class:`~collectives.cost_models.model.Params`) of this link: those
+        of the calibration profile it came from (``params``), else alpha,
+        beta and gamma alone. Cluster nodes are separate machines, so a
+        profile's sharing of one host's cores (``cores``, ``stretch``) is
+        left out."""
+        from .model import Params
+
+        if self.params is None:
+            return Params(alpha=self.alpha, beta=self.beta, gamma=self.gamma, mem_bandwidth=math.inf)
+        return replace(self.params, cores=0, stretch=())
 
 
 @dataclass(frozen=True)
@@ -248,12 +265,13 @@ class Cluster:
     description: str = ""
 
     def with_link(self, gbits_per_s: float | None = None, latency_us: float | None = None) -> "Cluster":
-        """A copy with another link bandwidth (Gb/s) and/or latency (us)."""
+        """A copy with another link bandwidth (Gb/s) and/or latency (us); an
+        overridden link is the plain alpha-beta-gamma one (no profile)."""
         link = self.link
         if gbits_per_s is not None:
-            link = replace(link, beta=8.0 / (gbits_per_s * 1e9))
+            link = replace(link, beta=8.0 / (gbits_per_s * 1e9), params=None)
         if latency_us is not None:
-            link = replace(link, alpha=latency_us * 1e-6)
+            link = replace(link, alpha=latency_us * 1e-6, params=None)
         return replace(self, link=link)
 
 
@@ -298,37 +316,75 @@ def _bkt(nbytes: float, dims: Sequence[int], link: Link) -> float:
 
 #: allreduce name -> T(nbytes, dims, link); a star of P nodes is the 1-D case (P,).
 ALLREDUCE_MODELS: dict[str, Callable[[float, Sequence[int], Link], float]] = {"mst": _mst, "bkt": _bkt}
+#: The library's allreduce algorithms that need nothing but point-to-point
+#: (``models="library"``; ``bkt`` names ``ring`` there).
+LIBRARY_ALLREDUCES = ("mst", "ring", "recursive_doubling", "rabenseifner")
+#: Which formulas price the allreduces: the paper's closed forms of MST and
+#: BKT, or the library's per-algorithm cost models (:mod:`collectives.cost_models`).
+MODEL_SETS = ("paper", "library")
 
 TOPOLOGIES = ("star", "mesh")
 
 
+def _library_allreduce(name: str, nbytes: float, dims: Sequence[int], params: Any) -> float:
+    """The library's cost model of allreduce ``name`` over ``dims``.
+
+    A star is one dimension. On a mesh the ring (BKT) reduce-scatters along
+    each dimension in turn on a shrinking share and allgathers back, as the
+    paper's BKT does; other algorithms run along each dimension with the
+    whole message.
+    """
+    from .model import predict
+
+    n = int(nbytes)
+    if name == "ring" and len(dims) > 1:
+        total, share = 0.0, n
+        for d in dims:
+            if d > 1:
+                total += (predict("reduce_scatter", "ring", d, share, params)
+                          + predict("allgather", "ring", d, share, params))
+                share //= d
+        return total
+    return sum(predict("allreduce", name, d, n, params) for d in dims if d > 1)
+
+
 def allreduce_time(nbytes: float, nodes: int, link: Link, algorithm: str = "auto",
-                   topology: str = "star") -> tuple[float, str]:
+                   topology: str = "star", models: str = "paper") -> tuple[float, str]:
     """Predicted time of one allreduce of ``nbytes`` among ``nodes`` nodes.
 
     Args:
         nbytes: message size in bytes.
         nodes: P.
-        link: alpha, beta, gamma of the network.
-        algorithm: ``"mst"``, ``"bkt"`` or ``"auto"`` (the faster of the two).
+        link: alpha, beta, gamma of the network (and its calibration profile).
+        algorithm: with ``models="paper"``: ``"mst"``, ``"bkt"`` or ``"auto"``
+            (the faster of the two); with ``models="library"``: one of
+            :data:`LIBRARY_ALLREDUCES` (``"bkt"`` is ``"ring"``) or ``"auto"``
+            (the fastest of them).
         topology: ``"star"`` (all nodes one hop apart) or ``"mesh"`` (2-D
             mesh of :func:`mesh_dims`, per-dimension sums).
+        models: ``"paper"`` or ``"library"`` (see :data:`MODEL_SETS`).
 
     Returns:
         (seconds, algorithm used).
 
     Raises:
-        ValueError: unknown algorithm or topology.
+        ValueError: unknown algorithm, topology or model set.
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+    if models not in MODEL_SETS:
+        raise ValueError(f"models must be one of {MODEL_SETS}, got {models!r}")
+    known = LIBRARY_ALLREDUCES + ("bkt",) if models == "library" else tuple(ALLREDUCE_MODELS)
+    if algorithm != "auto" and algorithm not in known:
+        raise ValueError(f"allreduce must be 'auto' or one of {known} with models={models!r}, got {algorithm!r}")
     if nodes <= 1 or nbytes <= 0:
         return 0.0, "none"
     dims = (nodes,) if topology == "star" else mesh_dims(nodes)
+    if models == "library":
+        names = LIBRARY_ALLREDUCES if algorithm == "auto" else ("ring" if algorithm == "bkt" else algorithm,)
+        params = link.cost_params()
+        return min((_library_allreduce(name, nbytes, dims, params), name) for name in names)
     names = tuple(ALLREDUCE_MODELS) if algorithm == "auto" else (algorithm,)
-    for name in names:
-        if name not in ALLREDUCE_MODELS:
-            raise ValueError(f"allreduce must be 'auto' or one of {tuple(ALLREDUCE_MODELS)}, got {name!r}")
     return min((ALLREDUCE_MODELS[name](nbytes, dims, link), name) for name in names)
 
 
@@ -370,7 +426,7 @@ class StepPrediction:
         network, cluster: names.
         nodes: P.
         batch_per_node: samples per node and step.
-        topology, allreduce, overlap: the options used.
+        topology, allreduce, overlap, models: the options used.
         compute: FP + BP time of one node, seconds.
         communication: sum of the gradient allreduce times, seconds.
         exposed_communication: ``step - compute`` (communication not hidden).
@@ -389,6 +445,7 @@ class StepPrediction:
     topology: str
     allreduce: str
     overlap: bool
+    models: str
     compute: float
     communication: float
     exposed_communication: float
@@ -461,7 +518,8 @@ def schedule(costs: Sequence[LayerCost], overlap: bool) -> tuple[list[LayerCost]
 
 
 def predict(network: Network, cluster: Cluster, nodes: int, batch_per_node: int, topology: str = "star",
-            allreduce: str = "auto", overlap: bool = True) -> StepPrediction:
+            allreduce: str = "auto", overlap: bool = True, models: str = "paper",
+            layer_times: Sequence[tuple[float, float, float]] | None = None) -> StepPrediction:
     """Predict one data-parallel training step.
 
     Args:
@@ -470,28 +528,40 @@ def predict(network: Network, cluster: Cluster, nodes: int, batch_per_node: int,
         nodes: P >= 1.
         batch_per_node: samples per node per step.
         topology: ``"star"`` or ``"mesh"``.
-        allreduce: ``"mst"``, ``"bkt"`` or ``"auto"`` (faster per layer).
+        allreduce: an algorithm of ``models`` or ``"auto"`` (fastest per
+            layer); see :func:`allreduce_time`.
         overlap: overlap gradient allreduces with the backward pass.
+        models: ``"paper"`` (MST and BKT closed forms) or ``"library"`` (the
+            library's per-algorithm cost models with the link's profile).
+        layer_times: per layer, measured (FP, BP-GC, BP-WU) seconds at
+            ``batch_per_node`` that replace the node's roofline times (for
+            example a single node's measured step spread over the layers).
 
     Returns:
         The prediction, with per-layer costs.
 
     Raises:
-        ValueError: nodes or batch below 1, unknown topology or allreduce.
+        ValueError: nodes or batch below 1, unknown topology, allreduce or
+            model set, or ``layer_times`` of the wrong length.
     """
     if nodes < 1 or batch_per_node < 1:
         raise ValueError(f"nodes and batch_per_node must be >= 1, got {nodes} and {batch_per_node}")
+    if layer_times is not None and len(layer_times) != len(network.layers):
+        raise ValueError(f"layer_times has {len(layer_times)} entries for {len(network.layers)} layers")
     costs = []
     for index, layer in enumerate(network.layers):
-        fp, gc, wu = _compute_costs(layer, batch_per_node, cluster.node, first=index == 0)
+        if layer_times is None:
+            fp, gc, wu = _compute_costs(layer, batch_per_node, cluster.node, first=index == 0)
+        else:
+            fp, gc, wu = (float(t) for t in layer_times[index])
         grad_bytes = layer.params * WORD_BYTES
-        t_ar, algo = allreduce_time(grad_bytes, nodes, cluster.link, allreduce, topology)
+        t_ar, algo = allreduce_time(grad_bytes, nodes, cluster.link, allreduce, topology, models)
         costs.append(LayerCost(layer.name, layer.kind, fp, gc, wu, grad_bytes, t_ar, algo))
     placed, compute, step = schedule(costs, overlap)
     communication = sum(c.allreduce for c in placed)
     return StepPrediction(
         network=network.name, cluster=cluster.name, nodes=nodes, batch_per_node=batch_per_node,
-        topology=topology, allreduce=allreduce, overlap=overlap, compute=compute,
+        topology=topology, allreduce=allreduce, overlap=overlap, models=models, compute=compute,
         communication=communication, exposed_communication=step - compute, step=step,
         images_per_second=nodes * batch_per_node / step if step else math.inf,
         efficiency=compute / step if step else 1.0,

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from .clusters import PRESETS, get_cluster
 from .networks import NETWORKS, get_network
-from .training import ALLREDUCE_MODELS, TOPOLOGIES, StepPrediction, scan
+from .training import ALLREDUCE_MODELS, LIBRARY_ALLREDUCES, MODEL_SETS, TOPOLOGIES, StepPrediction, scan
 
 __all__ = ["main", "parse_nodes", "format_table"]
 
@@ -94,7 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", default="1,2,4,...,1000", help="node counts, e.g. 1,2,4,...,1000")
     ap.add_argument("--batch-per-node", type=int, default=60, help="samples per node per step")
     ap.add_argument("--topology", choices=TOPOLOGIES, default="star")
-    ap.add_argument("--allreduce", choices=("auto", *ALLREDUCE_MODELS), default="auto")
+    ap.add_argument("--allreduce", choices=("auto", *dict.fromkeys((*ALLREDUCE_MODELS, *LIBRARY_ALLREDUCES))),
+                    default="auto", help="mst or bkt (paper), or a library algorithm with --models library")
+    ap.add_argument("--models", choices=MODEL_SETS, default="paper",
+                    help="price allreduces with the paper's MST/BKT formulas or the library's cost models")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="overlap gradient allreduces with the backward pass")
     ap.add_argument("--cluster", choices=tuple(PRESETS), default="skylake")
@@ -122,13 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = cluster.with_link(ns.link_gbps, ns.latency_us)
     if ns.unblocked:
         cluster = replace(cluster, node=replace(cluster.node, blocking=None))
-    results = scan(network, cluster, nodes, ns.batch_per_node, topology=ns.topology, allreduce=ns.allreduce,
-                   overlap=ns.overlap)
+    try:
+        results = scan(network, cluster, nodes, ns.batch_per_node, topology=ns.topology, allreduce=ns.allreduce,
+                       overlap=ns.overlap, models=ns.models)
+    except ValueError as exc:
+        ap.error(str(exc))
     counts = network.counts()
     print(f"{network.name}: {counts['fc']} FC / {counts['conv']} CONV / {counts['pool']} POOL, "
           f"{network.params / 1e6:.1f} M parameters; batch {ns.batch_per_node} per node")
     print(f"cluster {cluster.name}: {cluster.description or cluster.node.name}")
-    print(f"topology {ns.topology}, allreduce {ns.allreduce}, overlap {'on' if ns.overlap else 'off'}"
+    print(f"topology {ns.topology}, allreduce {ns.allreduce} ({ns.models} models), overlap {'on' if ns.overlap else 'off'}"
           f"{', unblocked GEMM' if ns.unblocked else ''}")
     print(format_table(results))
     beyond = [p for p in nodes if p > cluster.max_nodes]

@@ -101,6 +101,43 @@ def test_allreduce_formulas_star_and_mesh():
         allreduce_time(n, 4, LINK, "mst", "torus")
 
 
+def test_library_allreduce_models_star_and_mesh():
+    from collectives.cost_models import predict as cost
+
+    P = LINK.cost_params()
+    n = 4000
+    for name in ("mst", "ring", "recursive_doubling", "rabenseifner"):
+        got = allreduce_time(n, 8, LINK, name, "star", models="library")
+        assert got == (pytest.approx(cost("allreduce", name, 8, n, P)), name)
+    assert allreduce_time(n, 8, LINK, "bkt", "star", models="library")[1] == "ring"
+    # the bucket ring on the paper's star is exactly its BKT formula
+    assert allreduce_time(n, 8, LINK, "bkt", "star", models="library")[0] == pytest.approx(
+        allreduce_time(n, 8, LINK, "bkt", "star")[0])
+    # 3 x 4 mesh: the ring reduce-scatters along each dimension on a shrinking share, then allgathers
+    ring_mesh = (cost("reduce_scatter", "ring", 3, n, P) + cost("allgather", "ring", 3, n, P)
+                 + cost("reduce_scatter", "ring", 4, n // 3, P) + cost("allgather", "ring", 4, n // 3, P))
+    assert allreduce_time(n, 12, LINK, "ring", "mesh", models="library")[0] == pytest.approx(ring_mesh)
+    rd_mesh = cost("allreduce", "recursive_doubling", 3, n, P) + cost("allreduce", "recursive_doubling", 4, n, P)
+    assert allreduce_time(n, 12, LINK, "recursive_doubling", "mesh", models="library")[0] == pytest.approx(rd_mesh)
+    best = min(allreduce_time(n, 8, LINK, a, "star", models="library") for a in ("mst", "ring", "recursive_doubling",
+                                                                               "rabenseifner"))
+    assert allreduce_time(n, 8, LINK, "auto", "star", models="library") == best
+    with pytest.raises(ValueError):
+        allreduce_time(n, 8, LINK, "shared_window", "star", models="library")
+    with pytest.raises(ValueError):
+        allreduce_time(n, 8, LINK, "mst", "star", models="guess")
+
+
+def test_measured_layer_times_replace_the_roofline():
+    times = [(0.5, 0.0, 0.25), (0.125, 0.25, 0.125)]
+    one = predict(NET, TOY, 1, 2, layer_times=times)
+    assert one.compute == pytest.approx(1.25) and one.step == pytest.approx(1.25)
+    on = predict(NET, TOY, 4, 2, layer_times=times)
+    assert on.layers[1].allreduce_start == pytest.approx(0.5 + 0.125 + 0.125)  # forward, then layer 2's BP-WU
+    with pytest.raises(ValueError):
+        predict(NET, TOY, 1, 2, layer_times=times[:1])
+
+
 def test_mesh_dims():
     assert mesh_dims(4) == (2, 2)
     assert mesh_dims(12) == (3, 4)
@@ -190,6 +227,10 @@ def test_calibrated_preset_builds(tmp_path, monkeypatch):
     c = calibrated(nodes=2, node=Node("given", 1e10, 1e10))
     assert c.link.alpha == pytest.approx(10e-6) and c.link.beta == 2e-10  # small-message latency + overhead
     assert math.isfinite(predict(NET, c, 2, 4).step)
+    # the library's models price the allreduces with the whole profile (here its per-message overhead)
+    assert c.link.cost_params().overhead == 2e-6
+    lib = predict(NET, c, 2, 4, models="library")
+    assert lib.models == "library" and all(layer.algorithm != "bkt" for layer in lib.layers)
 
 
 def test_from_torch():
