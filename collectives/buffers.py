@@ -8,6 +8,7 @@ C-contiguous numpy view of the same memory, flattened to one dimension.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -127,10 +128,12 @@ def flat(buf: Any, *, writable: bool, what: str = "buffer", stages: list | None 
 
 def element_count(buf: Any) -> int:
     """Number of elements of ``buf`` (host or device) without copying it."""
+    if type(buf) is np.ndarray:
+        return buf.size
     iface = getattr(buf, "__cuda_array_interface__", None)
     if iface is not None:
-        return int(np.prod(iface["shape"], dtype=np.int64))
+        return math.prod(int(d) for d in iface["shape"])
     shape = getattr(buf, "shape", None)
     if shape is not None and not isinstance(buf, (bytes, bytearray, memoryview)):
-        return int(np.prod(shape, dtype=np.int64))
+        return math.prod(int(d) for d in shape)
     return flat(buf, writable=False).size

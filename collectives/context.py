@@ -71,9 +71,10 @@ class CallContext:
         self.transport.irecv(arr, peer, self.tag).wait(self.remaining())
 
     def sendrecv(self, sendarr: np.ndarray, dst: int, recvarr: np.ndarray, src: int) -> None:
-        """Send to ``dst`` and receive from ``src`` at the same time."""
-        r = self.transport.irecv(recvarr, src, self.tag)
+        """Send to ``dst`` and receive from ``src`` at the same time (the send
+        first: the peer's message may then already be there to take)."""
         s = self.transport.isend(sendarr, dst, self.tag)
+        r = self.transport.irecv(recvarr, src, self.tag)
         self.transport.waitall((r, s), self.remaining())
 
     def waitall(self, requests: Sequence[Request]) -> None:

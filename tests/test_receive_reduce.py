@@ -53,3 +53,36 @@ def exchange_and_reduce(comm, early: bool) -> int:
 @pytest.mark.parametrize("early", [False, True])
 def test_receive_and_reduce(transport, early):
     assert run_ranks(exchange_and_reduce, 2, early, transport=transport, timeout=120)[1] == len(CASES)
+
+
+def many_small_messages(comm, rounds: int) -> int:
+    """Small messages of odd sizes, enough to wrap the shared-memory ring many
+    times, received once they have arrived (copied or reduced straight from
+    the ring) and before (posted), alternately."""
+    t, op = comm.transport, get_op("sum")
+    checked = 0
+    for k in range(rounds):
+        n = 1 + (k * 37) % 300
+        if comm.rank == 0:
+            t.isend(_sent(n, "float64", k), 1, k % 7).wait(30)
+            if k % 50 == 49:
+                comm.barrier()
+            continue
+        mine = _mine(n, "float64", k)
+        if k % 2:
+            out = np.zeros(n)
+            t.irecv(out, 0, k % 7).wait(30)
+            assert np.array_equal(out, _sent(n, "float64", k)), k
+        else:
+            out = mine.copy()
+            t.irecv_reduce(out, mine, 0, k % 7, op, np.empty(n)).wait(30)
+            assert np.array_equal(out, mine + _sent(n, "float64", k)), k
+        if k % 50 == 49:
+            comm.barrier()
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_many_small_messages_wrap_the_ring(transport):
+    assert run_ranks(many_small_messages, 2, 3000, transport=transport, timeout=120)[1] == 3000

@@ -846,9 +846,44 @@ class SharedMemoryTransport(Transport):
         self._moved += wire
         return True
 
+    def _ready_payload(self, src: int, tag: int, nbytes: int) -> int:
+        """Ring offset of a whole message from ``src`` with ``tag`` and
+        ``nbytes`` waiting at the head of its ring, with nothing ahead of it
+        for this receive (no earlier posted receive, no early message, no
+        message half copied); -1 otherwise. Call with the lock held."""
+        if self._rx_cur[src] is not None or self._posted[src].get(tag) or self._unexpected[src].get(tag):
+            return -1
+        tail = self._rx_tail[src]
+        if self._rx_q[self._rx_head_i[src]] - tail < HEADER_BYTES + nbytes:
+            return -1
+        size = self._ring_bytes
+        got_tag, got_bytes = HEADER.unpack_from(self._rx_data[src], tail % size)
+        if got_tag != tag or got_bytes != nbytes:
+            return -1
+        return (tail + HEADER_BYTES) % size
+
+    def _consume(self, src: int, nbytes: int) -> None:
+        """Release the message just read at the head of ``src``'s ring."""
+        tail = self._rx_tail[src] + HEADER_BYTES + _align(nbytes, 16)
+        self._rx_tail[src] = tail
+        self._rx_q[self._rx_tail_i[src]] = tail
+        self._moved += HEADER_BYTES + _align(nbytes, 16)
+
     def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
         """Start receiving exactly ``buf.nbytes`` bytes from ``peer`` with ``tag``."""
-        req = _RecvRequest(self, peer, tag, _bytes_view(buf))
+        mv = _bytes_view(buf)
+        with self._lock:
+            self._check_usable()
+            pos = self._ready_payload(peer, tag, len(mv))
+            if pos >= 0:  # the common case of small messages: it is already here, in one piece
+                n, ring = len(mv), self._rx_data[peer]
+                first = min(n, self._ring_bytes - pos)
+                mv[:first] = ring[pos:pos + first]
+                if first < n:
+                    mv[first:] = ring[:n - first]
+                self._consume(peer, n)
+                return COMPLETED
+        req = _RecvRequest(self, peer, tag, mv)
         with self._lock:
             self._check_usable()
             early = self._unexpected[peer].get(tag)
@@ -862,6 +897,22 @@ class SharedMemoryTransport(Transport):
                 if self._rx_q[self._rx_head_i[peer]] != self._rx_tail[peer]:
                     self._pull(peer)
         return req
+
+    def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
+                     tmp: np.ndarray) -> Request:
+        """Reduce straight from the ring when the whole message is already there
+        in one piece; otherwise receive into ``tmp`` and reduce on completion."""
+        n = out.nbytes
+        if n and out.flags.c_contiguous:
+            with self._lock:
+                self._check_usable()
+                pos = self._ready_payload(peer, tag, n)
+                if 0 <= pos <= self._ring_bytes - n:
+                    received = self._rx_data[peer][pos:pos + n]
+                    op.reduce_into(out, mine, np.frombuffer(received, out.dtype).reshape(out.shape))
+                    self._consume(peer, n)
+                    return COMPLETED
+        return super().irecv_reduce(out, mine, peer, tag, op, tmp)
 
     def _take_unexpected(self, req: _RecvRequest, entry: _Unexpected) -> None:
         """Hand an early message to ``req``: copy it, or redirect the rest of it."""

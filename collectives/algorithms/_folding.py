@@ -115,12 +115,16 @@ def prefix_bounds(counts: Sequence[int]) -> list[int]:
 
 def send_segments(ctx: CallContext, arr: np.ndarray, peer: int) -> list[Request]:
     """Start sending ``arr`` to ``peer`` as pipeline pieces."""
+    if arr.nbytes <= ctx.segment_bytes:  # one piece, or none for an empty array
+        return [ctx.isend(arr, peer)] if arr.size else []
     seg = segment_elems(ctx, arr.dtype)
     return [ctx.isend(arr[a:b], peer) for a, b in pieces(arr.size, seg)]
 
 
 def recv_segments(ctx: CallContext, arr: np.ndarray, peer: int) -> list[Request]:
     """Start receiving ``arr`` from ``peer`` as pipeline pieces."""
+    if arr.nbytes <= ctx.segment_bytes:
+        return [ctx.irecv(arr, peer)] if arr.size else []
     seg = segment_elems(ctx, arr.dtype)
     return [ctx.irecv(arr[a:b], peer) for a, b in pieces(arr.size, seg)]
 
@@ -134,6 +138,10 @@ def recv_reduce(ctx: CallContext, peer: int, tmp: np.ndarray, out: np.ndarray,
     ``sends``, if given, are requests over the same pieces of a buffer that
     aliases ``out``; piece i is reduced only after send i completed.
     """
+    if not sends and out.nbytes <= ctx.segment_bytes:  # one piece (or none)
+        if out.size:
+            ctx.irecv_reduce(out, mine, peer, op, tmp).wait(ctx.remaining())
+        return
     seg = segment_elems(ctx, out.dtype)
     parts = pieces(out.size, seg)
     if sends and not all(s.test() for s in sends):
@@ -155,10 +163,12 @@ def exchange_reduce(ctx: CallContext, peer: int, send: np.ndarray, keep: np.ndar
     may overlap ``keep``)."""
     tmp = ctx.scratch(keep.size, keep.dtype, TMP)
     sends = send_segments(ctx, send, peer)
-    aliased = np.may_share_memory(send, keep)
+    unsent = [s for s in sends if not s.test()]  # small sends are done at once
+    aliased = bool(unsent) and np.may_share_memory(send, keep)
     recv_reduce(ctx, peer, tmp, keep, keep if mine is None else mine, op,
                 sends if aliased else ())
-    ctx.waitall(sends)
+    if unsent:
+        ctx.waitall(unsent)
 
 
 # ------------------------------------------------------------------ folding
