@@ -393,8 +393,8 @@ class Communicator:
         else:
             send = mine
         algo = self._pick("allgather", algorithm, recv.nbytes, recv.dtype)
-        if send.size and send.ctypes.data != mine.ctypes.data:
-            np.copyto(mine, send)
+        if send is not mine and send.size:
+            np.copyto(mine, send)  # a no-op copy when sendbuf already is this rank's block
         return _Plan(algo, (recv, counts), recvbuf)
 
     def _even_counts(self, total: int, what: str) -> list[int]:

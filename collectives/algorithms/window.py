@@ -131,6 +131,17 @@ def _piece_elems(half: int, p: int, itemsize: int) -> int:
     return max(1, budget // (p * itemsize))
 
 
+def _striped_cached(st: "_WindowState", counts: list[int], step: int) -> list:
+    """:func:`_striped` as a list, computed once per (counts, step)."""
+    key = ("striped", tuple(counts), step)
+    got = st.plans.get(key)
+    if got is None:
+        if len(st.plans) > 256:
+            st.plans.clear()
+        got = st.plans[key] = list(_striped(counts, step))
+    return got
+
+
 def _striped(counts: list[int], step: int):
     """Pieces over p blocks at once: piece k holds elements [k*step, (k+1)*step)
     of every block. Yields, per piece, a list of (start in the vector, length,
@@ -366,14 +377,13 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
     step = _piece_elems(st.half, p, item)
     displs = _displs(counts)
     peers = [r for r in range(p) if r != me]
-    for parts, used in _striped(counts, step):
+    dt = sendbuf.dtype
+    for parts, used in _striped_cached(st, counts, step):
         base = st.next_half()
-        mine = st.regions[me]
         for r in peers:
             start, n, off = parts[r]
             if n:
-                np.copyto(mine[base + off * item:base + (off + n) * item].view(sendbuf.dtype),
-                          sendbuf[start:start + n])
+                np.copyto(st.views(base + off * item, n * item, dt)[me], sendbuf[start:start + n])
         window.fence(ctx.deadline)
         start, n, off = parts[me]
         if n:
@@ -418,17 +428,16 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
         window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
         return
     step = max(1, min(st.half, PIECE_BYTES) // (p * item))
-    for parts, used in _striped(counts, step):
+    dt = buf.dtype
+    for parts, used in _striped_cached(st, counts, step):
         base = st.next_half()
         start, n, off = parts[me]
         if n:
-            np.copyto(st.regions[me][base + off * item:base + (off + n) * item].view(buf.dtype),
-                      buf[start:start + n])
+            np.copyto(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
         window.fence(ctx.deadline)
         for r, (start, n, off) in enumerate(parts):
             if n and r != me:
-                np.copyto(buf[start:start + n],
-                          st.regions[r][base + off * item:base + (off + n) * item].view(buf.dtype))
+                np.copyto(buf[start:start + n], st.views(base + off * item, n * item, dt)[r])
 
 
 # ---------------------------------------------------------------------- bcast
@@ -448,12 +457,12 @@ def bcast(ctx, buf: np.ndarray, root: int) -> None:
         return
     data = _as_bytes(buf)
     step = max(_ALIGN, min(st.half, PIECE_BYTES))
-    src = st.regions[root]
+    u8 = data.dtype
     for a in range(0, data.size, step):
         b = min(a + step, data.size)
-        base = st.next_half()
+        src = st.views(st.next_half(), b - a, u8)[root]
         if ctx.rank == root:
-            np.copyto(src[base:base + b - a], data[a:b])
+            np.copyto(src, data[a:b])
         window.fence(ctx.deadline)
         if ctx.rank != root:
-            np.copyto(data[a:b], src[base:base + b - a])
+            np.copyto(data[a:b], src)
