@@ -18,125 +18,30 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 import pytest
 
+from collectives.bench.netns import Hosts, hosts as make_hosts, rank_environment, start_rank, stop, unavailable
+
 HOSTS = 4
-SUBNET = "10.77.0"
-MASTER_PORT = 29517
 RANK_DEADLINE = 240.0
 RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_rank_main.py")
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=check)
-
-
-@dataclass
-class Hosts:
-    """Namespaces making up one simulated cluster."""
-
-    prefix: str
-    switch: str
-    names: list[str] = field(default_factory=list)
-
-    def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
-
-    def limit(self, i: int, rate: str = "50mbit") -> None:
-        """Limit host ``i``'s link both ways with a token bucket."""
-        tbf = ["root", "tbf", "rate", rate, "burst", "32kbit", "latency", "50ms"]
-        _ip("netns", "exec", self.names[i], "tc", "qdisc", "add", "dev", "eth0", *tbf)
-        _ip("netns", "exec", self.switch, "tc", "qdisc", "add", "dev", self._port(i), *tbf)
-
-    def cut(self, i: int) -> None:
-        """Take host ``i``'s link down (its switch port and its own end)."""
-        _ip("-n", self.switch, "link", "set", self._port(i), "down")
-        _ip("-n", self.names[i], "link", "set", "eth0", "down")
-
-    def _port(self, i: int) -> str:
-        return f"{self.prefix}p{i}"
-
-
-def _build(hosts: Hosts, count: int) -> None:
-    _ip("netns", "add", hosts.switch)
-    _ip("-n", hosts.switch, "link", "add", "br0", "type", "bridge")
-    _ip("-n", hosts.switch, "link", "set", "br0", "up")
-    for i in range(count):
-        ns = f"{hosts.prefix}h{i}"
-        _ip("netns", "add", ns)
-        hosts.names.append(ns)
-        port = hosts._port(i)
-        _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", hosts.switch)
-        _ip("-n", hosts.switch, "link", "set", port, "master", "br0")
-        _ip("-n", hosts.switch, "link", "set", port, "up")
-        _ip("-n", ns, "addr", "add", f"{hosts.address(i)}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-
-
-def _teardown(hosts: Hosts) -> None:
-    """Delete every namespace of ``hosts`` (their links go with them)."""
-    for ns in [*hosts.names, hosts.switch]:
-        _ip("netns", "del", ns, check=False)
-
-
-def _skip_reason() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "network namespaces need root (run the tests as root to include multi-host tests)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"the {tool!r} command (iproute2) is not installed"
-    return None
-
-
 @pytest.fixture
 def hosts():
-    reason = _skip_reason()
+    reason = unavailable()
     if reason:
         pytest.skip(reason)
-    prefix = f"cz{secrets.token_hex(2)}"  # short: interface names hold 15 characters
-    built = Hosts(prefix, f"{prefix}sw")
     try:
-        try:
-            _build(built, HOSTS)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            pytest.skip(f"cannot build network namespaces here: {detail.strip()}")
-        yield built
-    finally:
-        _teardown(built)
-
-
-def _rank_env(rank: int, size: int, master: str, secret: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": master,
-                "MASTER_PORT": str(MASTER_PORT), "COLLECTIVES_SECRET": secret, "PYTHONUNBUFFERED": "1"})
-    return env
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        with make_hosts(HOSTS) as built:
+            yield built
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        pytest.skip(f"cannot build network namespaces here: {detail.strip()}")
 
 
 def _start(hosts: Hosts, placement: list[int], extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
@@ -146,12 +51,10 @@ def _start(hosts: Hosts, placement: list[int], extra_env: dict[str, str] | None 
     procs = []
     try:
         for rank, host in enumerate(placement):
-            cmd = ["ip", "netns", "exec", hosts.names[host], sys.executable, RANK_MAIN]
-            env = {**_rank_env(rank, size, master, secret), **(extra_env or {})}
-            procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            env = {**rank_environment(rank, size, master, secret), **(extra_env or {})}
+            procs.append(start_rank(hosts, host, [sys.executable, RANK_MAIN], env))
     except BaseException:
-        _stop(procs)
+        stop(procs)
         raise
     return procs
 
@@ -166,12 +69,12 @@ def _collect(procs: list[subprocess.Popen], deadline: float) -> list[dict]:
             try:
                 out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _stop(procs)
+                stop(procs)
                 out, _ = p.communicate()
                 out += f"\n(killed after {deadline:.0f}s)"
             outputs.append(out)
     finally:
-        _stop(procs)
+        stop(procs)
     results = []
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
@@ -231,7 +134,7 @@ def test_cut_link_becomes_peer_lost_on_every_surviving_rank(hosts, tmp_path):
         hosts.cut(2)
         cut_at = time.time()
     except BaseException:
-        _stop(procs)
+        stop(procs)
         raise
     results = _collect(procs, 90)
     for res in results[:2]:
