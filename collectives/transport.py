@@ -129,6 +129,12 @@ class Transport(abc.ABC):
 
     name: ClassVar[str] = "?"
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: True when a send stops reading its buffer once the receiver holds the
+    #: whole message. Data that causally follows that delivery (a reply
+    #: built from it) may then be received into the buffer before the send
+    #: request is waited for; algorithms use this to post such receives
+    #: early. False (the safe default) for MPI, whose standard forbids it.
+    released_on_delivery: ClassVar[bool] = False
     rank: int
     size: int
     #: Default timeout in seconds for waits that pass None.

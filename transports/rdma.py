@@ -94,6 +94,7 @@ class RdmaTransport(Transport):
 
     name = "rdma"
     capabilities = frozenset()
+    released_on_delivery = True  # see Transport
 
     @classmethod
     def available(cls) -> tuple[bool, str]:

@@ -479,6 +479,7 @@ class SharedMemoryTransport(Transport):
 
     name = "shm"
     capabilities = frozenset({"window"})
+    released_on_delivery = True  # see Transport
 
     # ------------------------------------------------------------------ setup
 

@@ -359,6 +359,7 @@ class SimTransport(Transport):
 
     name: ClassVar[str] = "sim"
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    released_on_delivery = True  # see Transport
     _worlds: ClassVar[dict[str, SimWorld]] = {}
     _worlds_lock: ClassVar[threading.Lock] = threading.Lock()
 

@@ -217,6 +217,7 @@ class ZmqTransport(Transport):
 
     name = "zmq"
     capabilities = frozenset()
+    released_on_delivery = True  # see Transport
 
     def __init__(self, rank: int, size: int, ctx: zmq.Context, timeout: float,
                  segment_bytes: int = SEGMENT_BYTES) -> None:

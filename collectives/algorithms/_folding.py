@@ -300,6 +300,7 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
     for j, (a, b) in enumerate(pieces(size(first), seg)):
         sent[(0, j)] = ctx.isend(src[bounds[first] + a:bounds[first] + b], right)
     posted: list[Request] = []
+    early = ctx.transport.released_on_delivery
 
     def post(i: int) -> None:
         t, j, a, b = units[i]
@@ -308,9 +309,11 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
             off = bounds[blk]
             posted.append(ctx.irecv_reduce(dest_of(blk)[a:b], src[off + a:off + b], left, op,
                                            tmp[(i % WINDOW) * longest:][:b - a]))
-        else:  # allgather: straight into place, once our send of it is done
+        else:  # allgather: straight into place, where our earlier send of it was read from
             req = sent.get((t - (p - 1), j))
-            if req is not None:
+            # What lands here was reduced from that very send, so a transport
+            # that releases sends on delivery is done with the buffer by then.
+            if req is not None and not early:
                 req.wait(ctx.remaining())
             posted.append(ctx.irecv(dest_of(block_at(t))[a:b], left))
 
