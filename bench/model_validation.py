@@ -29,29 +29,6 @@ __all__ = ["main"]
 DEFAULT_COLLECTIVES = ("bcast", "allgather", "reduce", "allreduce", "reduce_scatter", "alltoall")
 
 
-def _args(collective: str, comm, count: int, dtype):
-    """Buffers of one call (count elements in the selector's size convention)."""
-    p = comm.size
-    buf = np.ones(count, dtype)  # made once: the timed call moves data, nothing else
-    if collective == "bcast":
-        return lambda algo: comm.bcast(buf, 0, algorithm=algo)
-    if collective == "reduce":
-        return lambda algo: comm.reduce(buf, 0, algorithm=algo)
-    if collective == "allreduce":
-        return lambda algo: comm.allreduce(buf, algorithm=algo)
-    block = max(count // p, 1)
-    if collective == "allgather":
-        recv = np.zeros(block * p, dtype)
-        return lambda algo: comm.allgather(None, recv, algorithm=algo)
-    if collective == "reduce_scatter":
-        send, recv = np.ones(block * p, dtype), np.zeros(block, dtype)
-        return lambda algo: comm.reduce_scatter(send, recv, algorithm=algo)
-    if collective == "alltoall":
-        send, recv = np.ones(block * p, dtype), np.zeros(block * p, dtype)
-        return lambda algo: comm.alltoall(send, recv, algorithm=algo)
-    raise ValueError(collective)
-
-
 def _measure(comm, call, algo: str, repeats: int, nbytes: int) -> float:
     """Best of ``repeats`` (fewer for large sizes) of the slowest rank's time."""
     from collectives.cost_models.timing import slowest_best
@@ -66,6 +43,7 @@ def rank_main(ns) -> int:
     from collectives.cost_models.calibrate import host_cores, load_profile
     from collectives.cost_models.explain import parse_bytes
     from collectives.cost_models.selector import ModelSelector
+    from collectives.cost_models.timing import collective_call
     from collectives.registry import algorithms_for
     from collectives.selection import RuleSelector
 
@@ -82,7 +60,7 @@ def rank_main(ns) -> int:
             count = max(size // dtype.itemsize, comm.size)
             count -= count % comm.size
             nbytes = count * dtype.itemsize
-            call = _args(collective, comm, count, dtype)
+            call = collective_call(comm, collective, count, dtype)
             measured = {}
             for name, algo in algorithms_for(collective).items():
                 if algo.needs <= caps and name != "native":

@@ -23,6 +23,10 @@ algorithm adds around each message (LogP's o) and ``call`` the fixed cost
 of one call. For shared memory, whose ranks share one host by
 construction, the profile also records the host's cores (``cores``).
 
+Then the anchors (``anchors``): every algorithm the transport runs, timed
+at its smallest size (one float32 per rank), which fixes the algorithm's own
+fixed cost in :func:`~.model.predict`.
+
 Last, the stretch table (``stretch``): the same probes plus 1 MiB ones run
 (and the shared-window allreduce and bcast where the transport has a
 window) run at P ranks and, in further jobs, at each count of
@@ -32,7 +36,8 @@ to 8, or 4 per core); at each count the times are fitted to
 fence terms of the unstretched prediction. Ranks that outnumber the cores
 wait for descheduled peers, which multiplies the latency terms far more
 than the per-byte ones, and a fence waits for every rank; the measured
-factors replace the ``p / cores`` guess.
+factors replace the ``p / cores`` guess. The stretch jobs measure the
+anchors at their rank count too.
 
 Profiles are JSON (:meth:`Params.as_dict` plus ``transport``, ``host``,
 ``ranks`` and the raw sweep), one per transport and host, in
@@ -64,7 +69,7 @@ from .model import Params
 from .timing import slowest_best
 
 __all__ = ["main", "load_profile", "profile_path", "fit_line", "fit_piecewise", "fit_overheads", "DEFAULTS",
-           "measure_gamma", "measure_copy_bandwidth", "measure_probes", "host_cores"]
+           "measure_gamma", "measure_copy_bandwidth", "measure_probes", "measure_anchors", "host_cores"]
 
 #: Parameters used when a transport has no profile (seconds, bytes/s).
 #: shm: copy through a shared ring, a few microseconds per message;
@@ -248,6 +253,32 @@ def measure_probes(comm, repeats: int, sizes: Sequence[int] = PROBE_BYTES,
     return out
 
 
+#: Collectives whose algorithms get an anchor (their time at the smallest size).
+ANCHORED = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce", "reduce_scatter", "alltoall",
+            "barrier")
+
+
+def measure_anchors(comm, repeats: int) -> list[tuple[str, str, int, int, float]]:
+    """``(collective, algorithm, p, bytes, seconds)`` of every algorithm the
+    transport runs (``native`` aside) at its smallest size: one float32 per
+    rank (:attr:`~.model.Params.anchors`)."""
+    from collectives.registry import algorithms_for
+
+    from .timing import collective_call
+
+    caps = frozenset(comm.transport.capabilities)
+    dtype, p = np.dtype(np.float32), comm.size
+    out = []
+    for collective in ANCHORED:
+        count = 0 if collective == "barrier" else p
+        call = collective_call(comm, collective, count, dtype)
+        for name, algo in algorithms_for(collective).items():
+            if algo.needs <= caps and name != "native":
+                seconds = slowest_best(comm, lambda: call(name), repeats)
+                out.append((collective, name, p, count * dtype.itemsize, seconds))
+    return out
+
+
 #: Shared-window collectives, probed for the fence's stretch where the transport has a window.
 WINDOW_PROBES = (("allreduce", "shared_window"), ("bcast", "shared_window"))
 
@@ -355,10 +386,11 @@ def rank_main(out: str | None, quick: bool) -> int:
     if fence is None:
         fence = _best(comm.barrier, 5 if quick else 50)
     probes = measure_probes(comm, 3 if quick else 20) if comm.size > 1 else []
-    heavy, windowed = [], []
+    heavy, windowed, anchors = [], [], []
     if comm.size > 1:
         heavy = measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, PROBES + window_probes(comm))
         windowed = measure_probes(comm, 3 if quick else 10, PROBE_BYTES, window_probes(comm))
+        anchors = measure_anchors(comm, 3 if quick else 10)
     name, p = comm.transport.name, comm.size
     comm.close()
     if comm.rank != 0:
@@ -373,7 +405,8 @@ def rank_main(out: str | None, quick: bool) -> int:
     overhead, call = fit_overheads(probes, params, p)
     params = replace(params, overhead=overhead, call=call, cores=host_cores() if name == "shm" else 0)
     if p > 1:
-        params = replace(params, stretch=((p, *fit_stretch(probes + heavy + windowed, params, p)),))
+        params = replace(params, stretch=((p, *fit_stretch(probes + heavy + windowed, params, p)),),
+                         anchors=tuple(anchors))
     path = Path(out) if out else profile_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {**params.as_dict(), "transport": name, "host": socket.gethostname(), "ranks": comm.size,
@@ -399,9 +432,10 @@ def stretch_main(out: str, quick: bool) -> int:
     pairs = PROBES + window_probes(comm)
     probes = (measure_probes(comm, 3 if quick else 10, PROBE_BYTES, pairs)
               + measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, pairs))
+    anchors = measure_anchors(comm, 3 if quick else 10)
     comm.close()
     if comm.rank == 0:
-        Path(out).write_text(json.dumps(probes))
+        Path(out).write_text(json.dumps({"probes": probes, "anchors": anchors}))
     return 0
 
 
@@ -412,15 +446,19 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
     data = json.loads(path.read_text())
     params = Params.from_dict(data)
     table = {int(t[0]): tuple(map(float, t[1:4])) for t in data.get("stretch", ()) if len(t) == 4}
+    anchors = [t for t in data.get("anchors", ()) if int(t[2]) not in ranks]
     with tempfile.TemporaryDirectory() as tmp:
         for p in ranks:
             out = os.path.join(tmp, f"probes-{p}.json")
             if launch_job(p, out) != 0 or not os.path.exists(out):
                 print(f"calibrate: the {p}-rank stretch job failed; no factors for {p} ranks", file=sys.stderr)
                 continue
-            probes = [tuple(t) for t in json.loads(Path(out).read_text())]
-            table[p] = fit_stretch(probes, replace(params, stretch=()), p)
+            job = json.loads(Path(out).read_text())
+            probes = [tuple(t) for t in job["probes"]]
+            table[p] = fit_stretch(probes, replace(params, stretch=(), anchors=()), p)
+            anchors += job["anchors"]
     data["stretch"] = [[p, *table[p]] for p in sorted(table)]
+    data["anchors"] = anchors
     path.write_text(json.dumps(data, indent=2))
     print("stretch (ranks: message latency x, per-byte x, fence x): "
           + ", ".join(f"{p}: {a:.2f}, {b:.2f}, {f:.2f}" for p, (a, b, f) in sorted(table.items())))

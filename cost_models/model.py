@@ -28,7 +28,12 @@ Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
   replaces that guess with measured stretch factors per rank count
   (``P.stretch``: one each for the message latency, per-byte and fence
   terms, since waiting for a descheduled peer costs latency far more than
-  bandwidth, and a fence waits for every rank).
+  bandwidth, and a fence waits for every rank);
+* each algorithm's own fixed cost (its Python work per call and per step,
+  which no per-message term captures for every algorithm alike): where a
+  calibrated profile measured an algorithm at its smallest size for this p
+  (``P.anchors``), the prediction is that time plus what the formula adds
+  from there to n bytes.
 
 A long message travels in pieces of ``segment_bytes`` (rounded down to whole
 elements); when the receiver reduces each piece as it lands, the stream
@@ -38,6 +43,7 @@ the stream).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -72,6 +78,8 @@ class Params:
         stretch: measured ``(p, message-latency factor, per-byte factor,
             fence factor)`` in increasing p (see :meth:`stretch_at`); when
             given, it replaces the ``p / cores`` stretch.
+        anchors: measured ``(collective, algorithm, p, bytes, seconds)`` of
+            algorithms at their smallest size (see :func:`predict`).
         source: where the numbers come from (a profile path or "defaults").
     """
 
@@ -88,6 +96,7 @@ class Params:
     call: float = 0.0
     cores: int = 0
     stretch: tuple[tuple[int, float, float, float], ...] = ()
+    anchors: tuple[tuple[str, str, int, int, float], ...] = ()
     source: str = "defaults"
 
     def for_dtype(self, dtype: Any) -> "Params":
@@ -144,6 +153,7 @@ class Params:
                 "gamma_by_dtype": dict(self.gamma_by_dtype), "mem_bandwidth": self.mem_bandwidth,
                 "fence": self.fence, "segment_bytes": self.segment_bytes, "overhead": self.overhead,
                 "call": self.call, "cores": self.cores, "stretch": [list(t) for t in self.stretch],
+                "anchors": [list(t) for t in self.anchors],
                 "protocol": [list(t) for t in self.protocol], "source": self.source}
 
     @classmethod
@@ -154,7 +164,9 @@ class Params:
         return cls(**known, gamma_by_dtype=dict(d.get("gamma_by_dtype", {})),
                    protocol=tuple(tuple(t) for t in d.get("protocol", ())),
                    stretch=tuple((int(t[0]), *map(float, t[1:4])) for t in d.get("stretch", ())
-                                 if len(t) == 4))
+                                 if len(t) == 4),
+                   anchors=tuple((str(t[0]), str(t[1]), int(t[2]), int(t[3]), float(t[4]))
+                                 for t in d.get("anchors", ()) if len(t) == 5))
 
 
 @dataclass(frozen=True)
@@ -205,12 +217,26 @@ def predict(collective: str, name: str, p: int, nbytes: int, params: Params | No
     model = MODELS[(collective, name)]
     P = (params or Params()).for_dtype(dtype)
     nbytes = int(nbytes) - int(nbytes) % P.itemsize
-    seconds = float(model.func(int(p), nbytes, P)) + P.call
+    anchor = _anchor_index(P.anchors).get((collective, name, int(p))) if P.anchors else None
+    if anchor is None:
+        return _formula(model, int(p), nbytes, P)
+    at, seconds = anchor
+    return seconds + _formula(model, int(p), nbytes, P) - _formula(model, int(p), at, P)
+
+
+def _formula(model: CostModel, p: int, nbytes: int, P: Params) -> float:
+    """The formula with the fixed call cost and the sharing of cores."""
+    seconds = float(model.func(p, nbytes, P)) + P.call
     if P.stretch:
-        latency, per_byte, fences = _terms(model, int(p), nbytes, P, seconds)
-        s_latency, s_bytes, s_fence = P.stretch_at(int(p))
+        latency, per_byte, fences = _terms(model, p, nbytes, P, seconds)
+        s_latency, s_bytes, s_fence = P.stretch_at(p)
         return s_latency * latency + s_bytes * per_byte + s_fence * fences
     return seconds * max(1.0, p / P.cores) if P.cores else seconds
+
+
+@functools.lru_cache(maxsize=16)
+def _anchor_index(anchors: tuple) -> dict[tuple[str, str, int], tuple[int, float]]:
+    return {(c, a, p): (n, s) for c, a, p, n, s in anchors}
 
 
 def _terms(model: CostModel, p: int, nbytes: int, P: Params, total: float) -> tuple[float, float, float]:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["shared_clock", "slowest_best", "sleep_until", "START_LEAD"]
+__all__ = ["shared_clock", "slowest_best", "sleep_until", "collective_call", "START_LEAD"]
 
 #: First lead of the agreed start over the agreement itself (seconds).
 START_LEAD = 200e-6
@@ -107,3 +107,35 @@ def slowest_best(comm, call: Callable[[], object], repeats: int) -> float:
         best = min(best, float(stamp[0]) - start)
         done += 1
     return best
+
+
+def collective_call(comm, collective: str, count: int, dtype: np.dtype) -> Callable[[str], object]:
+    """``call(algorithm)`` running one ``collective`` on buffers made once.
+
+    ``count`` elements in the selector's size convention (the whole vector;
+    blocked collectives give each rank ``count // p``, at least 1).
+    """
+    p = comm.size
+    buf = np.zeros(count, dtype)  # made once (zeros: repeated sums never overflow)
+    if collective == "bcast":
+        return lambda algo: comm.bcast(buf, 0, algorithm=algo)
+    if collective == "reduce":
+        return lambda algo: comm.reduce(buf, 0, algorithm=algo)
+    if collective == "allreduce":
+        return lambda algo: comm.allreduce(buf, algorithm=algo)
+    if collective == "barrier":
+        return lambda algo: comm.barrier(algorithm=algo)
+    block = max(count // p, 1)
+    whole, part = np.zeros(block * p, dtype), np.zeros(block, dtype)
+    if collective == "allgather":
+        return lambda algo: comm.allgather(None, whole, algorithm=algo)
+    if collective == "reduce_scatter":
+        return lambda algo: comm.reduce_scatter(whole, part, algorithm=algo)
+    if collective == "alltoall":
+        out = np.zeros(block * p, dtype)
+        return lambda algo: comm.alltoall(whole, out, algorithm=algo)
+    if collective == "scatter":
+        return lambda algo: comm.scatter(whole, part, 0, algorithm=algo)
+    if collective == "gather":
+        return lambda algo: comm.gather(part, whole, 0, algorithm=algo)
+    raise ValueError(f"unknown collective {collective!r}")

@@ -142,6 +142,9 @@ def test_calibrate_on_shared_memory(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["transport"] == "shm" and data["alpha"] > 0 and data["beta"] > 0
+    anchored = {(c, a) for c, a, p, n, t in data["anchors"] if p == 2 and t > 0}
+    runnable = {(a.collective, a.name) for a in all_algorithms() if a.name != "native"}
+    assert anchored == runnable  # every algorithm shared memory runs, timed at its smallest size
     assert data["gamma_by_dtype"]["float32"] > 0 and data["mem_bandwidth"] > 0
     assert load_profile("shm", out).alpha == data["alpha"]
 
@@ -192,3 +195,15 @@ def test_fit_stretch_recovers_known_factors() -> None:
     stretched = Params(**{**base.__dict__, "stretch": ((p, *truth),)})
     c, a, n, t = probes[0]
     assert predict(c, a, p, n, stretched) == pytest.approx(t, rel=1e-9)
+
+
+def test_anchors_fix_an_algorithms_own_fixed_cost() -> None:
+    base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=8e9)
+    anchored = Params(**{**base.__dict__, "anchors": (("allreduce", "ring", 4, 16, 80e-6),)})
+    for n in (16, 4096, 1 << 20):
+        grows = predict("allreduce", "ring", 4, n, base) - predict("allreduce", "ring", 4, 16, base)
+        assert predict("allreduce", "ring", 4, n, anchored) == pytest.approx(80e-6 + grows)
+    # other algorithms and other rank counts keep the formula
+    assert predict("allreduce", "mst", 4, 4096, anchored) == predict("allreduce", "mst", 4, 4096, base)
+    assert predict("allreduce", "ring", 8, 4096, anchored) == predict("allreduce", "ring", 8, 4096, base)
+    assert Params.from_dict(anchored.as_dict()).anchors == anchored.anchors
