@@ -382,7 +382,7 @@ class ZmqTransport(Transport):
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray) -> Request:
         """Receive and reduce each segment straight from its frame: no copy into ``tmp``."""
-        if peer == self.rank or not out.size:
+        if peer == self.rank or not out.size or self.segment_bytes % out.itemsize:
             return super().irecv_reduce(out, mine, peer, tag, op, tmp)
         return self._post_recv(_bytes_view(out, writable=True), peer, tag, (out, mine, op))
 
