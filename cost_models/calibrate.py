@@ -386,11 +386,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     if fence is None:
         fence = _best(comm.barrier, 5 if quick else 50)
     probes = measure_probes(comm, 3 if quick else 20) if comm.size > 1 else []
-    heavy, windowed, anchors = [], [], []
-    if comm.size > 1:
-        heavy = measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, PROBES + window_probes(comm))
-        windowed = measure_probes(comm, 3 if quick else 10, PROBE_BYTES, window_probes(comm))
-        anchors = measure_anchors(comm, 3 if quick else 10)
+    extra, anchors = rank_count_measurements(comm, quick) if comm.size > 1 else ([], [])
     name, p = comm.transport.name, comm.size
     comm.close()
     if comm.rank != 0:
@@ -405,13 +401,13 @@ def rank_main(out: str | None, quick: bool) -> int:
     overhead, call = fit_overheads(probes, params, p)
     params = replace(params, overhead=overhead, call=call, cores=host_cores() if name == "shm" else 0)
     if p > 1:
-        params = replace(params, stretch=((p, *fit_stretch(probes + heavy + windowed, params, p)),),
+        params = replace(params, stretch=((p, *fit_stretch(probes + extra, params, p)),),
                          anchors=tuple(anchors))
     path = Path(out) if out else profile_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {**params.as_dict(), "transport": name, "host": socket.gethostname(), "ranks": comm.size,
             "fit_error": fit["error"], "sweep": {"bytes": list(sizes), "seconds": times},
-            "probes": [list(t) for t in probes + heavy + windowed],
+            "probes": [list(t) for t in probes + extra],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     data.pop("source", None)
     path.write_text(json.dumps(data, indent=2))
@@ -423,16 +419,25 @@ def rank_main(out: str | None, quick: bool) -> int:
     return 0
 
 
+def rank_count_measurements(comm, quick: bool) -> tuple[list, list]:
+    """What every job measures at its rank count besides the point-to-point
+    probes at :data:`PROBE_BYTES`: the window probes at those sizes and
+    every probe at :data:`STRETCH_BYTES` (for the stretch fit), and the
+    anchors. Returns (probes, anchors)."""
+    windowed = measure_probes(comm, 3 if quick else 10, PROBE_BYTES, window_probes(comm))
+    heavy = measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, PROBES + window_probes(comm))
+    return windowed + heavy, measure_anchors(comm, 3 if quick else 10)
+
+
 def stretch_main(out: str, quick: bool) -> int:
     """What every rank of a stretch job runs: the probes at this rank count;
     rank 0 writes them to ``out`` (JSON)."""
     import collectives
 
     comm = collectives.init()
-    pairs = PROBES + window_probes(comm)
-    probes = (measure_probes(comm, 3 if quick else 10, PROBE_BYTES, pairs)
-              + measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, pairs))
-    anchors = measure_anchors(comm, 3 if quick else 10)
+    probes = measure_probes(comm, 3 if quick else 10)
+    extra, anchors = rank_count_measurements(comm, quick)
+    probes += extra
     comm.close()
     if comm.rank == 0:
         Path(out).write_text(json.dumps({"probes": probes, "anchors": anchors}))

@@ -884,9 +884,7 @@ class SharedMemoryTransport(Transport):
                     mv[first:] = ring[:n - first]
                 self._consume(peer, n)
                 return COMPLETED
-        req = _RecvRequest(self, peer, tag, mv)
-        with self._lock:
-            self._check_usable()
+            req = _RecvRequest(self, peer, tag, mv)
             early = self._unexpected[peer].get(tag)
             if early:
                 entry = early.popleft()
