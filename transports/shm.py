@@ -23,9 +23,18 @@ monotonically increasing 64-bit integers, each written by one process only
 A message that arrives before its receive is posted is drained into an
 unexpected-message queue, so different tags never block each other and two
 ranks that both send before receiving never deadlock. Every wait makes
-progress on all pending sends and receives, backs off (spin, yield, sleep),
-has a deadline, and checks peers every few milliseconds: a peer that died
-(pidfd readable) or aborted raises :class:`~collectives.errors.PeerLost`.
+progress on all pending sends and receives, backs off, has a deadline, and
+checks peers every few milliseconds: a peer that died (pidfd readable) or
+aborted raises :class:`~collectives.errors.PeerLost`.
+
+Backing off: when every rank has a core of its own, a wait spins for
+``SPIN_SECONDS``; when ranks share cores, it yields at once (a spin would
+only delay the rank it waits for) for ``YIELD_SECONDS``. Then it blocks on
+a futex over its own ``Q_SLEEP`` word, which a peer rings after writing
+anything the sleeper may wait for (a ring's head or tail, the fence epoch,
+the closed and abort flags). Timed sleeps would cost 50 to 100 us each
+(timer slack, the hypervisor's timer) and wake late; a rung block wakes
+when the answer is there.
 
 Sizes come from ``options`` or the environment (all ranks must agree):
 ``shm_ring_bytes`` / ``COLLECTIVES_SHM_RING_BYTES`` (per sender; default
@@ -58,7 +67,7 @@ import numpy as np
 from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost,
                                 TransportUnavailable)
 from collectives.transport import COMPLETED, Request, Transport
-from collectives.waiting import Backoff
+from collectives.waiting import Backoff, futex_wait, futex_wake
 
 __all__ = ["SharedMemoryTransport", "ShmWindow"]
 
@@ -77,11 +86,19 @@ Q_ABORT, Q_REASON_LEN = 16, 17  # line 2
 Q_CLOSED = 24            # line 3
 Q_PROBE, Q_CMA = 25, 26  # cross-memory attach probe address; 1 ok, 2 not permitted
 Q_EPOCH = 32             # line 4: fence epoch
+Q_SLEEP = 48             # line 6 (apart from the epoch's 128 bytes): 1 while this rank
+                         # blocks on it (a futex), until a peer rings it
 REASON_OFFSET, REASON_MAX = 1024, PAGE - 1024
 
 PEER_CHECK_SECONDS = 0.002
 #: Spin this long before yielding when every rank has a core of its own.
 SPIN_SECONDS = 50e-6
+#: When ranks share cores, yield this long before blocking.
+YIELD_SECONDS = 200e-6
+#: A blocked wait sleeps until a peer rings it, but at most this long at first,
+#: growing to BLOCK_MAX: the bound on a lost wake-up, and how often a blocked
+#: rank looks whether its peers are still alive.
+BLOCK_FIRST, BLOCK_MAX = 20e-6, 1e-3
 
 
 def _cores() -> int:
@@ -360,9 +377,17 @@ class ShmWindow:
             raise BadArgument("the shared-memory transport is closed")
         e = self._epoch = self._epoch + 1
         qs[self._t.rank][Q_EPOCH] = e
-        for r in self._peers:
-            if qs[r][Q_EPOCH] < e:
-                self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence")
+        late = None
+        for r in self._peers:  # a peer already at this fence may sleep, waiting for this rank
+            q = qs[r]
+            if q[Q_EPOCH] < e:
+                late = [r] if late is None else late + [r]
+            elif q[Q_SLEEP]:
+                self._t._ring(r)
+        if late:
+            for r in late:
+                if qs[r][Q_EPOCH] < e:
+                    self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence")
 
     def release(self) -> None:
         self._regions = self._pools = self._peer_q = []
@@ -537,6 +562,7 @@ class SharedMemoryTransport(Transport):
         self._closed = False
         self._lock = threading.RLock()
         self._segs: list[_Segment] = []
+        self._sleep_words: list[int] = []  # addresses of every rank's Q_SLEEP word
         self._watch: _PeerWatch | None = None
         self._window: ShmWindow | None = None
         self._next_check = 0.0
@@ -617,7 +643,9 @@ class SharedMemoryTransport(Transport):
                         f"rank {self.rank}: ranks {missing} did not create their shared-memory "
                         f"segments of job {self._job!r} in time") from None
         self._watch = _PeerWatch({r: int(s.q[Q_PID]) for r, s in enumerate(segs) if r != self.rank})
+        self._sleep_words = [np.frombuffer(s.mm, np.uint8, 8, Q_SLEEP * 8).ctypes.data for s in segs]
         own.q[Q_ATTACHED] = 1
+        self._ring_all()
         for r in range(self.size):
             if r != self.rank and segs[r].q[Q_ATTACHED] != 1:
                 self._wait_counter(segs[r].q, Q_ATTACHED, 1, r, deadline, "shared-memory rendezvous")
@@ -634,6 +662,7 @@ class SharedMemoryTransport(Transport):
                 verdicts.append(_cma_read(int(seg.q[Q_PID]), int(seg.q[Q_PROBE]), got) and got[0] == MAGIC)
         own = self._segs[self.rank].q
         own[Q_CMA] = 1 if all(verdicts) else 2
+        self._ring_all()
         for r, seg in enumerate(self._segs):
             if r != self.rank and seg.q[Q_CMA] == 0:
                 self._wait_counter(seg.q, Q_CMA, 1, r, deadline, "shared-memory rendezvous")
@@ -716,7 +745,10 @@ class SharedMemoryTransport(Transport):
             queue.popleft()
         if head != start:
             self._tx_head[dst] = head
-            self._tx_q[dst][self._tx_head_i] = head
+            q = self._tx_q[dst]
+            q[self._tx_head_i] = head
+            if q[Q_SLEEP]:
+                self._ring(dst)
             self._moved += head - start
         if not queue:
             self._tx_busy.discard(dst)
@@ -785,6 +817,8 @@ class SharedMemoryTransport(Transport):
         self._rx_cur[src] = cur
         self._rx_tail[src] = tail
         q[self._rx_tail_i[src]] = tail
+        if self._tx_q[src][Q_SLEEP]:
+            self._ring(src)  # it may wait for room
         self._moved += tail - start
 
     def _progress(self) -> None:
@@ -843,7 +877,10 @@ class SharedMemoryTransport(Transport):
                 ring[:nbytes - first] = mv[first:]
         head += wire
         self._tx_head[dst] = head
-        self._tx_q[dst][self._tx_head_i] = head
+        q = self._tx_q[dst]
+        q[self._tx_head_i] = head
+        if q[Q_SLEEP]:
+            self._ring(dst)
         self._moved += wire
         return True
 
@@ -868,6 +905,8 @@ class SharedMemoryTransport(Transport):
         tail = self._rx_tail[src] + HEADER_BYTES + _align(nbytes, 16)
         self._rx_tail[src] = tail
         self._rx_q[self._rx_tail_i[src]] = tail
+        if self._tx_q[src][Q_SLEEP]:
+            self._ring(src)  # it may wait for room
         self._moved += HEADER_BYTES + _align(nbytes, 16)
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
@@ -940,6 +979,7 @@ class SharedMemoryTransport(Transport):
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         backoff: Backoff | None = None
+        block = None
         lock = self._lock
         while True:
             with lock:
@@ -950,17 +990,66 @@ class SharedMemoryTransport(Transport):
                     return
                 moved = self._moved != moved
             if backoff is None:
-                backoff = Backoff(deadline, "", spin_time=self._spin)
+                backoff = self._backoff(deadline)
             elif moved:
                 backoff.reset()
+            elif block is None and backoff.count >= backoff.yields:
+                block = self._blocker(lambda: self._nothing_new(reqs))
             try:
-                backoff.pause()
+                backoff.pause(block)
             except CollectiveTimeout:
                 pending = [r.describe() for r in reqs if not r.done]
                 raise CollectiveTimeout(f"rank {self.rank}: {pending[0]} not complete after "
                                         f"{timeout:.3g}s ({len(pending)} pending)") from None
             if backoff.count > backoff.spins:
                 self._maybe_check_peers({r.peer for r in reqs if not r.done}, reqs)
+
+    def _backoff(self, deadline: float) -> Backoff:
+        """The wait policy: spin first when every rank has a core of its own;
+        when ranks share cores, yield at once and for a while, then block."""
+        if self._spin:
+            return Backoff(deadline, "", spin_time=self._spin, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
+        return Backoff(deadline, "", spins=0, yield_time=YIELD_SECONDS, first_sleep=BLOCK_FIRST,
+                       max_sleep=BLOCK_MAX)
+
+    def _nothing_new(self, reqs: Sequence[_ShmRequest]) -> bool:
+        """Progress once; True when nothing moved and some request is still pending."""
+        with self._lock:
+            if self._closed:
+                return False
+            moved = self._moved
+            self._progress()
+            return moved == self._moved and not all(r.done for r in reqs)
+
+    # ------------------------------------------------------------- sleeping
+
+    def _blocker(self, still_waiting) -> Any:
+        """A ``block(seconds)`` for :meth:`Backoff.pause`: mark this rank asleep,
+        check once more, then block on its sleep word until a peer rings it
+        (:meth:`_ring`) or the time passes."""
+        own = self._segs[self.rank].q
+        word = self._sleep_words[self.rank]
+
+        def block(seconds: float) -> None:
+            own[Q_SLEEP] = 1
+            try:
+                if still_waiting():
+                    futex_wait(word, 1, seconds)
+            finally:
+                own[Q_SLEEP] = 0
+        return block
+
+    def _ring(self, rank: int) -> None:
+        """Wake ``rank`` if it sleeps (after this rank wrote something it may wait for)."""
+        q = self._segs[rank].q
+        if q[Q_SLEEP]:
+            q[Q_SLEEP] = 0  # a sleeper that has not blocked yet then returns at once
+            futex_wake(self._sleep_words[rank])
+
+    def _ring_all(self) -> None:
+        for r, seg in enumerate(self._segs):
+            if r != self.rank and seg is not None:
+                self._ring(r)
 
     def _maybe_check_peers(self, relevant: set[int], reqs: Sequence[_ShmRequest] = ()) -> None:
         now = time.monotonic()
@@ -1000,11 +1089,14 @@ class SharedMemoryTransport(Transport):
     def _wait_counter(self, q: memoryview, index: int, target: int, peer: int, deadline: float,
                       what: str) -> None:
         """Wait until ``q[index] >= target`` (a counter owned by ``peer``)."""
-        backoff = Backoff(deadline, "", spin_time=self._spin)
+        backoff = self._backoff(deadline)
+        block = None
         relevant = {peer}
         while q[index] < target:
+            if block is None and backoff.count >= backoff.yields:
+                block = self._blocker(lambda: q[index] < target)
             try:
-                backoff.pause()
+                backoff.pause(block)
             except CollectiveTimeout:
                 raise CollectiveTimeout(f"rank {self.rank}: {what} waiting for rank {peer} "
                                         "timed out") from None
@@ -1034,6 +1126,7 @@ class SharedMemoryTransport(Transport):
             seg.mv[REASON_OFFSET:REASON_OFFSET + len(data)] = data
             seg.q[Q_REASON_LEN] = len(data)
             seg.q[Q_ABORT] = 1
+            self._ring_all()
         except Exception:
             pass
 
@@ -1045,6 +1138,7 @@ class SharedMemoryTransport(Transport):
             self._closed = True
             try:
                 self._segs[self.rank].q[Q_CLOSED] = 1
+                self._ring_all()
             except Exception:
                 pass
             self._release()
