@@ -67,6 +67,7 @@ import numpy as np
 from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost,
                                 TransportUnavailable)
 from collectives.transport import COMPLETED, Request, Transport
+from collectives import native
 from collectives.waiting import Backoff, futex_wait, futex_wake
 
 __all__ = ["SharedMemoryTransport", "ShmWindow"]
@@ -331,6 +332,12 @@ class ShmWindow:
         self._peer_q = [s.q for s in t._segs]
         self._peers = [r for r in range(t.size) if r != t.rank]
         self._pids = [int(s.q[Q_PID]) for s in t._segs]
+        self._native = None
+        ext = native.enabled()
+        if ext is not None:  # the same fence in C, with a bounded spin or yield
+            spin, yields = (SPIN_SECONDS, 20e-6) if t._spin else (0.0, YIELD_SECONDS)
+            self._native = ext.Window(t._epoch_words, t._sleep_words, t.rank,
+                                         int(spin * 1e9), int(yields * 1e9))
 
     @property
     def cma(self) -> bool:
@@ -376,6 +383,10 @@ class ShmWindow:
         if not qs:
             raise BadArgument("the shared-memory transport is closed")
         e = self._epoch = self._epoch + 1
+        if self._native is not None:
+            if not self._native.fence(e):
+                self._wait_late(e, deadline)
+            return
         qs[self._t.rank][Q_EPOCH] = e
         late = None
         for r in self._peers:  # a peer already at this fence may sleep, waiting for this rank
@@ -389,8 +400,35 @@ class ShmWindow:
                 if qs[r][Q_EPOCH] < e:
                     self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence")
 
+    def _wait_late(self, e: int, deadline: float) -> None:
+        """The rest of a native fence whose bounded wait ran out: block."""
+        qs = self._peer_q
+        for r in self._peers:
+            if qs[r][Q_EPOCH] < e:
+                self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence", block_now=True)
+
+    def prepare_allreduce(self, offsets: tuple[int, int], nbytes: int, dtype: np.dtype,
+                          op_name: str) -> Any:
+        """The native one-fence allreduce of ``nbytes`` at window offsets
+        ``offsets`` (one per half): ``run(buf, half, deadline)``, or None
+        where there is no native kernel for ``dtype`` and ``op_name``."""
+        codes = native.kernel_codes(dtype, op_name)
+        if self._native is None or codes is None or self._t.size < 2:
+            return None
+        slots = [[reg.ctypes.data + off for reg in self._regions] for off in offsets]
+        plan = self._native.small_allreduce(slots[0], slots[1], nbytes, *codes)
+        run_native, reduce_native, wait_late = plan.run, plan.reduce, self._wait_late
+
+        def run(buf: np.ndarray, half: int, deadline: float) -> None:
+            e = self._epoch = self._epoch + 1
+            if not run_native(buf, half, e):
+                wait_late(e, deadline)
+                reduce_native(buf, half)
+        return run
+
     def release(self) -> None:
         self._regions = self._pools = self._peer_q = []
+        self._native = None
 
 
 # --------------------------------------------------------------------------- allocator
@@ -563,6 +601,7 @@ class SharedMemoryTransport(Transport):
         self._lock = threading.RLock()
         self._segs: list[_Segment] = []
         self._sleep_words: list[int] = []  # addresses of every rank's Q_SLEEP word
+        self._epoch_words: list[int] = []  # and of its Q_EPOCH counter
         self._watch: _PeerWatch | None = None
         self._window: ShmWindow | None = None
         self._next_check = 0.0
@@ -643,7 +682,9 @@ class SharedMemoryTransport(Transport):
                         f"rank {self.rank}: ranks {missing} did not create their shared-memory "
                         f"segments of job {self._job!r} in time") from None
         self._watch = _PeerWatch({r: int(s.q[Q_PID]) for r, s in enumerate(segs) if r != self.rank})
-        self._sleep_words = [np.frombuffer(s.mm, np.uint8, 8, Q_SLEEP * 8).ctypes.data for s in segs]
+        bases = [np.frombuffer(s.mm, np.uint8, 8).ctypes.data for s in segs]
+        self._sleep_words = [b + Q_SLEEP * 8 for b in bases]
+        self._epoch_words = [b + Q_EPOCH * 8 for b in bases]
         own.q[Q_ATTACHED] = 1
         self._ring_all()
         for r in range(self.size):
@@ -1004,9 +1045,12 @@ class SharedMemoryTransport(Transport):
             if backoff.count > backoff.spins:
                 self._maybe_check_peers({r.peer for r in reqs if not r.done}, reqs)
 
-    def _backoff(self, deadline: float) -> Backoff:
+    def _backoff(self, deadline: float, block_now: bool = False) -> Backoff:
         """The wait policy: spin first when every rank has a core of its own;
-        when ranks share cores, yield at once and for a while, then block."""
+        when ranks share cores, yield at once and for a while, then block
+        (at once with ``block_now``)."""
+        if block_now:
+            return Backoff(deadline, "", spins=0, yields=0, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
         if self._spin:
             return Backoff(deadline, "", spin_time=self._spin, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
         return Backoff(deadline, "", spins=0, yield_time=YIELD_SECONDS, first_sleep=BLOCK_FIRST,
@@ -1087,9 +1131,10 @@ class SharedMemoryTransport(Transport):
         return None
 
     def _wait_counter(self, q: memoryview, index: int, target: int, peer: int, deadline: float,
-                      what: str) -> None:
-        """Wait until ``q[index] >= target`` (a counter owned by ``peer``)."""
-        backoff = self._backoff(deadline)
+                      what: str, block_now: bool = False) -> None:
+        """Wait until ``q[index] >= target`` (a counter owned by ``peer``);
+        ``block_now``: the caller has spun and yielded already."""
+        backoff = self._backoff(deadline, block_now)
         block = None
         relevant = {peer}
         while q[index] < target:

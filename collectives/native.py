@@ -1,0 +1,54 @@
+"""The optional native fast path (``collectives._native``, a small C extension).
+
+It is built by ``pip install`` where a C compiler is present and skipped
+where not; everything then runs in Python, slower. ``COLLECTIVES_NATIVE=0``
+in the environment of a rank turns it off for the transports it opens after
+that (:func:`enabled`). What it offers (fences over shared epoch counters, the
+one-fence allreduce of small vectors, reductions on raw memory) is used by
+the shared-memory window; :func:`kernel_codes` says which dtype and op it can
+reduce, exactly as numpy's ufuncs would.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = ["native", "built", "enabled", "kernel_codes"]
+
+native: Any = None
+try:
+    from . import _native as native
+except ImportError:  # not built (no compiler at install time)
+    native = None
+
+#: True when the extension is built.
+built = native is not None
+
+
+def enabled() -> Any:
+    """The extension module, or None when it is not built or is turned off
+    (``COLLECTIVES_NATIVE=0``)."""
+    return native if os.environ.get("COLLECTIVES_NATIVE", "1") != "0" else None
+
+if native is not None:
+    _DTYPES = {np.dtype(t): getattr(native, "DT_" + c) for t, c in (
+        (np.float32, "F32"), (np.float64, "F64"), (np.int8, "I8"), (np.int16, "I16"),
+        (np.int32, "I32"), (np.int64, "I64"), (np.uint8, "U8"), (np.uint16, "U16"),
+        (np.uint32, "U32"), (np.uint64, "U64"))}
+    _OPS = {"sum": native.OP_SUM, "prod": native.OP_PROD, "min": native.OP_MIN, "max": native.OP_MAX,
+            "band": native.OP_BAND, "bor": native.OP_BOR, "bxor": native.OP_BXOR}
+else:
+    _DTYPES, _OPS = {}, {}
+
+
+def kernel_codes(dtype: np.dtype, op_name: str) -> tuple[int, int] | None:
+    """(dtype code, op code) of the native kernel for ``dtype`` and ``op_name``,
+    or None when there is none (no extension, a half float, a logical op, a
+    bitwise op on floats)."""
+    d, o = _DTYPES.get(np.dtype(dtype)), _OPS.get(op_name)
+    if d is None or o is None or (o >= _OPS["band"] and np.dtype(dtype).kind == "f"):
+        return None
+    return d, o

@@ -1,0 +1,131 @@
+"""The native fast path: its kernels give numpy's bits, its fence waits and
+wakes as the Python one does, and the collectives agree with and without it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from collectives import native
+from harness import run_ranks
+from reference import data, expect_equal, reduced
+
+needs_native = pytest.mark.skipif(not native.built, reason="the native extension is not built here")
+
+NUMPY_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+DTYPES = ["float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    if os.environ.get("COLLECTIVES_NATIVE") == "0":
+        pytest.skip("turned off by COLLECTIVES_NATIVE=0")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the pure-Python path is what runs")
+    assert native.built, "a C compiler is present but collectives._native was not built (pip install -e .)"
+
+
+def _operands(dtype: np.dtype, p: int, n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype.kind == "f":
+        specials = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-30, -1.5, 3.25], dtype)
+        out = [rng.standard_normal(n).astype(dtype) * 100 for _ in range(p)]
+        for k, a in enumerate(out):
+            m = min(n, len(specials))
+            a[:m] = np.roll(specials, k)[:m]
+        return out
+    info = np.iinfo(dtype)
+    return [rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True) for _ in range(p)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(NUMPY_OPS))
+def test_kernels_give_numpy_bits(dtype, op):
+    dt = np.dtype(dtype)
+    codes = native.kernel_codes(dt, op)
+    if dt.kind == "f" and op in ("band", "bor", "bxor"):
+        assert codes is None
+        return
+    assert codes is not None
+    ufunc = NUMPY_OPS[op]
+    with np.errstate(all="ignore"):
+        for p, n in ((2, 1), (3, 37), (5, 1000)):
+            srcs = _operands(dt, p, n, seed=p * n)
+            want = srcs[0].copy()
+            for s in srcs[1:]:
+                ufunc(want, s, out=want)
+            out = np.empty_like(want)
+            native.native.reduce_into(out.ctypes.data, [s.ctypes.data for s in srcs], n, *codes)
+            assert out.tobytes() == want.tobytes(), f"{dtype} {op} p={p}"
+            inplace = srcs[0]  # out is srcs[0]
+            native.native.reduce_into(inplace.ctypes.data, [s.ctypes.data for s in srcs], n, *codes)
+            assert inplace.tobytes() == want.tobytes()
+
+
+def test_no_kernel_for_half_floats_or_logical_ops():
+    assert native.kernel_codes(np.dtype(np.float16), "sum") is None
+    assert native.kernel_codes(np.dtype(np.int32), "land") is None
+    assert native.kernel_codes(np.dtype(np.bool_), "sum") is None
+
+
+@needs_native
+def test_fence_waits_bounded_and_rings_sleepers():
+    mm = mmap.mmap(-1, 4096)
+    words = np.frombuffer(mm, np.uint64, 64)
+    epochs = [words[0:1].ctypes.data, words[8:9].ctypes.data]  # ranks 0 and 1, a line apart
+    sleeps = [words[16:17].ctypes.data, words[24:25].ctypes.data]
+    w = native.native.Window(epochs, sleeps, 0, 0, 200_000)  # rank 0; yield 200 us, no spin
+    assert w.fence(1) is False  # rank 1 never came: the bounded wait gives up
+    assert words[0] == 1
+    words[8] = 1  # rank 1 arrives, and sleeps
+    words[24] = 1
+    assert w.fence(1) is True
+    assert words[24] == 0  # rung: its sleep word cleared (and the futex woken)
+    words[8] = 2
+    words[24] = 1
+    assert w.fence(2) is True and words[24] == 0
+    words[24] = 1
+    assert w.fence(3) is False  # rank 1 is not at 3: it sleeps on something else, left alone
+    assert words[24] == 1
+    del words
+    mm.close()
+
+
+@needs_native
+def test_window_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        native.native.Window([1, 2], [3], 0, 0, 0)
+    with pytest.raises(ValueError):
+        native.native.Window([1, 2], [3, 4], 2, 0, 0)
+
+
+def allreduce_cases(comm) -> list[str]:
+    p, r, failures = comm.size, comm.rank, []
+    for dtype, op, n in (("float32", "sum", 2), ("float64", "min", 300), ("int16", "prod", 1000),
+                         ("uint8", "bor", 4096), ("int64", "max", 7), ("float16", "sum", 100)):
+        buf = np.empty(n, dtype=np.dtype(dtype))
+        for salt in range(3):
+            buf[...] = data(r, n, dtype, op, salt)
+            comm.allreduce(buf, op)
+            expect_equal(failures, f"{dtype} {op} n={n} round {salt}", buf, reduced(p, n, dtype, op, salt))
+    for algo in ("shared_window",):  # the fence of the other window collectives
+        for n in (5, 100_000):
+            got = np.zeros(n * p, np.int32)
+            comm.allgather(np.full(n, r, np.int32), got, algorithm=algo)
+            if not np.array_equal(got, np.repeat(np.arange(p, dtype=np.int32), n)):
+                failures.append(f"allgather {algo} n={n}")
+    return failures
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_window_collectives_with_and_without_the_native_path(monkeypatch, native_on, p):
+    if native_on == "1" and not native.built:
+        pytest.skip("the native extension is not built here")
+    monkeypatch.setenv("COLLECTIVES_NATIVE", native_on)
+    assert run_ranks(allreduce_cases, p, timeout=90) == [[]] * p
