@@ -77,8 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--algorithm", default="auto", help="auto, all, an algorithm name, or a comma list")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help="lo:hi (powers of --factor) or a list")
     ap.add_argument("--factor", type=float, default=2.0)
-    ap.add_argument("--iters", type=int, default=100, help="timed iterations for small sizes")
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=1000,
+                    help="timed iterations for small sizes, fewer from 64 KiB up (OSU's default)")
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--op", default="sum", choices=sorted(REDUCE_OPS))
     ap.add_argument("--root", type=int, default=0)

@@ -126,10 +126,21 @@ static binop_fn kernel(int dtype, int op) {
     return KERNELS[dtype][op];
 }
 
-/* out = srcs[0] op srcs[1] op ... op srcs[p-1], in that order (p >= 2) */
-static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize_t count) {
-    f(out, srcs[0], srcs[1], count);
-    for (int r = 2; r < p; r++) f(out, out, srcs[r], count);
+/* out = srcs[0] op srcs[1] op ... op srcs[p-1], in that order (p >= 2).
+ * Chunk by chunk, so that the partial result stays in the L1 cache while the
+ * sources stream past once: p reads and one write of memory per element
+ * instead of the 2(p-1) reads and p-1 writes of whole-vector passes. Each
+ * element sees the same operations in the same order, so the bits are those
+ * of the passes (and of numpy's ufuncs). */
+#define CHUNK_BYTES 8192
+static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize_t count, int itemsize) {
+    Py_ssize_t step = CHUNK_BYTES / itemsize;
+    for (Py_ssize_t lo = 0; lo < count; lo += step) {
+        Py_ssize_t n = count - lo < step ? count - lo : step;
+        Py_ssize_t off = lo * itemsize;
+        f(out + off, srcs[0] + off, srcs[1] + off, n);
+        for (int r = 2; r < p; r++) f(out + off, out + off, srcs[r] + off, n);
+    }
 }
 
 /* --------------------------------------------------------------- waiting */
@@ -279,6 +290,7 @@ typedef struct {
     WindowObject *window;
     binop_fn f;
     Py_ssize_t nbytes, count;
+    int itemsize;
     char **slots[2];
 } SmallObject;
 
@@ -306,6 +318,7 @@ static PyObject *Window_small_allreduce(WindowObject *w, PyObject *args) {
     s->f = f;
     s->nbytes = nbytes;
     s->count = nbytes / ITEMSIZE[dtype];
+    s->itemsize = ITEMSIZE[dtype];
     if (fill_addresses(s0, w->size, (uint64_t ***)&s->slots[0], "slots0") < 0 ||
         fill_addresses(s1, w->size, (uint64_t ***)&s->slots[1], "slots1") < 0) {
         Py_DECREF(s);
@@ -359,7 +372,7 @@ static PyObject *Small_run(SmallObject *s, PyObject *const *args, Py_ssize_t nar
     memcpy(slots[w->rank], view.buf, (size_t)s->nbytes);
     arrive(w, e);
     int done = wait_peers(w, e);
-    if (done) reduce_all(s->f, view.buf, slots, w->size, s->count);
+    if (done) reduce_all(s->f, view.buf, slots, w->size, s->count, s->itemsize);
     PyBuffer_Release(&view);
     return PyBool_FromLong(done);
 }
@@ -370,7 +383,7 @@ static PyObject *Small_reduce(SmallObject *s, PyObject *const *args, Py_ssize_t 
     if (parse_half(args, nargs, 2, &half) < 0) return NULL;
     Py_buffer view;
     if (get_buffer(s, args[0], &view) < 0) return NULL;
-    reduce_all(s->f, view.buf, s->slots[half], s->window->size, s->count);
+    reduce_all(s->f, view.buf, s->slots[half], s->window->size, s->count, s->itemsize);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -401,7 +414,7 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
         if (p == 1) {
             if ((char *)addrs[0] != out) memmove(out, addrs[0], (size_t)(count * ITEMSIZE[dtype]));
         } else {
-            reduce_all(f, out, (char *const *)addrs, (int)p, count);
+            reduce_all(f, out, (char *const *)addrs, (int)p, count, ITEMSIZE[dtype]);
         }
     }
     PyMem_Free(addrs);

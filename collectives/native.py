@@ -12,11 +12,11 @@ reduce, exactly as numpy's ufuncs would.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["native", "built", "enabled", "kernel_codes"]
+__all__ = ["native", "built", "enabled", "kernel_codes", "reduce_into"]
 
 native: Any = None
 try:
@@ -44,11 +44,28 @@ else:
     _DTYPES, _OPS = {}, {}
 
 
-def kernel_codes(dtype: np.dtype, op_name: str) -> tuple[int, int] | None:
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
+
+def kernel_codes(dtype: np.dtype, op_name: str, ufunc: Any = None) -> tuple[int, int] | None:
     """(dtype code, op code) of the native kernel for ``dtype`` and ``op_name``,
     or None when there is none (no extension, a half float, a logical op, a
-    bitwise op on floats)."""
+    bitwise op on floats, an op whose ``ufunc`` is not the standard one)."""
     d, o = _DTYPES.get(np.dtype(dtype)), _OPS.get(op_name)
     if d is None or o is None or (o >= _OPS["band"] and np.dtype(dtype).kind == "f"):
         return None
+    if ufunc is not None and ufunc is not _UFUNCS[op_name]:
+        return None
     return d, o
+
+
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, int]) -> None:
+    """``dst = srcs[0] op srcs[1] op ...`` natively (``codes`` from
+    :func:`kernel_codes`); every array C-contiguous with dst's size and
+    dtype, dst distinct from all but srcs[0]."""
+    native.reduce_into(_address(dst), [_address(s) for s in srcs], dst.size, *codes)

@@ -54,7 +54,7 @@ def test_kernels_give_numpy_bits(dtype, op):
     assert codes is not None
     ufunc = NUMPY_OPS[op]
     with np.errstate(all="ignore"):
-        for p, n in ((2, 1), (3, 37), (5, 1000)):
+        for p, n in ((2, 1), (3, 37), (5, 1000), (4, 5003)):
             srcs = _operands(dt, p, n, seed=p * n)
             want = srcs[0].copy()
             for s in srcs[1:]:

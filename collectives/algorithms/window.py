@@ -28,10 +28,13 @@ while another still reads it.
 
 from __future__ import annotations
 
+import functools
+import os
 import weakref
 
 import numpy as np
 
+from .. import native
 from ..ops import BFLOAT16, Op
 from ..registry import register
 
@@ -49,9 +52,25 @@ PIECE_BYTES = 2 << 20
 META_BYTES = 4096
 #: Collectives other than allreduce read peers' buffers directly from this size on.
 DIRECT_BYTES = 64 * 1024
+#: Allreduce reads peers' buffers directly (one copy, but a system call and
+#: page pinning per read) from this size on, times the ranks per core
+#: (measured, 2 ranks on 2 cores: the window's pieces are faster up to 1 MiB;
+#: 4 ranks: up to 2 MiB).
+DIRECT_ALLREDUCE_BYTES = 2 << 20
+#: Blocks from this size on are reduced by the native kernel when it is there.
+NATIVE_REDUCE_BYTES = 16 * 1024
 _ALIGN = 64
 
 _state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=1)
+def _cores() -> int:
+    """Cores this process may run on (ranks beyond them share cores)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class _WindowState:
@@ -102,7 +121,13 @@ def _low_precision(dtype: np.dtype) -> bool:
 
 
 def _reduce(ctx, op: Op, dst: np.ndarray, srcs: list[np.ndarray]) -> None:
-    """``dst = srcs[0] op srcs[1] ...`` (dst may be srcs[0]); float32 scratch for half floats."""
+    """``dst = srcs[0] op srcs[1] ...`` (dst may be srcs[0]); float32 scratch for
+    half floats; natively (one pass over the sources) for large blocks."""
+    if dst.nbytes >= NATIVE_REDUCE_BYTES and len(srcs) > 1 and native.enabled() is not None:
+        codes = native.kernel_codes(dst.dtype, op.name, op.ufunc)
+        if codes is not None and all(a.flags.c_contiguous for a in srcs) and dst.flags.c_contiguous:
+            native.reduce_into(dst, srcs, codes)
+            return
     scratch = ctx.scratch(dst.size, np.float32, slot=7) if _low_precision(dst.dtype) else None
     op.reduce_many(dst, srcs, scratch)
 
@@ -211,7 +236,8 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
     if _single_fence(buf.nbytes, p, st):
         _allreduce_small(ctx, window, st, buf, op)
         return
-    if not _allreduce_direct(ctx, window, st, buf, op):
+    direct_from = DIRECT_ALLREDUCE_BYTES * -(-p // _cores())
+    if buf.nbytes < direct_from or not _allreduce_direct(ctx, window, st, buf, op):
         _allreduce_pieces(ctx, window, st, buf, op)
 
 
