@@ -25,8 +25,8 @@ barrier         dissemination
 ==============  ===========================================================
 
 With a shared window (shared memory), ``shared_window`` is chosen for
-allreduce, reduce_scatter, allgather and bcast: one copy through memory
-beats any number of messages on one host.
+every collective: a copy through memory and a fence beat any number of
+messages on one host.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def _pow2(p: int) -> bool:
     return p & (p - 1) == 0
 
 
-WINDOW_COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "allgather", "bcast"})
+WINDOW_COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "allgather", "bcast", "reduce", "gather",
+                                "scatter", "alltoall", "barrier"})
 
 
 def rule(collective: str, nbytes: int, p: int, itemsize: int, capabilities: frozenset[str]) -> str:

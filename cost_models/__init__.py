@@ -16,7 +16,7 @@ __all__ = ["MODELS", "CostModel", "Params", "cost_model", "predict", "FORMULA_MO
 
 #: The modules that register formulas (one per collective, plus the window and native ones).
 FORMULA_MODULES = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce",
-                   "reduce_scatter", "alltoall", "barrier", "window", "native")
+                   "reduce_scatter", "alltoall", "barrier", "window", "window_blocks", "native")
 
 _loaded = False
 

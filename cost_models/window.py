@@ -9,6 +9,11 @@ directly (one copy), with a closing fence.
 
 * allreduce, n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma
   (every rank reduces all p vectors itself).
+* allreduce, up to ``DIRECT_ALLREDUCE_BYTES`` times the ranks per core,
+  through the window in pieces of at most ``PIECE_BYTES`` per rank: copy
+  the (p-1)/p others reduce in, F, reduce this rank's 1/p from p sources
+  ((p-1)/p n gamma), F, copy every reduced block out:
+  T = 2F per piece + copy((p-1)/p n) + (p-1)/p n gamma + copy(n).
 * allreduce, larger: publish F, each rank reads and reduces its 1/p from
   every rank ((p-1)/p n copy and (p-1)/p n gamma), F, reads the others'
   reduced blocks ((p-1)/p n copy), F:
@@ -21,21 +26,29 @@ directly (one copy), with a closing fence.
 
 from __future__ import annotations
 
+import math
+
 from .model import Params, cost_model
 
 SMALL_BYTES = 32 * 1024
 SMALL_TOTAL_BYTES = 1 << 20
 DIRECT_BYTES = 64 * 1024
+DIRECT_ALLREDUCE_BYTES = 2 << 20
+PIECE_BYTES = 2 << 20
 
 
 @cost_model("allreduce", "shared_window")
 def allreduce(p: int, n: int, P: Params) -> float:
-    """copy(n) + F + (p-1) n gamma small; 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma large."""
+    """copy(n) + F + (p-1) n gamma small; pieces; 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
     if p == 1 or n == 0:
         return 0.0
     if n <= max(SMALL_BYTES, SMALL_TOTAL_BYTES // p):
         return P.copy(n) + P.fence + (p - 1) * n * P.gamma
     share = (p - 1) / p * n
+    ranks_per_core = math.ceil(p / P.cores) if P.cores else 1
+    if n < DIRECT_ALLREDUCE_BYTES * ranks_per_core:
+        pieces = max(1, math.ceil(n / PIECE_BYTES))
+        return 2 * pieces * P.fence + P.copy(share) + share * P.gamma + P.copy(n)
     return 3 * P.fence + 2 * P.copy(share) + share * P.gamma
 
 

@@ -41,4 +41,5 @@ from . import (  # noqa: F401  (importing registers the algorithms)
     reduce_scatter,
     scatter,
     window,
+    window_blocks,
 )

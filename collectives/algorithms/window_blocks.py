@@ -1,0 +1,182 @@
+"""More shared-window algorithms: gather, scatter, alltoall, reduce and barrier.
+
+Like :mod:`.window` (whose state, turns and direct readers they share): data
+goes through the window regions in pieces that fit one half, copy in, fence,
+copy out, the halves used in turns so that a half is rewritten only after a
+fence every reader has passed. From ``DIRECT_BYTES`` on, where every rank's
+buffer can be read directly (the shared pool, or cross-memory attach), the
+ranks publish their buffers (one fence) and copy straight from them, with a
+closing fence so that no rank changes its buffer while another still reads.
+
+* ``barrier``: one fence.
+* ``gather``: each rank copies its block into its region; the root copies
+  every block out (or reads them straight from the senders' buffers).
+* ``scatter``: the root copies every block into its region; each rank copies
+  its own out (or reads it straight from the root's buffer).
+* ``alltoall``: each rank copies its p blocks into its region; each rank
+  copies block ``rank`` of every region out (or reads it from every buffer).
+* ``reduce``: small vectors as allreduce's single-fence path, the root alone
+  reducing; larger ones in pieces: each rank reduces 1/p of the piece from
+  every region, then the root copies the reduced blocks out. Other ranks'
+  buffers stay unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..ops import Op
+from ..registry import register
+from .window import PIECE_BYTES, _blocks, _direct, _displs, _reduce, _single_fence, _state_of, _striped_cached
+
+__all__ = ["barrier", "gather", "scatter", "alltoall", "reduce"]
+
+
+def _budget(st) -> int:
+    """Bytes one rank may put in a half at a time."""
+    return min(st.half, PIECE_BYTES)
+
+
+def _region(st, rank: int, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
+    """``count`` elements of ``dtype`` at byte ``offset`` of ``rank``'s region."""
+    return st.regions[rank][offset:offset + count * dtype.itemsize].view(dtype)
+
+
+@register("barrier", "shared_window", needs=("window",), description="one fence of the shared window")
+def barrier(ctx) -> None:
+    if ctx.size > 1:
+        ctx.transport.window.fence(ctx.deadline)
+
+
+@register("gather", "shared_window", needs=("window",),
+          description="each rank copies its block into its window region; the root copies all out")
+def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: Sequence[int]) -> None:
+    p, me = ctx.size, ctx.rank
+    displs = _displs(list(counts))
+    if me == root:
+        np.copyto(recvbuf[displs[me]:displs[me] + counts[me]], sendbuf)
+    if p == 1 or sum(counts) == 0:
+        return
+    window, st = _state_of(ctx)
+    dt, item = sendbuf.dtype, sendbuf.itemsize
+    readers = _direct(ctx, window, st, sendbuf, sum(counts) * item)
+    if readers is not None:
+        if me == root:
+            for r in range(p):
+                if r != me:
+                    readers.read(r, 0, recvbuf[displs[r]:displs[r] + counts[r]])
+        window.fence(ctx.deadline)  # senders keep their buffers until the root has read them
+        return
+    step = max(1, _budget(st) // item)
+    for a in range(0, max(counts), step):
+        base = st.next_half()
+        n = min(step, counts[me] - a)
+        if me != root and n > 0:
+            np.copyto(_region(st, me, base, n, dt), sendbuf[a:a + n])
+        window.fence(ctx.deadline)
+        if me == root:
+            for r in range(p):
+                m = min(step, counts[r] - a)
+                if r != me and m > 0:
+                    np.copyto(recvbuf[displs[r] + a:displs[r] + a + m], _region(st, r, base, m, dt))
+
+
+@register("scatter", "shared_window", needs=("window",),
+          description="the root copies every block into its window region; each rank copies its own out")
+def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: Sequence[int]) -> None:
+    p, me = ctx.size, ctx.rank
+    counts = list(counts)
+    displs = _displs(counts)
+    if me == root:
+        np.copyto(recvbuf, sendbuf[displs[me]:displs[me] + counts[me]])
+    if p == 1 or sum(counts) == 0:
+        return
+    window, st = _state_of(ctx)
+    dt, item = recvbuf.dtype, recvbuf.itemsize
+    readers = _direct(ctx, window, st, sendbuf if me == root else recvbuf, sum(counts) * item)
+    if readers is not None:
+        if me != root:
+            readers.read(root, displs[me] * item, recvbuf)
+        window.fence(ctx.deadline)  # the root keeps its buffer until everyone has its block
+        return
+    step = max(1, _budget(st) // (p * item))
+    for parts, _ in _striped_cached(st, counts, step):
+        base = st.next_half()
+        if me == root:
+            for r, (start, n, off) in enumerate(parts):
+                if r != me and n:
+                    np.copyto(_region(st, me, base + off * item, n, dt), sendbuf[start:start + n])
+        window.fence(ctx.deadline)
+        start, n, off = parts[me]
+        if me != root and n:
+            lo = start - displs[me]
+            np.copyto(recvbuf[lo:lo + n], _region(st, root, base + off * item, n, dt))
+
+
+@register("alltoall", "shared_window", needs=("window",),
+          description="each rank copies its blocks into its window region; each copies its own from every region")
+def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+    p, me = ctx.size, ctx.rank
+    b = sendbuf.size // p
+    np.copyto(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
+    if p == 1 or b == 0:
+        return
+    window, st = _state_of(ctx)
+    dt, item = sendbuf.dtype, sendbuf.itemsize
+    readers = _direct(ctx, window, st, sendbuf, sendbuf.nbytes)
+    if readers is not None:
+        for r in range(p):
+            if r != me:
+                readers.read(r, me * b * item, recvbuf[r * b:(r + 1) * b])
+        window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+        return
+    step = max(1, _budget(st) // (p * item))
+    for a in range(0, b, step):
+        m = min(step, b - a)
+        base = st.next_half()
+        for d in range(p):
+            if d != me:
+                np.copyto(_region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
+        window.fence(ctx.deadline)
+        for r in range(p):
+            if r != me:
+                np.copyto(recvbuf[r * b + a:r * b + a + m], _region(st, r, base + me * m * item, m, dt))
+
+
+@register("reduce", "shared_window", needs=("window",),
+          description="small: one fence, the root reduces every region; large: 1/p per rank, the root copies out")
+def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
+    p, me = ctx.size, ctx.rank
+    if p == 1 or buf.size == 0:
+        return
+    window, st = _state_of(ctx)
+    dt, item = buf.dtype, buf.itemsize
+    if _single_fence(buf.nbytes, p, st):
+        base = st.next_half()
+        if me != root:
+            np.copyto(st.views(base, buf.nbytes, dt)[me], buf)
+        window.fence(ctx.deadline)
+        if me == root:
+            views = st.views(base, buf.nbytes, dt)
+            _reduce(ctx, op, buf, [buf] + [views[r] for r in range(p) if r != root])
+        return
+    step = max(1, _budget(st) // (p * item))
+    peers = [r for r in range(p) if r != me]
+    for parts, _ in _striped_cached(st, _blocks(buf.size, p), step):
+        base = st.next_half()
+        for r in peers:  # the pieces of the blocks the others reduce
+            start, n, off = parts[r]
+            if n:
+                np.copyto(_region(st, me, base + off * item, n, dt), buf[start:start + n])
+        window.fence(ctx.deadline)
+        start, n, off = parts[me]
+        if n:
+            srcs = [_region(st, r, base + off * item, n, dt) for r in range(p)]
+            _reduce(ctx, op, srcs[me], [buf[start:start + n]] + [srcs[r] for r in peers])
+        window.fence(ctx.deadline)
+        if me == root:
+            for r, (start, n, off) in enumerate(parts):
+                if n:
+                    np.copyto(buf[start:start + n], _region(st, r, base + off * item, n, dt))
