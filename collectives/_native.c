@@ -4,28 +4,34 @@
  * What it does is what collectives.transports.shm.ShmWindow does in Python,
  * minus the interpreter: a fence over per-rank epoch counters (each written
  * by its owner only), waking peers that sleep on their futex word, and the
- * one-fence allreduce of small vectors (copy in, fence, reduce every rank's
- * slot in rank order, so every rank gets the same bits as numpy's ufuncs
+ * small cases of the window collectives as plans (copy in, fence, copy out
+ * or reduce every rank's slot in rank order, with the bits numpy's ufuncs
  * would give). Waits here are bounded (spin, then sched_yield); when they run
  * out the caller blocks in Python, where timeouts and dead peers are handled.
  *
  *   Window(epochs, sleeps, rank, spin_ns, yield_ns)
  *       epochs, sleeps: addresses of every rank's epoch counter (uint64) and
  *       futex sleep word, in shared memory.
- *   Window.fence(epoch) -> bool
- *       publish this rank's epoch, ring sleeping peers that already arrived,
+ *   Window.epoch, Window.turn
+ *       fences passed, and steps taken through the window's halves (the
+ *       caller's count, which plans advance too).
+ *   Window.fence() -> bool
+ *       publish the next epoch, ring sleeping peers that already arrived,
  *       wait (bounded) for every peer to reach it; True when all have.
- *   Window.small_allreduce(slots0, slots1, nbytes, dtype, op) -> SmallAllreduce
- *       slotsH: addresses of every rank's slot in half H of the window.
- *   SmallAllreduce.run(buf, half, epoch) -> bool
- *       copy buf into this rank's slot of ``half``, fence; when the fence
- *       completed, buf = slot0 op slot1 op ... and True; else False (the
- *       caller waits, then calls .reduce(buf, half)).
+ *   Window.plan(narrays, before, after, reduce) -> Plan
+ *       a collective's small case as data: copies before the fence, copies
+ *       and one reduction after it, between the call's arrays and the
+ *       window's halves (see Window_plan).
+ *   Plan.run(arrays) -> bool
+ *       take the next half (turn) and epoch; before, fence; when the fence
+ *       completed within the bounded wait, after, and True; else False (the
+ *       caller waits for the epoch, then calls .finish(arrays)).
  *   reduce_into(out, srcs, dtype, op): out = srcs[0] op srcs[1] op ...
- *       (addresses; out may be srcs[0]).
+ *       (buffers of one length; out may be srcs[0]).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <limits.h>
 #include <linux/futex.h>
@@ -164,6 +170,8 @@ static inline void cpu_relax(void) {
 typedef struct {
     PyObject_HEAD
     int size, rank;
+    unsigned long long epoch;  /* fences this rank has passed */
+    unsigned long long turn;   /* steps taken through the window's halves (the caller's count) */
     int64_t spin_ns, yield_ns;
     uint64_t **epochs;   /* every rank's epoch counter */
     uint64_t **sleeps;   /* every rank's sleep word (a futex on its low 32 bits) */
@@ -258,6 +266,7 @@ static int Window_init(WindowObject *w, PyObject *args, PyObject *kwds) {
     }
     w->spin_ns = spin_ns;
     w->yield_ns = yield_ns;
+    w->epoch = w->turn = 0;
     PyMem_Free(w->epochs);
     PyMem_Free(w->sleeps);
     w->epochs = w->sleeps = NULL;
@@ -266,9 +275,8 @@ static int Window_init(WindowObject *w, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-static PyObject *Window_fence(WindowObject *w, PyObject *arg) {
-    unsigned long long e = PyLong_AsUnsignedLongLong(arg);
-    if (e == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+static PyObject *Window_fence(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
+    uint64_t e = ++w->epoch;
     arrive(w, e);
     return PyBool_FromLong(wait_peers(w, e));
 }
@@ -283,151 +291,284 @@ static PyObject *Window_wake_sleepers(WindowObject *w, PyObject *Py_UNUSED(ignor
     Py_RETURN_NONE;
 }
 
-/* ------------------------------------------------------- small allreduce */
+/* ------------------------------------------------------------ move plans */
+/* A plan: copies before the fence, the fence, copies and one reduction
+ * after it; the places are in the call's buffers or in the window's halves.
+ * A Loc is arrays[idx] + a0 (idx >= 0) or, in the window, the absolute
+ * address a0 in half 0 and a1 in half 1 (idx < 0). */
+
+typedef struct {
+    int idx;
+    Py_ssize_t a0, a1;
+} Loc;
+
+typedef struct {
+    Loc src, dst;
+    Py_ssize_t n;
+} Copy;
+
+#define MAX_ARRAYS 4
 
 typedef struct {
     PyObject_HEAD
     WindowObject *window;
-    binop_fn f;
-    Py_ssize_t nbytes, count;
+    int narrays;
+    int last_half;                /* the half of the last run, for finish */
+    Py_ssize_t need[MAX_ARRAYS];  /* bytes each array must hold; -1: unused (may be None) */
+    int writes[MAX_ARRAYS];
+    int nbefore, nafter, nsrc;
+    Copy *before, *after;
+    binop_fn f;                   /* NULL: no reduction */
+    Py_ssize_t count;
     int itemsize;
-    char **slots[2];
-} SmallObject;
+    Loc rdst;
+    Loc *rsrc;
+} PlanObject;
 
-static PyTypeObject SmallType;
+static PyTypeObject PlanType;
 
-static PyObject *Window_small_allreduce(WindowObject *w, PyObject *args) {
-    PyObject *s0, *s1;
-    Py_ssize_t nbytes;
-    int dtype, op;
-    if (!PyArg_ParseTuple(args, "OOnii", &s0, &s1, &nbytes, &dtype, &op)) return NULL;
-    binop_fn f = kernel(dtype, op);
-    if (!f) {
-        PyErr_SetString(PyExc_ValueError, "no native kernel for this dtype and op");
+static inline char *where(const Loc *l, char *const *bases, int half) {
+    if (l->idx >= 0) return bases[l->idx] + l->a0;
+    return (char *)(half ? l->a1 : l->a0);
+}
+
+static int parse_loc(PyObject *t, Loc *l, int narrays, Py_ssize_t *need, Py_ssize_t extent) {
+    if (!PyArg_ParseTuple(t, "inn", &l->idx, &l->a0, &l->a1)) return -1;
+    if (l->idx >= narrays) {
+        PyErr_SetString(PyExc_ValueError, "array index out of range");
+        return -1;
+    }
+    if (l->idx >= 0) {
+        if (l->a0 < 0 || extent < 0) {
+            PyErr_SetString(PyExc_ValueError, "negative offset or length");
+            return -1;
+        }
+        if (need[l->idx] < l->a0 + extent) need[l->idx] = l->a0 + extent;
+    }
+    return 0;
+}
+
+static int parse_copies(PyObject *seq, Copy **out, int *n, int narrays, Py_ssize_t *need, int *writes) {
+    PyObject *fast = PySequence_Fast(seq, "copies must be a sequence");
+    if (!fast) return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    *out = PyMem_Calloc((size_t)(len ? len : 1), sizeof(Copy));
+    if (!*out) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        PyObject *src, *dst;
+        Copy *c = &(*out)[i];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOn", &src, &dst, &c->n) ||
+            parse_loc(src, &c->src, narrays, need, c->n) < 0 || parse_loc(dst, &c->dst, narrays, need, c->n) < 0) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (c->dst.idx >= 0) writes[c->dst.idx] = 1;
+    }
+    *n = (int)len;
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* Window.plan(narrays, before, after, reduce) -> Plan
+ *   before, after: [((idx, a0, a1), (idx, a0, a1), nbytes), ...]
+ *   reduce: None or ((idx, a0, a1) dst, [(idx, a0, a1) src, ...], count, dtype, op) */
+static PyObject *Window_plan(WindowObject *w, PyObject *args) {
+    int narrays;
+    PyObject *before, *after, *reduce;
+    if (!PyArg_ParseTuple(args, "iOOO", &narrays, &before, &after, &reduce)) return NULL;
+    if (narrays < 0 || narrays > MAX_ARRAYS) {
+        PyErr_SetString(PyExc_ValueError, "too many arrays");
         return NULL;
     }
-    if (nbytes <= 0 || nbytes % ITEMSIZE[dtype]) {
-        PyErr_SetString(PyExc_ValueError, "nbytes must be a positive multiple of the item size");
-        return NULL;
-    }
-    SmallObject *s = PyObject_New(SmallObject, &SmallType);
-    if (!s) return NULL;
-    s->slots[0] = s->slots[1] = NULL;
+    PlanObject *pl = PyObject_New(PlanObject, &PlanType);
+    if (!pl) return NULL;
+    pl->before = pl->after = NULL;
+    pl->rsrc = NULL;
+    pl->f = NULL;
+    pl->nsrc = pl->nbefore = pl->nafter = 0;
     Py_INCREF(w);
-    s->window = w;
-    s->f = f;
-    s->nbytes = nbytes;
-    s->count = nbytes / ITEMSIZE[dtype];
-    s->itemsize = ITEMSIZE[dtype];
-    if (fill_addresses(s0, w->size, (uint64_t ***)&s->slots[0], "slots0") < 0 ||
-        fill_addresses(s1, w->size, (uint64_t ***)&s->slots[1], "slots1") < 0) {
-        Py_DECREF(s);
+    pl->window = w;
+    pl->narrays = narrays;
+    pl->last_half = 0;
+    for (int i = 0; i < MAX_ARRAYS; i++) { pl->need[i] = -1; pl->writes[i] = 0; }
+    if (parse_copies(before, &pl->before, &pl->nbefore, narrays, pl->need, pl->writes) < 0 ||
+        parse_copies(after, &pl->after, &pl->nafter, narrays, pl->need, pl->writes) < 0) {
+        Py_DECREF(pl);
         return NULL;
     }
-    return (PyObject *)s;
+    if (reduce != Py_None) {
+        PyObject *dst, *srcs;
+        int dtype, op;
+        if (!PyArg_ParseTuple(reduce, "OOnii", &dst, &srcs, &pl->count, &dtype, &op)) { Py_DECREF(pl); return NULL; }
+        binop_fn f = kernel(dtype, op);
+        PyObject *fast = f ? PySequence_Fast(srcs, "reduce sources must be a sequence") : NULL;
+        if (!f) PyErr_SetString(PyExc_ValueError, "no native kernel for this dtype and op");
+        if (!fast) { Py_DECREF(pl); return NULL; }
+        Py_ssize_t nsrc = PySequence_Fast_GET_SIZE(fast);
+        Py_ssize_t extent = pl->count * ITEMSIZE[dtype];
+        pl->rsrc = PyMem_Calloc((size_t)(nsrc ? nsrc : 1), sizeof(Loc));
+        int bad = nsrc < 2 || nsrc > 4096 || !pl->rsrc || parse_loc(dst, &pl->rdst, narrays, pl->need, extent) < 0;
+        for (Py_ssize_t i = 0; !bad && i < nsrc; i++)
+            bad = parse_loc(PySequence_Fast_GET_ITEM(fast, i), &pl->rsrc[i], narrays, pl->need, extent) < 0;
+        Py_DECREF(fast);
+        if (bad) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a reduction needs 2 or more sources");
+            Py_DECREF(pl);
+            return NULL;
+        }
+        if (pl->rdst.idx >= 0) pl->writes[pl->rdst.idx] = 1;
+        pl->nsrc = (int)nsrc;
+        pl->itemsize = ITEMSIZE[dtype];
+        pl->f = f;
+    }
+    return (PyObject *)pl;
 }
 
-static void Small_dealloc(SmallObject *s) {
-    PyMem_Free(s->slots[0]);
-    PyMem_Free(s->slots[1]);
-    Py_XDECREF(s->window);
-    PyObject_Free(s);
+static void Plan_dealloc(PlanObject *pl) {
+    PyMem_Free(pl->before);
+    PyMem_Free(pl->after);
+    PyMem_Free(pl->rsrc);
+    Py_XDECREF(pl->window);
+    PyObject_Free(pl);
 }
 
-static int get_buffer(SmallObject *s, PyObject *obj, Py_buffer *view) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
-    if (view->len != s->nbytes) {
-        PyBuffer_Release(view);
-        PyErr_Format(PyExc_ValueError, "buffer has %zd bytes, the plan %zd", view->len, s->nbytes);
+/* Take the call's buffers (a tuple of narrays objects) as bases; -1 on error. */
+static int take_buffers(PlanObject *pl, PyObject *arrays, Py_buffer *views, char **bases) {
+    if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != pl->narrays) {
+        PyErr_Format(PyExc_TypeError, "expected a tuple of %d arrays", pl->narrays);
         return -1;
+    }
+    int i;
+    for (i = 0; i < pl->narrays; i++) {
+        views[i].obj = NULL;
+        bases[i] = NULL;
+        if (pl->need[i] < 0) continue;
+        int flags = PyBUF_C_CONTIGUOUS | (pl->writes[i] ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(arrays, i), &views[i], flags) < 0) goto fail;
+        if (views[i].len < pl->need[i]) {
+            PyErr_Format(PyExc_ValueError, "array %d holds %zd bytes, the plan needs %zd", i, views[i].len,
+                         pl->need[i]);
+            PyBuffer_Release(&views[i]);
+            goto fail;
+        }
+        bases[i] = views[i].buf;
     }
     return 0;
+fail:
+    while (--i >= 0)
+        if (views[i].obj) PyBuffer_Release(&views[i]);
+    return -1;
 }
 
-static int parse_half(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int *half) {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "expected %zd arguments", want);
-        return -1;
-    }
-    long h = PyLong_AsLong(args[1]);
-    if (h == -1 && PyErr_Occurred()) return -1;
-    if (h != 0 && h != 1) {
-        PyErr_SetString(PyExc_ValueError, "half must be 0 or 1");
-        return -1;
-    }
-    *half = (int)h;
-    return 0;
+static void release_buffers(PlanObject *pl, Py_buffer *views) {
+    for (int i = 0; i < pl->narrays; i++)
+        if (views[i].obj) PyBuffer_Release(&views[i]);
 }
 
-/* .run(buf, half, epoch) -> bool */
-static PyObject *Small_run(SmallObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    int half;
-    if (parse_half(args, nargs, 3, &half) < 0) return NULL;
-    unsigned long long e = PyLong_AsUnsignedLongLong(args[2]);
-    if (e == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    Py_buffer view;
-    if (get_buffer(s, args[0], &view) < 0) return NULL;
-    WindowObject *w = s->window;
-    char **slots = s->slots[half];
-    memcpy(slots[w->rank], view.buf, (size_t)s->nbytes);
+static void do_copies(const Copy *c, int n, char *const *bases, int half) {
+    for (int i = 0; i < n; i++) memmove(where(&c[i].dst, bases, half), where(&c[i].src, bases, half), (size_t)c[i].n);
+}
+
+static void do_after(PlanObject *pl, char *const *bases, int half) {
+    do_copies(pl->after, pl->nafter, bases, half);
+    if (pl->f) {
+        char *srcs[pl->nsrc];
+        for (int i = 0; i < pl->nsrc; i++) srcs[i] = where(&pl->rsrc[i], bases, half);
+        reduce_all(pl->f, where(&pl->rdst, bases, half), srcs, pl->nsrc, pl->count, pl->itemsize);
+    }
+}
+/* .run(arrays) -> bool: take the next half and epoch, the copies before, the
+ * fence, and, when every peer arrived within the bounded wait, what comes
+ * after; False: the caller waits for the fence (the window's epoch), then
+ * calls .finish(arrays). */
+static PyObject *Plan_run(PlanObject *pl, PyObject *arrays) {
+    Py_buffer views[MAX_ARRAYS];
+    char *bases[MAX_ARRAYS];
+    if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
+    WindowObject *w = pl->window;
+    int half = pl->last_half = (int)(w->turn & 1);
+    w->turn++;
+    uint64_t e = ++w->epoch;
+    do_copies(pl->before, pl->nbefore, bases, half);
     arrive(w, e);
     int done = wait_peers(w, e);
-    if (done) reduce_all(s->f, view.buf, slots, w->size, s->count, s->itemsize);
-    PyBuffer_Release(&view);
+    if (done) do_after(pl, bases, half);
+    release_buffers(pl, views);
     return PyBool_FromLong(done);
 }
 
-/* .reduce(buf, half): the reduction alone, after the caller's wait */
-static PyObject *Small_reduce(SmallObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    int half;
-    if (parse_half(args, nargs, 2, &half) < 0) return NULL;
-    Py_buffer view;
-    if (get_buffer(s, args[0], &view) < 0) return NULL;
-    reduce_all(s->f, view.buf, s->slots[half], s->window->size, s->count, s->itemsize);
-    PyBuffer_Release(&view);
+/* .finish(arrays): what comes after the fence of the last run */
+static PyObject *Plan_finish(PlanObject *pl, PyObject *arrays) {
+    Py_buffer views[MAX_ARRAYS];
+    char *bases[MAX_ARRAYS];
+    if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
+    do_after(pl, bases, pl->last_half);
+    release_buffers(pl, views);
     Py_RETURN_NONE;
 }
 
 /* ---------------------------------------------------------- module level */
 
-/* reduce_into(out, srcs, count, dtype, op): addresses; out = srcs[0] op srcs[1] op ... */
+/* reduce_into(out, srcs, dtype, op): out = srcs[0] op srcs[1] op ...; every
+ * one a C-contiguous buffer of out's length, out writable (it may be
+ * srcs[0], no other). */
 static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *out_obj, *srcs;
-    Py_ssize_t count;
     int dtype, op;
-    if (!PyArg_ParseTuple(args, "OOnii", &out_obj, &srcs, &count, &dtype, &op)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOii", &out_obj, &srcs, &dtype, &op)) return NULL;
     binop_fn f = kernel(dtype, op);
     if (!f) {
         PyErr_SetString(PyExc_ValueError, "no native kernel for this dtype and op");
         return NULL;
     }
-    char *out = PyLong_AsVoidPtr(out_obj);
-    if (PyErr_Occurred()) return NULL;
-    Py_ssize_t p = PySequence_Size(srcs);
-    if (p < 1 || p > INT_MAX) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "srcs: at least one address");
+    PyObject *fast = PySequence_Fast(srcs, "srcs must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t p = PySequence_Fast_GET_SIZE(fast);
+    if (p < 2 || p > 4096) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "srcs: 2 to 4096 buffers");
         return NULL;
     }
-    uint64_t **addrs;
-    if (fill_addresses(srcs, (int)p, &addrs, "srcs") < 0) return NULL;
-    if (count > 0) {
-        if (p == 1) {
-            if ((char *)addrs[0] != out) memmove(out, addrs[0], (size_t)(count * ITEMSIZE[dtype]));
-        } else {
-            reduce_all(f, out, (char *const *)addrs, (int)p, count, ITEMSIZE[dtype]);
+    Py_buffer out, views[p];
+    char *bases[p];
+    Py_ssize_t got = 0;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    for (; got < p; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &views[got], PyBUF_C_CONTIGUOUS) < 0) break;
+        bases[got] = views[got].buf;
+        if (views[got].len != out.len) {
+            PyErr_SetString(PyExc_ValueError, "every source must have the output's length");
+            got++;
+            break;
         }
     }
-    PyMem_Free(addrs);
+    if (!PyErr_Occurred() && out.len % ITEMSIZE[dtype])
+        PyErr_SetString(PyExc_ValueError, "the length is not a whole number of items");
+    if (!PyErr_Occurred())
+        reduce_all(f, out.buf, bases, (int)p, out.len / ITEMSIZE[dtype], ITEMSIZE[dtype]);
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyBuffer_Release(&out);
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef Window_methods[] = {
-    {"fence", (PyCFunction)Window_fence, METH_O,
-     "fence(epoch) -> bool: publish epoch, wake sleeping peers, wait (bounded) for all."},
+    {"fence", (PyCFunction)Window_fence, METH_NOARGS,
+     "fence() -> bool: publish the next epoch, wake sleeping peers, wait (bounded) for all."},
     {"wake_sleepers", (PyCFunction)Window_wake_sleepers, METH_NOARGS, "Wake every sleeping peer."},
-    {"small_allreduce", (PyCFunction)Window_small_allreduce, METH_VARARGS,
-     "small_allreduce(slots0, slots1, nbytes, dtype, op) -> SmallAllreduce plan."},
+    {"plan", (PyCFunction)Window_plan, METH_VARARGS,
+     "plan(narrays, before, after, reduce) -> Plan: copies, a fence, copies and a reduction."},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Window_members[] = {
+    {"epoch", T_ULONGLONG, offsetof(WindowObject, epoch), 0, "fences this rank has passed"},
+    {"turn", T_ULONGLONG, offsetof(WindowObject, turn), 0, "steps taken through the halves"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject WindowType = {
@@ -440,29 +581,30 @@ static PyTypeObject WindowType = {
     .tp_init = (initproc)Window_init,
     .tp_dealloc = (destructor)Window_dealloc,
     .tp_methods = Window_methods,
+    .tp_members = Window_members,
 };
 
-static PyMethodDef Small_methods[] = {
-    {"run", (PyCFunction)(void (*)(void))Small_run, METH_FASTCALL,
-     "run(buf, half, epoch) -> bool: copy in, fence, reduce; False: the fence is not complete yet."},
-    {"reduce", (PyCFunction)(void (*)(void))Small_reduce, METH_FASTCALL,
-     "reduce(buf, half): buf = every rank's slot of half, reduced in rank order."},
+static PyMethodDef Plan_methods[] = {
+    {"run", (PyCFunction)Plan_run, METH_O,
+     "run(arrays) -> bool: next half and epoch, before, fence, after; False: the fence is not complete yet."},
+    {"finish", (PyCFunction)Plan_finish, METH_O,
+     "finish(arrays): the copies and the reduction after the fence of the last run."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject SmallType = {
+static PyTypeObject PlanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "collectives._native.SmallAllreduce",
-    .tp_basicsize = sizeof(SmallObject),
+    .tp_name = "collectives._native.Plan",
+    .tp_basicsize = sizeof(PlanObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The one-fence allreduce of a small vector (see run and reduce).",
-    .tp_dealloc = (destructor)Small_dealloc,
-    .tp_methods = Small_methods,
+    .tp_doc = "Copies, a fence, copies and a reduction (see run and finish).",
+    .tp_dealloc = (destructor)Plan_dealloc,
+    .tp_methods = Plan_methods,
 };
 
 static PyMethodDef module_methods[] = {
     {"reduce_into", native_reduce_into, METH_VARARGS,
-     "reduce_into(out, srcs, count, dtype, op): out = srcs[0] op srcs[1] op ... (addresses)."},
+     "reduce_into(out, srcs, dtype, op): out = srcs[0] op srcs[1] op ... (buffers of one length)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -473,7 +615,7 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&WindowType) < 0 || PyType_Ready(&SmallType) < 0) return NULL;
+    if (PyType_Ready(&WindowType) < 0 || PyType_Ready(&PlanType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&WindowType);

@@ -47,6 +47,39 @@ class _Plan:
         self.write_backs: list[Callable[[], None]] = []
 
 
+class _Prepared:
+    """A blocking call validated once for its signature (collective, algorithm,
+    root, op, and each buffer's dtype and size): repeated calls with the same
+    signature skip validation and selection and run at once, as MPI's
+    persistent collectives do.
+
+    Attributes:
+        algo: the algorithm.
+        writes: per array of the call, whether it is written (checked writable).
+        args: ``args(arrays)``, the algorithm's arguments for this call's arrays.
+        func: the algorithm's own persistent plan for this signature (see
+            :class:`~collectives.registry.Algorithm`), else its function.
+        ctx: the call context, reused (its tag and deadline set per call).
+        check: an extra per-call check ``check(arrays) -> bool`` (False: full path).
+    """
+
+    __slots__ = ("algo", "writes", "args", "func", "ctx", "check")
+
+    def __init__(self, algo: Algorithm, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
+                 func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None) -> None:
+        self.algo, self.writes, self.args, self.func, self.ctx, self.check = algo, writes, args, func, ctx, check
+
+
+def _flat_array(buf: Any) -> bool:
+    """Whether ``buf`` can take a prepared call: a 1-D numpy array."""
+    return type(buf) is np.ndarray and buf.ndim == 1
+
+
+def _apart(arrays: tuple) -> bool:
+    """Whether two contiguous arrays' memory does not overlap (alltoall's sendbuf and recvbuf)."""
+    return not np.may_share_memory(arrays[0], arrays[1])
+
+
 class Communicator:
     """A group of ranks and the collectives among them.
 
@@ -67,7 +100,7 @@ class Communicator:
         self.rank: int = transport.rank
         self.size: int = transport.size
         self.timeout = float(timeout)
-        self._persistent: dict[tuple, tuple[Callable, Algorithm] | None] = {}
+        self._prepared: dict[tuple, _Prepared | None] = {}
         self.selector = selector if selector is not None else RuleSelector()
         self.segment_bytes = segment_bytes
         self._capabilities = frozenset(transport.capabilities)
@@ -93,7 +126,7 @@ class Communicator:
     @selector.setter
     def selector(self, selector: Selector) -> None:
         self._selector = selector
-        self._persistent.clear()  # prepared plans follow the old choices
+        self._prepared.clear()  # prepared calls follow the old choices
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, transport={self.transport.name!r})"
@@ -181,39 +214,54 @@ class Communicator:
         self._algorithms[(collective, name)] = algo
         return algo
 
-    def _persistent_key(self, buf: Any, op: Any, algorithm: str, out: Any) -> tuple | None:
-        """Key of a call that may use a prepared plan: a blocking call on a 1-D
-        numpy array, in place, with an op given by name."""
-        if out is None and type(buf) is np.ndarray and type(op) is str and buf.ndim == 1:
-            return (buf.dtype, buf.size, op, algorithm)
-        return None
-
-    def _run_persistent(self, entry: tuple[Callable, Algorithm], buf: np.ndarray,
-                        timeout: float | None) -> bool:
-        """Run a prepared plan; False (nothing done) when the call needs the full path."""
-        flags = buf.flags
-        if (self._broken is not None or self._closed or not self._lane.idle
-                or not flags.c_contiguous or not flags.writeable):
+    def _run_prepared(self, key: tuple, arrays: tuple, timeout: float | None) -> bool:
+        """Run the prepared call of ``key``; False (nothing done) when there is
+        none or this call needs the full path."""
+        entry = self._prepared.get(key)
+        if entry is None or self._broken is not None or self._closed or self._lane.busy:
             return False
-        run, algo = entry
-        self._seq = (self._seq + 1) % _TAG_SPACE  # keep tags in step with the full path
+        if len(arrays) == 1:  # the common case, without a loop
+            flags = arrays[0].flags
+            if not flags.c_contiguous or (entry.writes[0] and not flags.writeable):
+                return False
+        else:
+            for arr, writes in zip(arrays, entry.writes):
+                if arr is not None:
+                    flags = arr.flags
+                    if not flags.c_contiguous or (writes and not flags.writeable):
+                        return False
+            if entry.check is not None and not entry.check(arrays):
+                return False
+        ctx = entry.ctx
+        ctx.deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        self._seq = seq = (self._seq + 1) % _TAG_SPACE  # tags in step with the full path: ranks may mix both
+        ctx.tag = 2 * seq + 1
         try:
-            run(buf, time.monotonic() + (self.timeout if timeout is None else float(timeout)))
+            entry.func(ctx, *entry.args(arrays))
+        except BadArgument:
+            raise  # every rank detects it alike, before sending
         except BaseException as exc:
-            self._fail(algo, exc)
+            self._fail(entry.algo, exc)
             raise
         return True
 
-    def _remember_plan(self, key: tuple, plan: _Plan) -> None:
-        """Prepare (once per key) the algorithm's persistent plan, if it has one."""
-        algo, (arr, op) = plan.algo, plan.args
+    def _remember(self, key: tuple, plan: _Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
+                  check: Callable[[tuple], bool] | None = None) -> None:
+        """Keep ``plan`` (just validated by the full path) for repeated calls of
+        ``key``, with the algorithm's own persistent plan where it offers one.
+        Plans with a finalizer (``avg``) or staged device buffers are not kept."""
+        if key in self._prepared:
+            return
         entry = None
-        if algo.prepare is not None and plan.finalize is None and not self._stages:
-            run = algo.prepare(self.transport, arr.nbytes, arr.dtype, op)
-            entry = (run, algo) if run is not None else None
-        if len(self._persistent) >= 256:
-            self._persistent.clear()
-        self._persistent[key] = entry
+        if plan.finalize is None and not self._stages:
+            func = plan.algo.func
+            if plan.algo.prepare is not None:
+                func = plan.algo.prepare(self.transport, *plan.args) or func
+            ctx = CallContext(self.transport, 0, 0.0, self.segment_bytes, self._scratch)
+            entry = _Prepared(plan.algo, writes, args, func, ctx, check)
+        if len(self._prepared) >= 256:
+            self._prepared.clear()
+        self._prepared[key] = entry
 
     def _next_tag(self) -> int:
         self._seq = (self._seq + 1) % _TAG_SPACE
@@ -451,7 +499,13 @@ class Communicator:
         Returns:
             ``buf``.
         """
-        return self._call(self._plan_bcast(buf, root, algorithm), timeout)
+        key = ("bcast", algorithm, root, buf.dtype, buf.size) if _flat_array(buf) and type(root) is int else None
+        if key is not None and self._run_prepared(key, (buf,), timeout):
+            return buf
+        plan = self._plan_bcast(buf, root, algorithm)
+        if key is not None:
+            self._remember(key, plan, (True,), lambda a: (a[0], root))
+        return self._call(plan, timeout)
 
     def ibcast(self, buf: Any, root: int = 0, *, algorithm: str = "auto",
                timeout: float | None = None) -> Handle:
@@ -464,7 +518,15 @@ class Communicator:
 
         Other ranks' ``buf`` is left unchanged. Returns ``buf``.
         """
-        return self._call(self._plan_reduce(buf, root, op, algorithm), timeout)
+        key = (("reduce", algorithm, root, op, buf.dtype, buf.size)
+               if _flat_array(buf) and type(root) is int and type(op) is str else None)
+        if key is not None and self._run_prepared(key, (buf,), timeout):
+            return buf
+        plan = self._plan_reduce(buf, root, op, algorithm)
+        if key is not None:
+            o = plan.args[2]
+            self._remember(key, plan, (self.rank == root,), lambda a: (a[0], root, o))
+        return self._call(plan, timeout)
 
     def ireduce(self, buf: Any, root: int = 0, op: Any = "sum", *, algorithm: str = "auto",
                 timeout: float | None = None) -> Handle:
@@ -484,14 +546,14 @@ class Communicator:
         Returns:
             The buffer holding the result (``buf`` or ``out``).
         """
-        key = self._persistent_key(buf, op, algorithm, out)
-        if key is not None:
-            entry = self._persistent.get(key, False)
-            if entry and self._run_persistent(entry, buf, timeout):
-                return buf
+        key = (("allreduce", algorithm, op, buf.dtype, buf.size)
+               if out is None and type(buf) is np.ndarray and buf.ndim == 1 and type(op) is str else None)
+        if key is not None and self._run_prepared(key, (buf,), timeout):
+            return buf
         plan = self._plan_allreduce(buf, op, algorithm, out)
-        if key is not None and entry is False:
-            self._remember_plan(key, plan)
+        if key is not None:
+            o = plan.args[1]
+            self._remember(key, plan, (True,), lambda a: (a[0], o))
         return self._call(plan, timeout)
 
     def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
@@ -506,8 +568,20 @@ class Communicator:
         ``sendbuf`` (p times ``recvbuf``'s size) matters only on the root.
         Returns ``recvbuf``.
         """
+        key = None
+        if _flat_array(recvbuf) and type(root) is int:
+            send = sendbuf if root == self.rank else None
+            if send is None or _flat_array(send):
+                key = ("scatter", algorithm, root, recvbuf.dtype, recvbuf.size,
+                       None if send is None else (send.dtype, send.size))
+                if self._run_prepared(key, (send, recvbuf), timeout):
+                    return recvbuf
         recv_count = element_count(recvbuf)
-        return self._call(self._plan_scatterv(sendbuf, recvbuf, [recv_count] * self.size, root, algorithm), timeout)
+        counts = [recv_count] * self.size
+        plan = self._plan_scatterv(sendbuf, recvbuf, counts, root, algorithm)
+        if key is not None:
+            self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
+        return self._call(plan, timeout)
 
     def iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, *, algorithm: str = "auto",
                  timeout: float | None = None) -> Handle:
@@ -532,8 +606,20 @@ class Communicator:
         ``recvbuf`` (p times ``sendbuf``'s size) matters only on the root.
         Returns ``recvbuf`` on the root, None elsewhere.
         """
+        key = None
+        if _flat_array(sendbuf) and type(root) is int:
+            recv = recvbuf if root == self.rank else None
+            if recv is None or _flat_array(recv):
+                key = ("gather", algorithm, root, sendbuf.dtype, sendbuf.size,
+                       None if recv is None else (recv.dtype, recv.size))
+                if self._run_prepared(key, (sendbuf, recv), timeout):
+                    return recv
         send_count = element_count(sendbuf)
-        return self._call(self._plan_gatherv(sendbuf, recvbuf, [send_count] * self.size, root, algorithm), timeout)
+        counts = [send_count] * self.size
+        plan = self._plan_gatherv(sendbuf, recvbuf, counts, root, algorithm)
+        if key is not None:
+            self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
+        return self._call(plan, timeout)
 
     def igather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *, algorithm: str = "auto",
                 timeout: float | None = None) -> Handle:
@@ -558,8 +644,25 @@ class Communicator:
         ``sendbuf`` may be None when the rank's block is already in place.
         Returns ``recvbuf``.
         """
+        key = None
+        if _flat_array(recvbuf) and (sendbuf is None or _flat_array(sendbuf)):
+            key = ("allgather", algorithm, recvbuf.dtype, recvbuf.size,
+                   None if sendbuf is None else (sendbuf.dtype, sendbuf.size))
+            if self._run_prepared(key, (recvbuf, sendbuf), timeout):
+                return recvbuf
         counts = self._even_counts(element_count(recvbuf), "recvbuf")
-        return self._call(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+        plan = self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm)
+        if key is not None:
+            lo = counts[0] * self.rank
+            hi = lo + counts[0]
+
+            def args(a: tuple) -> tuple:
+                recv, send = a
+                if send is not None and send.size:
+                    np.copyto(recv[lo:hi], send)  # a no-op when sendbuf already is this block
+                return recv, counts
+            self._remember(key, plan, (True, False), args)
+        return self._call(plan, timeout)
 
     def iallgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
                    timeout: float | None = None) -> Handle:
@@ -583,7 +686,16 @@ class Communicator:
 
         Returns ``recvbuf``.
         """
-        return self._call(self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm), timeout)
+        key = None
+        if _flat_array(sendbuf) and _flat_array(recvbuf) and type(op) is str:
+            key = ("reduce_scatter", algorithm, op, sendbuf.dtype, sendbuf.size, recvbuf.dtype, recvbuf.size)
+            if self._run_prepared(key, (sendbuf, recvbuf), timeout):
+                return recvbuf
+        plan = self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm)
+        if key is not None:
+            counts, o = plan.args[2], plan.args[3]
+            self._remember(key, plan, (False, True), lambda a: (a[0], a[1], counts, o))
+        return self._call(plan, timeout)
 
     def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *, algorithm: str = "auto",
                         timeout: float | None = None) -> Handle:
@@ -601,7 +713,15 @@ class Communicator:
 
         Returns ``recvbuf``.
         """
-        return self._call(self._plan_alltoall(sendbuf, recvbuf, algorithm), timeout)
+        key = None
+        if _flat_array(sendbuf) and _flat_array(recvbuf):
+            key = ("alltoall", algorithm, sendbuf.dtype, sendbuf.size, recvbuf.dtype, recvbuf.size)
+            if self._run_prepared(key, (sendbuf, recvbuf), timeout):
+                return recvbuf
+        plan = self._plan_alltoall(sendbuf, recvbuf, algorithm)
+        if key is not None:
+            self._remember(key, plan, (False, True), lambda a: a, check=_apart)
+        return self._call(plan, timeout)
 
     def ialltoall(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
                   timeout: float | None = None) -> Handle:
@@ -610,7 +730,12 @@ class Communicator:
 
     def barrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> None:
         """Wait until every rank has entered the barrier."""
-        self._call(self._plan_barrier(algorithm), timeout)
+        key = ("barrier", algorithm)
+        if self._run_prepared(key, (), timeout):
+            return
+        plan = self._plan_barrier(algorithm)
+        self._remember(key, plan, (), lambda a: ())
+        self._call(plan, timeout)
 
     def ibarrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`barrier`."""

@@ -116,6 +116,11 @@ class Lane:
         """True when nothing is queued or running on the worker."""
         return self._pending == 0
 
+    @property
+    def busy(self) -> int:
+        """Tasks queued or running on the worker (0: idle)."""
+        return self._pending
+
     def submit(self, task: Callable[[], Any], handle: Handle) -> Handle:
         """Queue ``task``; its result or error completes ``handle``."""
         with self._cv:

@@ -60,12 +60,8 @@ def kernel_codes(dtype: np.dtype, op_name: str, ufunc: Any = None) -> tuple[int,
     return d, o
 
 
-def _address(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
-
-
 def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, int]) -> None:
     """``dst = srcs[0] op srcs[1] op ...`` natively (``codes`` from
     :func:`kernel_codes`); every array C-contiguous with dst's size and
     dtype, dst distinct from all but srcs[0]."""
-    native.reduce_into(_address(dst), [_address(s) for s in srcs], dst.size, *codes)
+    native.reduce_into(dst, srcs, *codes)

@@ -48,11 +48,14 @@ class Algorithm:
         func: the implementation, ``func(ctx, ...)``.
         needs: transport capabilities it requires (e.g. ``{"window"}``).
         description: one line for ``explain`` and docs.
-        prepare: optional persistent plan, ``prepare(transport, nbytes, dtype, op)``
-            returning ``run(buf, deadline)`` (or None where it does not apply):
-            the work that does not depend on the data (views, offsets,
-            checks) done once per buffer shape, as MPI's persistent
-            collectives do. Only for blocking calls on contiguous numpy arrays.
+        prepare: optional persistent plan, ``prepare(transport, *args)`` with
+            the arguments of a first call (after ``ctx``), returning a
+            function with the algorithm's own signature for later calls
+            whose arrays have the same dtypes and sizes and whose other
+            arguments are equal (or None where it does not apply): the work
+            that does not depend on the data (views, offsets, checks) done
+            once per call signature, as MPI's persistent collectives do.
+            Only for blocking calls on contiguous numpy arrays.
     """
 
     collective: str

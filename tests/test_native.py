@@ -60,11 +60,10 @@ def test_kernels_give_numpy_bits(dtype, op):
             for s in srcs[1:]:
                 ufunc(want, s, out=want)
             out = np.empty_like(want)
-            native.native.reduce_into(out.ctypes.data, [s.ctypes.data for s in srcs], n, *codes)
+            native.reduce_into(out, srcs, codes)
             assert out.tobytes() == want.tobytes(), f"{dtype} {op} p={p}"
-            inplace = srcs[0]  # out is srcs[0]
-            native.native.reduce_into(inplace.ctypes.data, [s.ctypes.data for s in srcs], n, *codes)
-            assert inplace.tobytes() == want.tobytes()
+            native.reduce_into(srcs[0], srcs, codes)  # out is srcs[0]
+            assert srcs[0].tobytes() == want.tobytes()
 
 
 def test_no_kernel_for_half_floats_or_logical_ops():
@@ -80,20 +79,34 @@ def test_fence_waits_bounded_and_rings_sleepers():
     epochs = [words[0:1].ctypes.data, words[8:9].ctypes.data]  # ranks 0 and 1, a line apart
     sleeps = [words[16:17].ctypes.data, words[24:25].ctypes.data]
     w = native.native.Window(epochs, sleeps, 0, 0, 200_000)  # rank 0; yield 200 us, no spin
-    assert w.fence(1) is False  # rank 1 never came: the bounded wait gives up
-    assert words[0] == 1
-    words[8] = 1  # rank 1 arrives, and sleeps
+    assert w.fence() is False  # epoch 1; rank 1 never came: the bounded wait gives up
+    assert words[0] == 1 and w.epoch == 1
+    words[8] = 2  # rank 1 arrives at epoch 2, and sleeps
     words[24] = 1
-    assert w.fence(1) is True
+    assert w.fence() is True
     assert words[24] == 0  # rung: its sleep word cleared (and the futex woken)
-    words[8] = 2
+    words[8] = 3
     words[24] = 1
-    assert w.fence(2) is True and words[24] == 0
+    assert w.fence() is True and words[24] == 0
     words[24] = 1
-    assert w.fence(3) is False  # rank 1 is not at 3: it sleeps on something else, left alone
-    assert words[24] == 1
+    assert w.fence() is False  # rank 1 is not at 4: it sleeps on something else, left alone
+    assert words[24] == 1 and w.epoch == 4
     del words
     mm.close()
+
+
+@needs_native
+def test_reduce_into_refuses_mismatched_buffers():
+    codes = native.kernel_codes(np.dtype(np.float32), "sum")
+    a, b = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    with pytest.raises(ValueError):
+        native.reduce_into(a, [a, np.zeros(7, np.float32)], codes)
+    frozen = np.zeros(8, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        native.reduce_into(frozen, [a, b], codes)
+    with pytest.raises(ValueError):
+        native.reduce_into(a, [a], codes)
 
 
 @needs_native

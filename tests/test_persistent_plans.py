@@ -1,10 +1,13 @@
-"""Prepared (persistent) plans of repeated blocking allreduce calls.
+"""Prepared calls: repeated blocking collectives with the same signature.
 
-The second call with the same (dtype, count, op, algorithm) runs the plan the
-first call prepared; these tests check that it gives numpy's answer with new
-data each time, and that the calls the plan does not cover (strided or
-read-only buffers, calls queued behind nonblocking ones, a new selector, a
-closed communicator) still take the full path and behave as before.
+The second call with the same signature (collective, algorithm, root, op,
+each buffer's dtype and size) runs what the first call validated (and, for
+the shared-window allreduce, the algorithm's own persistent plan); these
+tests check that every collective gives numpy's answer with new data each
+time, and that the calls a prepared call does not cover (strided or
+read-only buffers, overlapping alltoall buffers, calls queued behind
+nonblocking ones, a new selector, a closed communicator) still take the
+full path and behave as before.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 
 from collectives import BadArgument
+from collectives.registry import algorithms_for
 from collectives.selection import RuleSelector
 from harness import run_ranks
 from reference import data, expect_equal, reduced
@@ -31,7 +35,7 @@ def repeated_calls(comm) -> list[str]:
             if got is not buf:
                 failures.append(f"{dtype} {op} n={n}: result is not the buffer passed in")
             expect_equal(failures, f"{dtype} {op} n={n} round {salt}", buf, reduced(p, n, dtype, op, salt))
-    if not any(comm._persistent.values()):
+    if not any(e is not None and e.func is not e.algo.func for e in comm._prepared.values()):
         failures.append("no call ran a prepared plan")
     return failures
 
@@ -74,6 +78,91 @@ def full_path_cases(comm) -> list[str]:
     return failures
 
 
+def _algorithms(comm, collective: str) -> list[str]:
+    caps = comm.transport.capabilities
+    return ["auto"] + sorted(a.name for a in algorithms_for(collective).values() if a.needs <= caps)
+
+
+def every_collective_repeated(comm) -> list[str]:
+    p, r, failures = comm.size, comm.rank, []
+    b = 5
+    root = p - 1
+    for salt in range(4):  # the first call validates, the others run prepared
+        mine = data(r, b, "int64", "sum", salt)
+        every = [data(q, b, "int64", "sum", salt) for q in range(p)]
+        for algo in _algorithms(comm, "bcast"):
+            buf = mine.copy()
+            comm.bcast(buf, root, algorithm=algo)
+            expect_equal(failures, f"bcast/{algo} {salt}", buf, every[root])
+        for algo in _algorithms(comm, "reduce"):
+            buf = mine.copy()
+            comm.reduce(buf, root, "sum", algorithm=algo)
+            expect_equal(failures, f"reduce/{algo} {salt}", buf, reduced(p, b, "int64", "sum", salt) if r == root else mine)
+        for algo in _algorithms(comm, "gather"):
+            recv = np.zeros(b * p, np.int64) if r == root else None
+            got = comm.gather(mine, recv, root, algorithm=algo)
+            if r == root:
+                expect_equal(failures, f"gather/{algo} {salt}", got, np.concatenate(every))
+            elif got is not None:
+                failures.append(f"gather/{algo}: a non-root got {got!r}")
+        for algo in _algorithms(comm, "scatter"):
+            recv = np.zeros(b, np.int64)
+            comm.scatter(np.concatenate(every) if r == root else None, recv, root, algorithm=algo)
+            expect_equal(failures, f"scatter/{algo} {salt}", recv, np.concatenate(every)[r * b:(r + 1) * b])
+        for algo in _algorithms(comm, "allgather"):
+            recv = np.zeros(b * p, np.int64)
+            comm.allgather(mine, recv, algorithm=algo)
+            expect_equal(failures, f"allgather/{algo} {salt}", recv, np.concatenate(every))
+        for algo in _algorithms(comm, "reduce_scatter"):
+            send = data(r, b * p, "int64", "sum", salt)
+            recv = np.zeros(b, np.int64)
+            comm.reduce_scatter(send, recv, "sum", algorithm=algo)
+            expect_equal(failures, f"reduce_scatter/{algo} {salt}", recv,
+                         reduced(p, b * p, "int64", "sum", salt)[r * b:(r + 1) * b])
+        for algo in _algorithms(comm, "alltoall"):
+            send = data(r, b * p, "int64", "sum", salt)
+            recv = np.zeros(b * p, np.int64)
+            comm.alltoall(send, recv, algorithm=algo)
+            want = np.concatenate([data(q, b * p, "int64", "sum", salt)[r * b:(r + 1) * b] for q in range(p)])
+            expect_equal(failures, f"alltoall/{algo} {salt}", recv, want)
+        for algo in _algorithms(comm, "barrier"):
+            comm.barrier(algorithm=algo)
+    kinds = {key[0] for key, entry in comm._prepared.items() if entry is not None}
+    missing = {"bcast", "reduce", "gather", "scatter", "allgather", "reduce_scatter", "alltoall", "barrier"} - kinds
+    if missing:
+        failures.append(f"no prepared call for {sorted(missing)}")
+    return failures
+
+
+def refused_on_the_prepared_path(comm) -> list[str]:
+    """Per-call checks still refuse what the full path refuses, after a prepared call exists."""
+    p, failures = comm.size, []
+    send, recv = np.arange(2 * p, dtype=np.float64), np.zeros(2 * p)
+    for _ in range(2):
+        comm.alltoall(send, recv)
+        comm.bcast(recv, 0)
+    both = np.zeros(4 * p)
+    cases = [("alltoall into overlapping memory", lambda: comm.alltoall(both[:2 * p], both[p:3 * p])),
+             ("bcast into a read-only buffer", lambda: comm.bcast(_frozen(2 * p), 0)),
+             ("bcast into a strided buffer", lambda: comm.bcast(np.zeros(4 * p)[::2], 0))]
+    for what, call in cases:
+        try:
+            call()
+            failures.append(f"{what} was accepted")
+        except BadArgument:
+            pass
+    comm.alltoall(send, recv)  # and the prepared call still runs right
+    want = np.concatenate([np.arange(2 * p, dtype=np.float64)[comm.rank * 2:comm.rank * 2 + 2]] * p)
+    expect_equal(failures, "alltoall after refusals", recv, want)
+    return failures
+
+
+def _frozen(n: int) -> np.ndarray:
+    arr = np.zeros(n)
+    arr.flags.writeable = False
+    return arr
+
+
 def after_close(comm) -> str:
     buf = np.ones(8, dtype=np.float32)
     comm.allreduce(buf)
@@ -95,6 +184,18 @@ def test_repeated_allreduce_matches_numpy(p):
 @pytest.mark.parametrize("p", [2, 3])
 def test_calls_the_plan_does_not_cover(p):
     for failures in run_ranks(full_path_cases, p, timeout=120):
+        assert not failures, failures
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_every_collective_repeated_matches_numpy(p):
+    for failures in run_ranks(every_collective_repeated, p, timeout=180):
+        assert not failures, failures
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_prepared_calls_still_refuse_bad_buffers(p):
+    for failures in run_ranks(refused_on_the_prepared_path, p, timeout=60):
         assert not failures, failures
 
 

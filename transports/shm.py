@@ -337,7 +337,10 @@ class ShmWindow:
         if ext is not None:  # the same fence in C, with a bounded spin or yield
             spin, yields = (SPIN_SECONDS, 20e-6) if t._spin else (0.0, YIELD_SECONDS)
             self._native = ext.Window(t._epoch_words, t._sleep_words, t.rank,
-                                         int(spin * 1e9), int(yields * 1e9))
+                                      int(spin * 1e9), int(yields * 1e9))
+        #: The algorithms' count of steps through the window's halves (``turn``),
+        #: kept where native plans advance it too.
+        self.counters = self._native if self._native is not None else _Counters()
 
     @property
     def cma(self) -> bool:
@@ -359,7 +362,7 @@ class ShmWindow:
     @property
     def epoch(self) -> int:
         """Number of fences this rank has passed (the same on every rank between calls)."""
-        return self._epoch
+        return self._native.epoch if self._native is not None else self._epoch
 
     def region(self, rank: int) -> np.ndarray:
         """A uint8 array over ``rank``'s window region."""
@@ -382,11 +385,11 @@ class ShmWindow:
         qs = self._peer_q
         if not qs:
             raise BadArgument("the shared-memory transport is closed")
-        e = self._epoch = self._epoch + 1
         if self._native is not None:
-            if not self._native.fence(e):
-                self._wait_late(e, deadline)
+            if not self._native.fence():
+                self._wait_late(deadline)
             return
+        e = self._epoch = self._epoch + 1
         qs[self._t.rank][Q_EPOCH] = e
         late = None
         for r in self._peers:  # a peer already at this fence may sleep, waiting for this rank
@@ -400,35 +403,47 @@ class ShmWindow:
                 if qs[r][Q_EPOCH] < e:
                     self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence")
 
-    def _wait_late(self, e: int, deadline: float) -> None:
+    def _wait_late(self, deadline: float) -> None:
         """The rest of a native fence whose bounded wait ran out: block."""
-        qs = self._peer_q
+        qs, e = self._peer_q, self._native.epoch
         for r in self._peers:
             if qs[r][Q_EPOCH] < e:
                 self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence", block_now=True)
 
-    def prepare_allreduce(self, offsets: tuple[int, int], nbytes: int, dtype: np.dtype,
-                          op_name: str) -> Any:
-        """The native one-fence allreduce of ``nbytes`` at window offsets
-        ``offsets`` (one per half): ``run(buf, half, deadline)``, or None
-        where there is no native kernel for ``dtype`` and ``op_name``."""
-        codes = native.kernel_codes(dtype, op_name)
-        if self._native is None or codes is None or self._t.size < 2:
-            return None
-        slots = [[reg.ctypes.data + off for reg in self._regions] for off in offsets]
-        plan = self._native.small_allreduce(slots[0], slots[1], nbytes, *codes)
-        run_native, reduce_native, wait_late = plan.run, plan.reduce, self._wait_late
+    def plan(self, narrays: int, before: list, after: list, reduce: tuple | None) -> Any:
+        """A collective's one-fence case in one native call (see
+        ``collectives._native``), or None without the native extension.
+        ``before``/``after``: copies ``(src, dst, nbytes)`` before and after
+        the fence; ``reduce``: ``(dst, srcs, count, dtype code, op code)``
+        after the copies, or None; places are ``(array index, byte offset,
+        0)`` in the call's arrays or ``(-1, address in half 0, address in half
+        1)`` in the window.
 
-        def run(buf: np.ndarray, half: int, deadline: float) -> None:
-            e = self._epoch = self._epoch + 1
-            if not run_native(buf, half, e):
-                wait_late(e, deadline)
-                reduce_native(buf, half)
-        return run
+        Returns:
+            The plan: ``plan.run(arrays) -> bool`` takes the next turn and
+            fence; when it returns False, call :meth:`settle`.
+        """
+        if self._native is None:
+            return None
+        return self._native.plan(narrays, before, after, reduce)
+
+    def settle(self, plan: Any, arrays: tuple, deadline: float) -> None:
+        """Finish a plan's run whose fence was not complete: block, then the rest."""
+        self._wait_late(deadline)
+        plan.finish(arrays)
 
     def release(self) -> None:
         self._regions = self._pools = self._peer_q = []
         self._native = None
+
+
+class _Counters:
+    """The window algorithms' step count, where no native window keeps it."""
+
+    __slots__ = ("turn",)
+
+    def __init__(self) -> None:
+        self.turn = 0
 
 
 # --------------------------------------------------------------------------- allocator

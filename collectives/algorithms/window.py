@@ -73,6 +73,13 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+class _Counters:
+    __slots__ = ("turn",)
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+
 class _WindowState:
     """Per-window bookkeeping shared by the algorithms: the turn counter
     (which half is next) and views prepared once per buffer shape."""
@@ -80,14 +87,25 @@ class _WindowState:
     def __init__(self, window, size: int) -> None:
         cap = window.capacity
         self.half = max(((cap - META_BYTES) // 2) // _ALIGN * _ALIGN, 0)
-        self.turn = 0
+        self.counters = getattr(window, "counters", None) or _Counters()
         self.regions = [window.region(r) for r in range(size)]
         self.plans: dict[tuple, list[np.ndarray]] = {}
 
+    @property
+    def turn(self) -> int:
+        """Steps taken through the halves (the window keeps the count, which
+        its native plans advance too)."""
+        return self.counters.turn
+
+    @turn.setter
+    def turn(self, value: int) -> None:
+        self.counters.turn = value
+
     def next_half(self) -> int:
         """Byte offset of the half to use for the next step (alternates)."""
-        h = self.turn & 1
-        self.turn += 1
+        c = self.counters
+        h = c.turn & 1
+        c.turn += 1
         return META_BYTES + h * self.half
 
     def views(self, offset: int, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
@@ -191,34 +209,71 @@ def _single_fence(nbytes: int, p: int, st: _WindowState) -> bool:
     return nbytes <= min(max(SMALL_BYTES, SMALL_TOTAL_BYTES // p), st.half)
 
 
-def _prepare_allreduce(transport, nbytes: int, dtype: np.dtype, op: Op):
-    """Persistent plan of the one-fence path: both halves' views made once, so a
-    call is one copy in, one fence and p - 1 ufunc calls."""
+# ------------------------------------------------------ prepared one-fence cases
+# A collective's one-fence case as data for the window's native plan (see
+# ShmWindow.plan): copies before the fence, copies and a reduction after it.
+
+
+def _arr(index: int, byte_offset: int = 0) -> tuple[int, int, int]:
+    """A place in the call's array ``index``."""
+    return (index, byte_offset, 0)
+
+
+def _slot(st: _WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, int]:
+    """A place in ``rank``'s window region at ``byte_offset`` of the half in use."""
+    base = st.regions[rank].ctypes.data + META_BYTES + byte_offset
+    return (-1, base, base + st.half)
+
+
+def _plan(window, narrays: int, before: list, after: list, reduce: tuple | None = None):
+    """``(run, settle)`` of the window's native plan, or None without one:
+    ``run(arrays) -> bool`` takes the next half in turn as the algorithm
+    would; when it returns False, ``settle(arrays, deadline)``."""
+    make = getattr(window, "plan", None)
+    plan = make(narrays, before, after, reduce) if make is not None else None
+    if plan is None:
+        return None
+    settle = window.settle
+    return plan.run, lambda arrays, deadline: settle(plan, arrays, deadline)
+
+
+def _reduction(dst: tuple, srcs: list, count: int, dtype: np.dtype, op: Op) -> tuple | None:
+    """The plan's reduction ``dst = srcs[0] op srcs[1] ...``, or None without a native kernel."""
+    codes = native.kernel_codes(dtype, op.name, op.ufunc)
+    return None if codes is None else (dst, srcs, count) + codes
+
+
+def _prepare_allreduce(transport, buf: np.ndarray, op: Op):
+    """Persistent plan of the one-fence path: one native call (copy in, fence,
+    reduce every slot in rank order), or, without the extension, both
+    halves' views made once, so a call is one copy in, one fence and p - 1
+    ufunc calls."""
     p, rank = transport.size, transport.rank
+    nbytes, dtype = buf.nbytes, buf.dtype
     window, st = _window_state(transport.window, p)
     if p == 1 or nbytes == 0 or dtype in _LOW or not _single_fence(nbytes, p, st):
         return None
-    offsets = (META_BYTES, META_BYTES + st.half)
-    native = getattr(window, "prepare_allreduce", None)  # the same steps in one native call
-    run_native = native(offsets, nbytes, dtype, op.name) if native is not None else None
-    if run_native is not None:
-        def run_in_one_call(buf: np.ndarray, deadline: float) -> None:
-            h = st.turn & 1
-            st.turn += 1
-            run_native(buf, h, deadline)
-        return run_in_one_call
+    reduction = _reduction(_arr(0), [_slot(st, r) for r in range(p)], buf.size, dtype, op)
+    made = _plan(window, 1, [(_arr(0), _slot(st, rank), nbytes)], [], reduction) if reduction else None
+    if made is not None:
+        go, settle = made
+
+        def run_native(ctx, buf: np.ndarray, op: Op) -> None:
+            if not go((buf,)):
+                settle((buf,), ctx.deadline)
+        return run_native
     halves = []
-    for off in offsets:
+    for off in (META_BYTES, META_BYTES + st.half):
         views = st.views(off, nbytes, dtype)
         halves.append((views[rank], views[0], views[1], tuple(views[2:])))
     fence, ufunc, copyto = window.fence, op.ufunc, np.copyto
 
-    def run(buf: np.ndarray, deadline: float) -> None:
+    def run(ctx, buf: np.ndarray, op: Op) -> None:
         h = st.turn & 1
         st.turn += 1
         mine, first, second, rest = halves[h]
         copyto(mine, buf)
-        fence(deadline)
+        fence(ctx.deadline)
         ufunc(first, second, out=buf)
         for v in rest:
             ufunc(buf, v, out=buf)
@@ -394,7 +449,41 @@ def _allreduce_pieces(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
 # ------------------------------------------------------------- reduce_scatter
 
 
-@register("reduce_scatter", "shared_window", needs=("window",),
+def _one_piece(st: _WindowState, counts: list[int], step: int) -> list | None:
+    """The parts of the only piece when ``counts`` fit one piece of ``step``, else None."""
+    pieces = _striped_cached(st, counts, step)
+    return pieces[0][0] if len(pieces) == 1 else None
+
+
+def _prepare_reduce_scatter(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op):
+    """One native call for the one-piece case through the window: copy in the
+    blocks the others reduce, fence, reduce this rank's block into recvbuf."""
+    p, me = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    item, dtype = sendbuf.itemsize, sendbuf.dtype
+    if p == 1 or sendbuf.nbytes >= DIRECT_BYTES or dtype in _LOW or not sum(counts):
+        return None
+    parts = _one_piece(st, counts, _piece_elems(st.half, p, item))
+    if parts is None:
+        return None
+    peers = [r for r in range(p) if r != me]
+    before = [(_arr(0, start * item), _slot(st, me, off * item), n * item)
+              for r, (start, n, off) in enumerate(parts) if r != me and n]
+    start, n, off = parts[me]
+    reduction = _reduction(_arr(1), [_arr(0, start * item)] + [_slot(st, r, off * item) for r in peers],
+                           n, dtype, op)
+    made = _plan(window, 2, before, [], reduction) if reduction else None
+    if made is None:
+        return None
+    go, settle = made
+
+    def run(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op) -> None:
+        if not go((sendbuf, recvbuf)):
+            settle((sendbuf, recvbuf), ctx.deadline)
+    return run
+
+
+@register("reduce_scatter", "shared_window", needs=("window",), prepare=_prepare_reduce_scatter,
           description="each rank reduces its block straight from every rank's window region")
 def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op) -> None:
     p, me = ctx.size, ctx.rank
@@ -446,7 +535,33 @@ def _reduce_scatter_direct(ctx, window, readers: _Readers, sendbuf: np.ndarray, 
 # ------------------------------------------------------------------ allgather
 
 
-@register("allgather", "shared_window", needs=("window",),
+def _prepare_allgather(transport, buf: np.ndarray, counts: list[int]):
+    """One native call for the one-piece case through the window: copy this
+    rank's block in, fence, copy the others' out."""
+    p, me = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    item = buf.itemsize
+    if p == 1 or buf.nbytes >= DIRECT_BYTES or not sum(counts):
+        return None
+    parts = _one_piece(st, counts, max(1, min(st.half, PIECE_BYTES) // (p * item)))
+    if parts is None:
+        return None
+    start, n, off = parts[me]
+    before = [(_arr(0, start * item), _slot(st, me, off * item), n * item)] if n else []
+    after = [(_slot(st, r, off * item), _arr(0, start * item), n * item)
+             for r, (start, n, off) in enumerate(parts) if r != me and n]
+    made = _plan(window, 1, before, after)
+    if made is None:
+        return None
+    go, settle = made
+
+    def run(ctx, buf: np.ndarray, counts: list[int]) -> None:
+        if not go((buf,)):
+            settle((buf,), ctx.deadline)
+    return run
+
+
+@register("allgather", "shared_window", needs=("window",), prepare=_prepare_allgather,
           description="each rank copies its block into the window once; everyone copies all out")
 def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
     p, me = ctx.size, ctx.rank
@@ -478,7 +593,28 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
 # ---------------------------------------------------------------------- bcast
 
 
-@register("bcast", "shared_window", needs=("window",),
+def _prepare_bcast(transport, buf: np.ndarray, root: int):
+    """One native call for the one-piece case through the window: the root
+    copies in, fence, the others copy out."""
+    p, me = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    n = buf.nbytes
+    if p == 1 or n == 0 or n >= DIRECT_BYTES or n > min(st.half, PIECE_BYTES):
+        return None
+    here = (_arr(0), _slot(st, root), n)
+    there = (_slot(st, root), _arr(0), n)
+    made = _plan(window, 1, [here] if me == root else [], [] if me == root else [there])
+    if made is None:
+        return None
+    go, settle = made
+
+    def run(ctx, buf: np.ndarray, root: int) -> None:
+        if not go((buf,)):
+            settle((buf,), ctx.deadline)
+    return run
+
+
+@register("bcast", "shared_window", needs=("window",), prepare=_prepare_bcast,
           description="the root copies into its window region; the others copy out")
 def bcast(ctx, buf: np.ndarray, root: int) -> None:
     if ctx.size == 1 or buf.size == 0:

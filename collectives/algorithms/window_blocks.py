@@ -29,9 +29,22 @@ import numpy as np
 
 from ..ops import Op
 from ..registry import register
-from .window import PIECE_BYTES, _blocks, _direct, _displs, _reduce, _single_fence, _state_of, _striped_cached
+from .window import (_LOW, DIRECT_BYTES, PIECE_BYTES, _arr, _blocks, _direct, _displs, _one_piece, _plan, _reduce,
+                     _reduction, _single_fence, _slot, _state_of, _striped_cached, _window_state)
 
 __all__ = ["barrier", "gather", "scatter", "alltoall", "reduce"]
+
+
+def _rooted(made: tuple | None):
+    """A prepared gather or scatter from a native plan (or None)."""
+    if made is None:
+        return None
+    go, settle = made
+
+    def run(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray | None, root: int, counts: list[int]) -> None:
+        if not go((sendbuf, recvbuf)):
+            settle((sendbuf, recvbuf), ctx.deadline)
+    return run
 
 
 def _budget(st) -> int:
@@ -50,7 +63,25 @@ def barrier(ctx) -> None:
         ctx.transport.window.fence(ctx.deadline)
 
 
-@register("gather", "shared_window", needs=("window",),
+def _prepare_gather(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: list[int]):
+    """One native call when every block fits one piece through the window."""
+    p, me = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    item = sendbuf.itemsize
+    total = sum(counts) * item
+    if p == 1 or not total or total >= DIRECT_BYTES or max(counts) * item > _budget(st):
+        return None
+    displs = _displs(list(counts))
+    if me == root:
+        before = [(_arr(0), _arr(1, displs[me] * item), counts[me] * item)] if counts[me] else []
+        after = [(_slot(st, r), _arr(1, displs[r] * item), counts[r] * item)
+                 for r in range(p) if r != me and counts[r]]
+    else:
+        before, after = ([(_arr(0), _slot(st, me), counts[me] * item)] if counts[me] else []), []
+    return _rooted(_plan(window, 2, before, after))
+
+
+@register("gather", "shared_window", needs=("window",), prepare=_prepare_gather,
           description="each rank copies its block into its window region; the root copies all out")
 def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: Sequence[int]) -> None:
     p, me = ctx.size, ctx.rank
@@ -83,7 +114,29 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
                     np.copyto(recvbuf[displs[r] + a:displs[r] + a + m], _region(st, r, base, m, dt))
 
 
-@register("scatter", "shared_window", needs=("window",),
+def _prepare_scatter(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: list[int]):
+    """One native call when every block fits one piece through the window."""
+    p, me = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    item = recvbuf.itemsize
+    if p == 1 or not sum(counts) or sum(counts) * item >= DIRECT_BYTES:
+        return None
+    parts = _one_piece(st, list(counts), max(1, _budget(st) // (p * item)))
+    if parts is None:
+        return None
+    if me == root:
+        before = [(_arr(0, start * item), _slot(st, me, off * item), n * item)
+                  for r, (start, n, off) in enumerate(parts) if r != me and n]
+        start, n, _ = parts[me]
+        before += [(_arr(0, start * item), _arr(1), n * item)] if n else []
+        after = []
+    else:
+        start, n, off = parts[me]
+        before, after = [], ([(_slot(st, root, off * item), _arr(1), n * item)] if n else [])
+    return _rooted(_plan(window, 2, before, after))
+
+
+@register("scatter", "shared_window", needs=("window",), prepare=_prepare_scatter,
           description="the root copies every block into its window region; each rank copies its own out")
 def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: Sequence[int]) -> None:
     p, me = ctx.size, ctx.rank
@@ -115,7 +168,29 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
             np.copyto(recvbuf[lo:lo + n], _region(st, root, base + off * item, n, dt))
 
 
-@register("alltoall", "shared_window", needs=("window",),
+def _prepare_alltoall(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
+    """One native call when the blocks fit one piece through the window."""
+    p, me = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    item = sendbuf.itemsize
+    b = sendbuf.size // p * item  # bytes per block
+    if p == 1 or not b or sendbuf.nbytes >= DIRECT_BYTES or b > _budget(st) // p:
+        return None
+    before = [(_arr(0, d * b), _slot(st, me, d * b), b) for d in range(p) if d != me]
+    before.append((_arr(0, me * b), _arr(1, me * b), b))
+    after = [(_slot(st, r, me * b), _arr(1, r * b), b) for r in range(p) if r != me]
+    made = _plan(window, 2, before, after)
+    if made is None:
+        return None
+    go, settle = made
+
+    def run(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        if not go((sendbuf, recvbuf)):
+            settle((sendbuf, recvbuf), ctx.deadline)
+    return run
+
+
+@register("alltoall", "shared_window", needs=("window",), prepare=_prepare_alltoall,
           description="each rank copies its blocks into its window region; each copies its own from every region")
 def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     p, me = ctx.size, ctx.rank
@@ -145,7 +220,32 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
                 np.copyto(recvbuf[r * b + a:r * b + a + m], _region(st, r, base + me * m * item, m, dt))
 
 
-@register("reduce", "shared_window", needs=("window",),
+def _prepare_reduce(transport, buf: np.ndarray, root: int, op: Op):
+    """One native call for the one-fence case: copy in, fence, the root reduces."""
+    p, me = transport.size, transport.rank
+    window, st = _window_state(transport.window, p)
+    if p == 1 or buf.size == 0 or buf.dtype in _LOW or not _single_fence(buf.nbytes, p, st):
+        return None
+    if me == root:
+        before = []
+        reduction = _reduction(_arr(0), [_arr(0)] + [_slot(st, r) for r in range(p) if r != root],
+                               buf.size, buf.dtype, op)
+        if reduction is None:
+            return None
+    else:
+        before, reduction = [(_arr(0), _slot(st, me), buf.nbytes)], None
+    made = _plan(window, 1, before, [], reduction)
+    if made is None:
+        return None
+    go, settle = made
+
+    def run(ctx, buf: np.ndarray, root: int, op: Op) -> None:
+        if not go((buf,)):
+            settle((buf,), ctx.deadline)
+    return run
+
+
+@register("reduce", "shared_window", needs=("window",), prepare=_prepare_reduce,
           description="small: one fence, the root reduces every region; large: 1/p per rank, the root copies out")
 def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
     p, me = ctx.size, ctx.rank
