@@ -61,13 +61,18 @@ class _Prepared:
             :class:`~collectives.registry.Algorithm`), else its function.
         ctx: the call context, reused (its tag and deadline set per call).
         check: an extra per-call check ``check(arrays) -> bool`` (False: full path).
+        direct: the persistent plan's ``on_arrays``, ``(go, settle)``: it runs
+            from the call's arrays, ``go(arrays) -> bool``, and when that
+            returns False, ``settle(arrays, deadline)``; None if it has none.
     """
 
-    __slots__ = ("algo", "writes", "args", "func", "ctx", "check")
+    __slots__ = ("algo", "writes", "args", "func", "ctx", "check", "direct")
 
     def __init__(self, algo: Algorithm, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
-                 func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None) -> None:
+                 func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None,
+                 direct: tuple | None = None) -> None:
         self.algo, self.writes, self.args, self.func, self.ctx, self.check = algo, writes, args, func, ctx, check
+        self.direct = direct
 
 
 def _flat_array(buf: Any) -> bool:
@@ -232,12 +237,17 @@ class Communicator:
                         return False
             if entry.check is not None and not entry.check(arrays):
                 return False
-        ctx = entry.ctx
-        ctx.deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
         self._seq = seq = (self._seq + 1) % _TAG_SPACE  # tags in step with the full path: ranks may mix both
-        ctx.tag = 2 * seq + 1
         try:
-            entry.func(ctx, *entry.args(arrays))
+            direct = entry.direct
+            if direct is not None:  # a native plan on the call's arrays as they are
+                if not direct[0](arrays):
+                    direct[1](arrays, deadline)
+            else:
+                ctx = entry.ctx
+                ctx.tag, ctx.deadline = 2 * seq + 1, deadline
+                entry.func(ctx, *entry.args(arrays))
         except BadArgument:
             raise  # every rank detects it alike, before sending
         except BaseException as exc:
@@ -246,9 +256,11 @@ class Communicator:
         return True
 
     def _remember(self, key: tuple, plan: _Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
-                  check: Callable[[tuple], bool] | None = None) -> None:
+                  check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
         """Keep ``plan`` (just validated by the full path) for repeated calls of
         ``key``, with the algorithm's own persistent plan where it offers one.
+        ``as_is``: the call's arrays are the algorithm's array arguments, in
+        order (so a persistent plan's ``on_arrays`` may take them directly).
         Plans with a finalizer (``avg``) or staged device buffers are not kept."""
         if key in self._prepared:
             return
@@ -258,7 +270,8 @@ class Communicator:
             if plan.algo.prepare is not None:
                 func = plan.algo.prepare(self.transport, *plan.args) or func
             ctx = CallContext(self.transport, 0, 0.0, self.segment_bytes, self._scratch)
-            entry = _Prepared(plan.algo, writes, args, func, ctx, check)
+            entry = _Prepared(plan.algo, writes, args, func, ctx, check,
+                              getattr(func, "on_arrays", None) if as_is else None)
         if len(self._prepared) >= 256:
             self._prepared.clear()
         self._prepared[key] = entry
@@ -661,7 +674,7 @@ class Communicator:
                 if send is not None and send.size:
                     np.copyto(recv[lo:hi], send)  # a no-op when sendbuf already is this block
                 return recv, counts
-            self._remember(key, plan, (True, False), args)
+            self._remember(key, plan, (True, False), args, as_is=False)
         return self._call(plan, timeout)
 
     def iallgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",

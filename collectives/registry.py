@@ -55,7 +55,10 @@ class Algorithm:
             arguments are equal (or None where it does not apply): the work
             that does not depend on the data (views, offsets, checks) done
             once per call signature, as MPI's persistent collectives do.
-            Only for blocking calls on contiguous numpy arrays.
+            Only for blocking calls on contiguous numpy arrays. The function
+            may carry ``on_arrays = (go, settle)``: the same work from the
+            call's arrays alone (``go(arrays) -> bool``, then, when it
+            returned False, ``settle(arrays, deadline)``).
     """
 
     collective: str

@@ -261,6 +261,7 @@ def _prepare_allreduce(transport, buf: np.ndarray, op: Op):
         def run_native(ctx, buf: np.ndarray, op: Op) -> None:
             if not go((buf,)):
                 settle((buf,), ctx.deadline)
+        run_native.on_arrays = made
         return run_native
     halves = []
     for off in (META_BYTES, META_BYTES + st.half):
@@ -480,6 +481,7 @@ def _prepare_reduce_scatter(transport, sendbuf: np.ndarray, recvbuf: np.ndarray,
     def run(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op) -> None:
         if not go((sendbuf, recvbuf)):
             settle((sendbuf, recvbuf), ctx.deadline)
+    run.on_arrays = made
     return run
 
 
@@ -558,6 +560,7 @@ def _prepare_allgather(transport, buf: np.ndarray, counts: list[int]):
     def run(ctx, buf: np.ndarray, counts: list[int]) -> None:
         if not go((buf,)):
             settle((buf,), ctx.deadline)
+    run.on_arrays = made
     return run
 
 
@@ -611,6 +614,7 @@ def _prepare_bcast(transport, buf: np.ndarray, root: int):
     def run(ctx, buf: np.ndarray, root: int) -> None:
         if not go((buf,)):
             settle((buf,), ctx.deadline)
+    run.on_arrays = made
     return run
 
 

@@ -44,6 +44,7 @@ def _rooted(made: tuple | None):
     def run(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray | None, root: int, counts: list[int]) -> None:
         if not go((sendbuf, recvbuf)):
             settle((sendbuf, recvbuf), ctx.deadline)
+    run.on_arrays = made
     return run
 
 
@@ -187,6 +188,7 @@ def _prepare_alltoall(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     def run(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if not go((sendbuf, recvbuf)):
             settle((sendbuf, recvbuf), ctx.deadline)
+    run.on_arrays = made
     return run
 
 
@@ -242,6 +244,7 @@ def _prepare_reduce(transport, buf: np.ndarray, root: int, op: Op):
     def run(ctx, buf: np.ndarray, root: int, op: Op) -> None:
         if not go((buf,)):
             settle((buf,), ctx.deadline)
+    run.on_arrays = made
     return run
 
 
