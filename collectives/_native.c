@@ -1,33 +1,35 @@
 /* The native fast path of the shared-memory window (optional; the library
  * runs without it, in Python, when it is not built).
  *
- * What it does is what collectives.transports.shm.ShmWindow does in Python,
- * minus the interpreter: a fence over per-rank epoch counters (each written
- * by its owner only), waking peers that sleep on their futex word, and the
- * small cases of the window collectives as plans (copy in, fence, copy out
- * or reduce every rank's slot in rank order, with the bits numpy's ufuncs
- * would give). Waits here are bounded (spin, then sched_yield); when they run
- * out the caller blocks in Python, where timeouts and dead peers are handled.
+ * Every rank keeps counters in its control page, each written by its owner
+ * only: the fence epoch, and the last step through the window's halves whose
+ * data it has posted and the last it is done reading. A rank that blocks
+ * sleeps on a futex word of its own, which peers ring after they change a
+ * counter. Waits here are bounded (spin, then sched_yield); when they run
+ * out, the caller blocks in Python, where timeouts and lost peers are
+ * handled, and resumes.
  *
- *   Window(epochs, sleeps, rank, spin_ns, yield_ns)
- *       epochs, sleeps: addresses of every rank's epoch counter (uint64) and
- *       futex sleep word, in shared memory.
+ *   Window(epochs, posts, dones, sleeps, rank, spin_ns, yield_ns)
+ *       addresses of every rank's counters and sleep word, in shared memory.
  *   Window.epoch, Window.turn
- *       fences passed, and steps taken through the window's halves (the
- *       caller's count, which plans advance too).
+ *       fences passed, and steps taken through the halves.
  *   Window.fence() -> bool
- *       publish the next epoch, ring sleeping peers that already arrived,
- *       wait (bounded) for every peer to reach it; True when all have.
- *   Window.plan(narrays, before, after, reduce) -> Plan
- *       a collective's small case as data: copies before the fence, copies
- *       and one reduction after it, between the call's arrays and the
- *       window's halves (see Window_plan).
- *   Plan.run(arrays) -> bool
- *       take the next half (turn) and epoch; before, fence; when the fence
- *       completed within the bounded wait, after, and True; else False (the
- *       caller waits for the epoch, then calls .finish(arrays)).
+ *       publish the next epoch, wait (bounded) for every peer to reach it.
+ *   Window.step() -> None or (rank, kind, value)
+ *       the next step of an algorithm that writes its half and fences: the
+ *       half is free once every peer is done with the step before the last.
+ *   Window.plan(narrays, before, after, reduce, sources) -> Plan
+ *       a collective's small case as data: copies before posting, then,
+ *       once the sources posted, copies and one reduction, between the
+ *       call's arrays and the window's halves. Unlike a fence, a plan waits
+ *       only for the ranks it reads from (a broadcast's root waits for
+ *       nobody unless it laps a reader).
+ *   Plan.run(arrays) -> None or (rank, kind, value); Plan.resume(arrays)
+ *       the next step, as far as it goes; what to wait for before resuming.
  *   reduce_into(out, srcs, dtype, op): out = srcs[0] op srcs[1] op ...
  *       (buffers of one length; out may be srcs[0]).
+ *
+ * Reductions give the bits numpy's ufuncs give, applied in rank order.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -167,47 +169,59 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* The counters every rank keeps in its control page, each written by its
+ * owner only: the fence epoch, and for plans and steps through the halves,
+ * the last step whose data this rank has posted and the last step it has
+ * done reading. */
+enum { K_EPOCH = 0, K_POST = 1, K_DONE = 2, K_COUNT = 3 };
+
 typedef struct {
     PyObject_HEAD
     int size, rank;
     unsigned long long epoch;  /* fences this rank has passed */
-    unsigned long long turn;   /* steps taken through the window's halves (the caller's count) */
+    unsigned long long turn;   /* steps taken through the window's halves */
     int64_t spin_ns, yield_ns;
-    uint64_t **epochs;   /* every rank's epoch counter */
-    uint64_t **sleeps;   /* every rank's sleep word (a futex on its low 32 bits) */
+    uint64_t **counters[K_COUNT];  /* every rank's counter of each kind */
+    uint64_t **sleeps;             /* every rank's sleep word (a futex on its low 32 bits) */
 } WindowObject;
 
-/* Publish ``e`` and wake peers already at this fence that sleep (they wait
- * for this rank). The full fence orders the epoch store before the loads of
- * the sleep words, so a peer that marked itself asleep is never missed. */
-static void arrive(WindowObject *w, uint64_t e) {
-    __atomic_store_n(w->epochs[w->rank], e, __ATOMIC_RELEASE);
+static void wake(WindowObject *w, int r) {
+    __atomic_store_n(w->sleeps[r], 0, __ATOMIC_RELEASE);
+    syscall(SYS_futex, (uint32_t *)w->sleeps[r], FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Set this rank's counter of ``kind`` to ``v`` and wake sleeping peers that
+ * may wait for it (for the epoch, only peers already at that fence). The
+ * full fence orders the store before the loads of the sleep words, so a
+ * peer that marked itself asleep is never missed. */
+static void publish(WindowObject *w, int kind, uint64_t v) {
+    __atomic_store_n(w->counters[kind][w->rank], v, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (int r = 0; r < w->size; r++) {
-        if (r == w->rank) continue;
-        if (load_acquire(w->epochs[r]) >= e && load_acquire(w->sleeps[r])) {
-            __atomic_store_n(w->sleeps[r], 0, __ATOMIC_RELEASE);
-            syscall(SYS_futex, (uint32_t *)w->sleeps[r], FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-        }
+        if (r == w->rank || !load_acquire(w->sleeps[r])) continue;
+        if (kind != K_EPOCH || load_acquire(w->counters[K_EPOCH][r]) >= v) wake(w, r);
     }
 }
 
-/* The first rank not yet at epoch ``e`` from ``start`` on, or size. */
-static inline int first_late(WindowObject *w, uint64_t e, int start) {
+/* The first peer from ``start`` on (in ``mask``, if given) whose counter of
+ * ``kind`` is below ``v``, or size. */
+static inline int first_below(WindowObject *w, int kind, uint64_t v, const unsigned char *mask, int start) {
+    uint64_t **c = w->counters[kind];
     int r = start;
-    while (r < w->size && (r == w->rank || load_acquire(w->epochs[r]) >= e)) r++;
+    while (r < w->size && (r == w->rank || (mask && !mask[r]) || load_acquire(c[r]) >= v)) r++;
     return r;
 }
 
-/* Wait (spin, then yield) until every peer reached ``e``; 1 if they all
- * did, 0 when the time ran out. Releases the GIL while it waits. */
-static int wait_peers(WindowObject *w, uint64_t e) {
-    int r = first_late(w, e, 0);
-    if (r == w->size) return 1;
+/* Wait (spin, then yield) until every peer (in ``mask``) has its counter of
+ * ``kind`` at ``v`` or beyond; size if they all have, else the first peer
+ * still below when the time ran out. Releases the GIL while it waits. */
+static int wait_for(WindowObject *w, int kind, uint64_t v, const unsigned char *mask) {
+    int r = first_below(w, kind, v, mask, 0);
+    if (r == w->size) return r;
     Py_BEGIN_ALLOW_THREADS
     int64_t start = now_ns();
     for (;;) {
-        r = first_late(w, e, r);
+        r = first_below(w, kind, v, mask, r);
         if (r == w->size) break;
         int64_t waited = now_ns() - start;
         if (waited < w->spin_ns) {
@@ -219,7 +233,12 @@ static int wait_peers(WindowObject *w, uint64_t e) {
         }
     }
     Py_END_ALLOW_THREADS
-    return r == w->size;
+    return r;
+}
+
+/* (rank, kind, value): what a caller must wait for before it resumes. */
+static PyObject *late(int r, int kind, uint64_t v) {
+    return Py_BuildValue("(iiK)", r, kind, (unsigned long long)v);
 }
 
 static int fill_addresses(PyObject *seq, int size, uint64_t ***out, const char *what) {
@@ -242,18 +261,19 @@ static int fill_addresses(PyObject *seq, int size, uint64_t ***out, const char *
 }
 
 static void Window_dealloc(WindowObject *w) {
-    PyMem_Free(w->epochs);
+    for (int k = 0; k < K_COUNT; k++) PyMem_Free(w->counters[k]);
     PyMem_Free(w->sleeps);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
 
 static int Window_init(WindowObject *w, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"epochs", "sleeps", "rank", "spin_ns", "yield_ns", NULL};
-    PyObject *epochs, *sleeps;
+    static char *kwlist[] = {"epochs", "posts", "dones", "sleeps", "rank", "spin_ns", "yield_ns", NULL};
+    PyObject *lists[K_COUNT], *sleeps;
     long long spin_ns, yield_ns;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOiLL", kwlist, &epochs, &sleeps, &w->rank,
-                                     &spin_ns, &yield_ns))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOiLL", kwlist, &lists[K_EPOCH], &lists[K_POST],
+                                     &lists[K_DONE], &sleeps, &w->rank, &spin_ns, &yield_ns))
         return -1;
+    PyObject *epochs = lists[K_EPOCH];
     Py_ssize_t n = PySequence_Size(epochs);
     if (n < 1 || n > INT_MAX) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "epochs: at least one address");
@@ -267,27 +287,40 @@ static int Window_init(WindowObject *w, PyObject *args, PyObject *kwds) {
     w->spin_ns = spin_ns;
     w->yield_ns = yield_ns;
     w->epoch = w->turn = 0;
-    PyMem_Free(w->epochs);
+    static const char *names[K_COUNT] = {"epochs", "posts", "dones"};
+    for (int k = 0; k < K_COUNT; k++) {
+        PyMem_Free(w->counters[k]);
+        w->counters[k] = NULL;
+        if (fill_addresses(lists[k], w->size, &w->counters[k], names[k]) < 0) return -1;
+    }
     PyMem_Free(w->sleeps);
-    w->epochs = w->sleeps = NULL;
-    if (fill_addresses(epochs, w->size, &w->epochs, "epochs") < 0) return -1;
+    w->sleeps = NULL;
     if (fill_addresses(sleeps, w->size, &w->sleeps, "sleeps") < 0) return -1;
     return 0;
 }
 
 static PyObject *Window_fence(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
     uint64_t e = ++w->epoch;
-    arrive(w, e);
-    return PyBool_FromLong(wait_peers(w, e));
+    publish(w, K_EPOCH, e);
+    return PyBool_FromLong(wait_for(w, K_EPOCH, e, NULL) == w->size);
+}
+
+/* .step() -> None or (rank, kind, value): take the next step through the
+ * halves for an algorithm that writes its half and fences: done with every
+ * earlier step; its half may be written once every peer is done with the
+ * step before the last (the previous use of that half). */
+static PyObject *Window_step(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
+    uint64_t k = ++w->turn;
+    publish(w, K_DONE, k - 1);
+    uint64_t v = k >= 2 ? k - 2 : 0;
+    int r = wait_for(w, K_DONE, v, NULL);
+    if (r < w->size) return late(r, K_DONE, v);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Window_wake_sleepers(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
-    for (int r = 0; r < w->size; r++) {
-        if (r != w->rank && load_acquire(w->sleeps[r])) {
-            __atomic_store_n(w->sleeps[r], 0, __ATOMIC_RELEASE);
-            syscall(SYS_futex, (uint32_t *)w->sleeps[r], FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-        }
-    }
+    for (int r = 0; r < w->size; r++)
+        if (r != w->rank && load_acquire(w->sleeps[r])) wake(w, r);
     Py_RETURN_NONE;
 }
 
@@ -313,7 +346,11 @@ typedef struct {
     PyObject_HEAD
     WindowObject *window;
     int narrays;
-    int last_half;                /* the half of the last run, for finish */
+    int stage;                    /* 0 idle, 1 to post, 2 to read (a run waits there) */
+    int half;                     /* the half of the step in progress */
+    uint64_t step;                /* the step in progress */
+    int writes_window;            /* some copy before the fence lands in the window */
+    unsigned char *sources;       /* the ranks whose regions it reads */
     Py_ssize_t need[MAX_ARRAYS];  /* bytes each array must hold; -1: unused (may be None) */
     int writes[MAX_ARRAYS];
     int nbefore, nafter, nsrc;
@@ -369,13 +406,14 @@ static int parse_copies(PyObject *seq, Copy **out, int *n, int narrays, Py_ssize
     return 0;
 }
 
-/* Window.plan(narrays, before, after, reduce) -> Plan
+/* Window.plan(narrays, before, after, reduce, sources) -> Plan
  *   before, after: [((idx, a0, a1), (idx, a0, a1), nbytes), ...]
- *   reduce: None or ((idx, a0, a1) dst, [(idx, a0, a1) src, ...], count, dtype, op) */
+ *   reduce: None or ((idx, a0, a1) dst, [(idx, a0, a1) src, ...], count, dtype, op)
+ *   sources: the ranks whose window regions ``after`` and ``reduce`` read */
 static PyObject *Window_plan(WindowObject *w, PyObject *args) {
     int narrays;
-    PyObject *before, *after, *reduce;
-    if (!PyArg_ParseTuple(args, "iOOO", &narrays, &before, &after, &reduce)) return NULL;
+    PyObject *before, *after, *reduce, *sources;
+    if (!PyArg_ParseTuple(args, "iOOOO", &narrays, &before, &after, &reduce, &sources)) return NULL;
     if (narrays < 0 || narrays > MAX_ARRAYS) {
         PyErr_SetString(PyExc_ValueError, "too many arrays");
         return NULL;
@@ -385,17 +423,41 @@ static PyObject *Window_plan(WindowObject *w, PyObject *args) {
     pl->before = pl->after = NULL;
     pl->rsrc = NULL;
     pl->f = NULL;
+    pl->stage = pl->half = 0;
+    pl->step = 0;
+    pl->sources = PyMem_Calloc((size_t)w->size, 1);
     pl->nsrc = pl->nbefore = pl->nafter = 0;
     Py_INCREF(w);
     pl->window = w;
     pl->narrays = narrays;
-    pl->last_half = 0;
     for (int i = 0; i < MAX_ARRAYS; i++) { pl->need[i] = -1; pl->writes[i] = 0; }
+    if (!pl->sources) {
+        Py_DECREF(pl);
+        return PyErr_NoMemory();
+    }
     if (parse_copies(before, &pl->before, &pl->nbefore, narrays, pl->need, pl->writes) < 0 ||
         parse_copies(after, &pl->after, &pl->nafter, narrays, pl->need, pl->writes) < 0) {
         Py_DECREF(pl);
         return NULL;
     }
+    pl->writes_window = 0;
+    for (int i = 0; i < pl->nbefore; i++) pl->writes_window |= pl->before[i].dst.idx < 0;
+    PyObject *fast = PySequence_Fast(sources, "sources must be a sequence of ranks");
+    if (!fast) {
+        Py_DECREF(pl);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        long r = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (r < 0 || r >= w->size) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a source rank is out of range");
+            Py_DECREF(fast);
+            Py_DECREF(pl);
+            return NULL;
+        }
+        pl->sources[r] = 1;
+    }
+    Py_DECREF(fast);
     if (reduce != Py_None) {
         PyObject *dst, *srcs;
         int dtype, op;
@@ -425,6 +487,7 @@ static PyObject *Window_plan(WindowObject *w, PyObject *args) {
 }
 
 static void Plan_dealloc(PlanObject *pl) {
+    PyMem_Free(pl->sources);
     PyMem_Free(pl->before);
     PyMem_Free(pl->after);
     PyMem_Free(pl->rsrc);
@@ -477,33 +540,69 @@ static void do_after(PlanObject *pl, char *const *bases, int half) {
         reduce_all(pl->f, where(&pl->rdst, bases, half), srcs, pl->nsrc, pl->count, pl->itemsize);
     }
 }
-/* .run(arrays) -> bool: take the next half and epoch, the copies before, the
- * fence, and, when every peer arrived within the bounded wait, what comes
- * after; False: the caller waits for the fence (the window's epoch), then
- * calls .finish(arrays). */
+/* The plan from its stage on: 1, wait until the half is free (when it
+ * writes into the window), copy before, post; 2, wait for the sources'
+ * posts, copy after and reduce, done. Returns None when complete, else what
+ * to wait for before resuming (the stage is kept). */
+static PyObject *advance(PlanObject *pl, char *const *bases) {
+    WindowObject *w = pl->window;
+    uint64_t k = pl->step;
+    if (pl->stage == 1) {
+        if (pl->writes_window) {
+            uint64_t v = k >= 2 ? k - 2 : 0;
+            int r = wait_for(w, K_DONE, v, NULL);
+            if (r < w->size) return late(r, K_DONE, v);
+        }
+        do_copies(pl->before, pl->nbefore, bases, pl->half);
+        publish(w, K_POST, k);
+        pl->stage = 2;
+    }
+    int r = wait_for(w, K_POST, k, pl->sources);
+    if (r < w->size) return late(r, K_POST, k);
+    do_after(pl, bases, pl->half);
+    publish(w, K_DONE, k);
+    pl->stage = 0;
+    Py_RETURN_NONE;
+}
+
+/* .run(arrays) -> None or (rank, kind, value): take the next step; this
+ * rank is done with every earlier one; then as far as it can go (see
+ * advance). When it returns what to wait for, wait, then .resume(arrays). */
 static PyObject *Plan_run(PlanObject *pl, PyObject *arrays) {
     Py_buffer views[MAX_ARRAYS];
     char *bases[MAX_ARRAYS];
+    if (pl->stage != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "the plan's previous run is not finished");
+        return NULL;
+    }
     if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
     WindowObject *w = pl->window;
-    int half = pl->last_half = (int)(w->turn & 1);
-    w->turn++;
-    uint64_t e = ++w->epoch;
-    do_copies(pl->before, pl->nbefore, bases, half);
-    arrive(w, e);
-    int done = wait_peers(w, e);
-    if (done) do_after(pl, bases, half);
+    uint64_t k = pl->step = ++w->turn;
+    pl->half = (int)((k - 1) & 1);
+    publish(w, K_DONE, k - 1);
+    pl->stage = 1;
+    PyObject *out = advance(pl, bases);
     release_buffers(pl, views);
-    return PyBool_FromLong(done);
+    return out;
 }
 
-/* .finish(arrays): what comes after the fence of the last run */
-static PyObject *Plan_finish(PlanObject *pl, PyObject *arrays) {
+/* .resume(arrays): go on after a wait (see run) */
+static PyObject *Plan_resume(PlanObject *pl, PyObject *arrays) {
     Py_buffer views[MAX_ARRAYS];
     char *bases[MAX_ARRAYS];
+    if (pl->stage == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "the plan has no run to resume");
+        return NULL;
+    }
     if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
-    do_after(pl, bases, pl->last_half);
+    PyObject *out = advance(pl, bases);
     release_buffers(pl, views);
+    return out;
+}
+
+/* .abandon(): forget a run that failed while it waited (a timeout, a lost peer) */
+static PyObject *Plan_abandon(PlanObject *pl, PyObject *Py_UNUSED(ignored)) {
+    pl->stage = 0;
     Py_RETURN_NONE;
 }
 
@@ -559,9 +658,11 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
 static PyMethodDef Window_methods[] = {
     {"fence", (PyCFunction)Window_fence, METH_NOARGS,
      "fence() -> bool: publish the next epoch, wake sleeping peers, wait (bounded) for all."},
+    {"step", (PyCFunction)Window_step, METH_NOARGS,
+     "step() -> None or (rank, kind, value): the next step through the halves, once its half is free."},
     {"wake_sleepers", (PyCFunction)Window_wake_sleepers, METH_NOARGS, "Wake every sleeping peer."},
     {"plan", (PyCFunction)Window_plan, METH_VARARGS,
-     "plan(narrays, before, after, reduce) -> Plan: copies, a fence, copies and a reduction."},
+     "plan(narrays, before, after, reduce, sources) -> Plan: copies, post, wait, copies, a reduction."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -576,7 +677,7 @@ static PyTypeObject WindowType = {
     .tp_name = "collectives._native.Window",
     .tp_basicsize = sizeof(WindowObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Window(epochs, sleeps, rank, spin_ns, yield_ns): fences over shared epoch counters.",
+    .tp_doc = "Window(epochs, posts, dones, sleeps, rank, spin_ns, yield_ns): counters in shared memory.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Window_init,
     .tp_dealloc = (destructor)Window_dealloc,
@@ -586,9 +687,9 @@ static PyTypeObject WindowType = {
 
 static PyMethodDef Plan_methods[] = {
     {"run", (PyCFunction)Plan_run, METH_O,
-     "run(arrays) -> bool: next half and epoch, before, fence, after; False: the fence is not complete yet."},
-    {"finish", (PyCFunction)Plan_finish, METH_O,
-     "finish(arrays): the copies and the reduction after the fence of the last run."},
+     "run(arrays) -> None or (rank, kind, value): the next step; what to wait for before resume."},
+    {"resume", (PyCFunction)Plan_resume, METH_O, "resume(arrays): go on after the wait run asked for."},
+    {"abandon", (PyCFunction)Plan_abandon, METH_NOARGS, "abandon(): forget a run that failed while it waited."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -597,7 +698,7 @@ static PyTypeObject PlanType = {
     .tp_name = "collectives._native.Plan",
     .tp_basicsize = sizeof(PlanObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Copies, a fence, copies and a reduction (see run and finish).",
+    .tp_doc = "A collective's small case: copies, post, wait for the sources, copies, a reduction.",
     .tp_dealloc = (destructor)Plan_dealloc,
     .tp_methods = Plan_methods,
 };
@@ -629,5 +730,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     for (int i = 0; i < DT_COUNT; i++) PyModule_AddIntConstant(m, names[i], i);
     const char *ops[] = {"OP_SUM", "OP_PROD", "OP_MIN", "OP_MAX", "OP_BAND", "OP_BOR", "OP_BXOR"};
     for (int i = 0; i < OP_COUNT; i++) PyModule_AddIntConstant(m, ops[i], i);
+    PyModule_AddIntConstant(m, "K_EPOCH", K_EPOCH);
+    PyModule_AddIntConstant(m, "K_POST", K_POST);
+    PyModule_AddIntConstant(m, "K_DONE", K_DONE);
     return m;
 }

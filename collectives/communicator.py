@@ -62,8 +62,8 @@ class _Prepared:
         ctx: the call context, reused (its tag and deadline set per call).
         check: an extra per-call check ``check(arrays) -> bool`` (False: full path).
         direct: the persistent plan's ``on_arrays``, ``(go, settle)``: it runs
-            from the call's arrays, ``go(arrays) -> bool``, and when that
-            returns False, ``settle(arrays, deadline)``; None if it has none.
+            from the call's arrays, ``go(arrays)``, and when that returns what
+            to wait for, ``settle(arrays, late, deadline)``; None if it has none.
     """
 
     __slots__ = ("algo", "writes", "args", "func", "ctx", "check", "direct")
@@ -242,8 +242,9 @@ class Communicator:
         try:
             direct = entry.direct
             if direct is not None:  # a native plan on the call's arrays as they are
-                if not direct[0](arrays):
-                    direct[1](arrays, deadline)
+                late = direct[0](arrays)
+                if late is not None:
+                    direct[1](arrays, late, deadline)
             else:
                 ctx = entry.ctx
                 ctx.tag, ctx.deadline = 2 * seq + 1, deadline

@@ -57,8 +57,8 @@ class Algorithm:
             once per call signature, as MPI's persistent collectives do.
             Only for blocking calls on contiguous numpy arrays. The function
             may carry ``on_arrays = (go, settle)``: the same work from the
-            call's arrays alone (``go(arrays) -> bool``, then, when it
-            returned False, ``settle(arrays, deadline)``).
+            call's arrays alone (``go(arrays)``, then, when it returned
+            something to wait for, ``settle(arrays, late, deadline)``).
     """
 
     collective: str

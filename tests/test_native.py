@@ -72,27 +72,93 @@ def test_no_kernel_for_half_floats_or_logical_ops():
     assert native.kernel_codes(np.dtype(np.bool_), "sum") is None
 
 
+class _TwoRanks:
+    """Two ranks' counters in one mapping (each kind a cache line apart), and
+    a native Window of each, in one process: the protocol without processes."""
+
+    def __init__(self, spin_ns: int = 0, yield_ns: int = 100_000) -> None:
+        self.mm = mmap.mmap(-1, 8192)
+        self.words = np.frombuffer(self.mm, np.uint64, 1024)
+        self.region = np.frombuffer(self.mm, np.uint8, 4096, 4096)  # two regions of 1 KiB per half
+        addr = lambda i: self.words[i:i + 1].ctypes.data  # noqa: E731
+        kinds = [[addr(64 * k + 8 * r) for r in range(2)] for k in range(4)]  # epoch, post, done, sleep
+        self.windows = [native.native.Window(*kinds, r, spin_ns, yield_ns) for r in range(2)]
+
+    def counter(self, kind: int, rank: int) -> int:
+        return int(self.words[64 * kind + 8 * rank])
+
+    def set(self, kind: int, rank: int, value: int) -> None:
+        self.words[64 * kind + 8 * rank] = value
+
+    def slot(self, rank: int, offset: int = 0) -> tuple[int, int, int]:
+        base = self.region.ctypes.data + 1024 * rank + offset
+        return (-1, base, base + 2048)
+
+    def close(self) -> None:
+        del self.windows, self.words, self.region
+        self.mm.close()
+
+
+SLEEP = 3
+
+
 @needs_native
 def test_fence_waits_bounded_and_rings_sleepers():
-    mm = mmap.mmap(-1, 4096)
-    words = np.frombuffer(mm, np.uint64, 64)
-    epochs = [words[0:1].ctypes.data, words[8:9].ctypes.data]  # ranks 0 and 1, a line apart
-    sleeps = [words[16:17].ctypes.data, words[24:25].ctypes.data]
-    w = native.native.Window(epochs, sleeps, 0, 0, 200_000)  # rank 0; yield 200 us, no spin
+    two = _TwoRanks(yield_ns=200_000)
+    w = two.windows[0]
     assert w.fence() is False  # epoch 1; rank 1 never came: the bounded wait gives up
-    assert words[0] == 1 and w.epoch == 1
-    words[8] = 2  # rank 1 arrives at epoch 2, and sleeps
-    words[24] = 1
+    assert two.counter(0, 0) == 1 and w.epoch == 1
+    two.set(0, 1, 2)  # rank 1 arrives at epoch 2, and sleeps
+    two.set(SLEEP, 1, 1)
     assert w.fence() is True
-    assert words[24] == 0  # rung: its sleep word cleared (and the futex woken)
-    words[8] = 3
-    words[24] = 1
-    assert w.fence() is True and words[24] == 0
-    words[24] = 1
+    assert two.counter(SLEEP, 1) == 0  # rung: its sleep word cleared (and the futex woken)
+    two.set(0, 1, 3)
+    two.set(SLEEP, 1, 1)
+    assert w.fence() is True and two.counter(SLEEP, 1) == 0
+    two.set(SLEEP, 1, 1)
     assert w.fence() is False  # rank 1 is not at 4: it sleeps on something else, left alone
-    assert words[24] == 1 and w.epoch == 4
-    del words
-    mm.close()
+    assert two.counter(SLEEP, 1) == 1 and w.epoch == 4
+    two.close()
+
+
+@needs_native
+def test_a_bcast_plan_waits_only_for_its_root():
+    two = _TwoRanks()
+    K = native.native
+    n = 16
+    root_plan = two.windows[0].plan(1, [((0, 0, 0), two.slot(0), n)], [], None, [])
+    leaf_plan = two.windows[1].plan(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0])
+    got = np.zeros(n, np.uint8)
+    late = leaf_plan.run((got,))  # the root has not posted: the bounded wait gives up
+    assert late == (0, K.K_POST, 1)
+    with pytest.raises(RuntimeError):
+        leaf_plan.run((got,))  # a run that waits must be resumed (or abandoned) first
+    assert root_plan.run((np.arange(n, dtype=np.uint8),)) is None  # the root waits for nobody
+    assert two.counter(K.K_POST, 0) == 1
+    assert leaf_plan.resume((got,)) is None
+    assert np.array_equal(got, np.arange(n)) and two.counter(K.K_DONE, 1) == 1
+    # the root laps the leaf: step 3 writes the half of step 1 only once the leaf is done with it
+    assert root_plan.run((np.full(n, 7, np.uint8),)) is None  # step 2
+    two.set(K.K_DONE, 1, 0)  # pretend the leaf is not done with step 1
+    assert root_plan.run((np.full(n, 9, np.uint8),)) == (1, K.K_DONE, 1)
+    two.set(K.K_DONE, 1, 1)
+    assert root_plan.resume((np.full(n, 9, np.uint8),)) is None
+    assert leaf_plan.run((got,)) is None and np.all(got == 7)  # step 2
+    assert leaf_plan.run((got,)) is None and np.all(got == 9)  # step 3
+    two.close()
+
+
+@needs_native
+def test_a_step_waits_until_its_half_is_free():
+    two = _TwoRanks()
+    K = native.native
+    w = two.windows[0]
+    assert w.step() is None and w.step() is None  # steps 1 and 2: nothing to wait for
+    assert two.counter(K.K_DONE, 0) == 1
+    assert w.step() == (1, K.K_DONE, 1)  # step 3 reuses step 1's half: rank 1 is not done with it
+    two.set(K.K_DONE, 1, 1)
+    assert w.turn == 3 and two.counter(K.K_DONE, 0) == 2
+    two.close()
 
 
 @needs_native
@@ -112,9 +178,9 @@ def test_reduce_into_refuses_mismatched_buffers():
 @needs_native
 def test_window_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        native.native.Window([1, 2], [3], 0, 0, 0)
+        native.native.Window([1, 2], [3, 4], [5, 6], [7], 0, 0, 0)
     with pytest.raises(ValueError):
-        native.native.Window([1, 2], [3, 4], 2, 0, 0)
+        native.native.Window([1, 2], [3, 4], [5, 6], [7, 8], 2, 0, 0)
 
 
 def allreduce_cases(comm) -> list[str]:

@@ -86,9 +86,12 @@ Q_ATTACHED = 8           # line 1: set once this rank has mapped every peer
 Q_ABORT, Q_REASON_LEN = 16, 17  # line 2
 Q_CLOSED = 24            # line 3
 Q_PROBE, Q_CMA = 25, 26  # cross-memory attach probe address; 1 ok, 2 not permitted
+Q_NATIVE = 27            # 1 when this rank runs the window natively (all ranks must, or none)
 Q_EPOCH = 32             # line 4: fence epoch
 Q_SLEEP = 48             # line 6 (apart from the epoch's 128 bytes): 1 while this rank
                          # blocks on it (a futex), until a peer rings it
+Q_POST, Q_DONE = 64, 80  # lines 8 and 10: the last window step whose data this rank
+                         # posted, and the last it is done reading (native plans)
 REASON_OFFSET, REASON_MAX = 1024, PAGE - 1024
 
 PEER_CHECK_SECONDS = 0.002
@@ -332,15 +335,14 @@ class ShmWindow:
         self._peer_q = [s.q for s in t._segs]
         self._peers = [r for r in range(t.size) if r != t.rank]
         self._pids = [int(s.q[Q_PID]) for s in t._segs]
+        self._turn = 0
         self._native = None
         ext = native.enabled()
-        if ext is not None:  # the same fence in C, with a bounded spin or yield
+        if ext is not None and all(s.q[Q_NATIVE] == 1 for s in t._segs):
+            # the same fence in C, with a bounded spin or yield; and plans
             spin, yields = (SPIN_SECONDS, 20e-6) if t._spin else (0.0, YIELD_SECONDS)
-            self._native = ext.Window(t._epoch_words, t._sleep_words, t.rank,
+            self._native = ext.Window(*t._counter_words, t._sleep_words, t.rank,
                                       int(spin * 1e9), int(yields * 1e9))
-        #: The algorithms' count of steps through the window's halves (``turn``),
-        #: kept where native plans advance it too.
-        self.counters = self._native if self._native is not None else _Counters()
 
     @property
     def cma(self) -> bool:
@@ -387,7 +389,9 @@ class ShmWindow:
             raise BadArgument("the shared-memory transport is closed")
         if self._native is not None:
             if not self._native.fence():
-                self._wait_late(deadline)
+                e = self._native.epoch
+                for r in self._peers:
+                    self._wait_for((r, native.native.K_EPOCH, e), deadline)
             return
         e = self._epoch = self._epoch + 1
         qs[self._t.rank][Q_EPOCH] = e
@@ -403,47 +407,61 @@ class ShmWindow:
                 if qs[r][Q_EPOCH] < e:
                     self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence")
 
-    def _wait_late(self, deadline: float) -> None:
-        """The rest of a native fence whose bounded wait ran out: block."""
-        qs, e = self._peer_q, self._native.epoch
-        for r in self._peers:
-            if qs[r][Q_EPOCH] < e:
-                self._t._wait_counter(qs[r], Q_EPOCH, e, r, deadline, "window fence", block_now=True)
+    _KINDS = (Q_EPOCH, Q_POST, Q_DONE)
 
-    def plan(self, narrays: int, before: list, after: list, reduce: tuple | None) -> Any:
-        """A collective's one-fence case in one native call (see
+    def _wait_for(self, late: tuple[int, int, int], deadline: float) -> None:
+        """Block until rank's counter of kind (epoch, post, done) reaches value:
+        the rest of a native wait whose bounded spin ran out."""
+        rank, kind, value = late
+        q = self._peer_q[rank]
+        if q[self._KINDS[kind]] < value:
+            self._t._wait_counter(q, self._KINDS[kind], value, rank, deadline, "shared window", block_now=True)
+
+    def step(self, deadline: float) -> int:
+        """Take the next step through the halves (for an algorithm that writes
+        its half, then fences); returns its number k >= 1, whose half
+        ``(k - 1) % 2`` may be written now."""
+        if self._native is None:
+            self._turn += 1
+            return self._turn
+        late = self._native.step()
+        if late is not None:  # the first peer still below; then every other one, in turn
+            _, kind, value = late
+            for r in self._peers:
+                self._wait_for((r, kind, value), deadline)
+        return self._native.turn
+
+    def plan(self, narrays: int, before: list, after: list, reduce: tuple | None, sources: list[int]) -> Any:
+        """A collective's small case in one native call (see
         ``collectives._native``), or None without the native extension.
-        ``before``/``after``: copies ``(src, dst, nbytes)`` before and after
-        the fence; ``reduce``: ``(dst, srcs, count, dtype code, op code)``
-        after the copies, or None; places are ``(array index, byte offset,
-        0)`` in the call's arrays or ``(-1, address in half 0, address in half
-        1)`` in the window.
+        ``before``/``after``: copies ``(src, dst, nbytes)`` before posting
+        and after the ``sources`` (ranks whose regions it reads) posted;
+        ``reduce``: ``(dst, srcs, count, dtype code, op code)`` after the
+        copies, or None; places are ``(array index, byte offset, 0)`` in the
+        call's arrays or ``(-1, address in half 0, address in half 1)`` in
+        the window.
 
         Returns:
-            The plan: ``plan.run(arrays) -> bool`` takes the next turn and
-            fence; when it returns False, call :meth:`settle`.
+            The plan: ``plan.run(arrays)`` takes the next step; when it
+            returns something to wait for, call :meth:`settle`.
         """
         if self._native is None:
             return None
-        return self._native.plan(narrays, before, after, reduce)
+        return self._native.plan(narrays, before, after, reduce, sources)
 
-    def settle(self, plan: Any, arrays: tuple, deadline: float) -> None:
-        """Finish a plan's run whose fence was not complete: block, then the rest."""
-        self._wait_late(deadline)
-        plan.finish(arrays)
+    def settle(self, plan: Any, arrays: tuple, late: tuple, deadline: float) -> None:
+        """Finish a plan's run that had to wait: block, resume, until done."""
+        try:
+            while late is not None:
+                self._wait_for(late, deadline)
+                late = plan.resume(arrays)
+        except BaseException:
+            plan.abandon()
+            raise
 
     def release(self) -> None:
         self._regions = self._pools = self._peer_q = []
         self._native = None
-
-
-class _Counters:
-    """The window algorithms' step count, where no native window keeps it."""
-
-    __slots__ = ("turn",)
-
-    def __init__(self) -> None:
-        self.turn = 0
 
 
 # --------------------------------------------------------------------------- allocator
@@ -616,7 +634,7 @@ class SharedMemoryTransport(Transport):
         self._lock = threading.RLock()
         self._segs: list[_Segment] = []
         self._sleep_words: list[int] = []  # addresses of every rank's Q_SLEEP word
-        self._epoch_words: list[int] = []  # and of its Q_EPOCH counter
+        self._counter_words: list[list[int]] = []  # and of its Q_EPOCH, Q_POST and Q_DONE counters
         self._watch: _PeerWatch | None = None
         self._window: ShmWindow | None = None
         self._next_check = 0.0
@@ -653,6 +671,7 @@ class SharedMemoryTransport(Transport):
         q[Q_WINDOW], q[Q_ALLOC], q[Q_SECRET] = lay.window, lay.pool, self._secret
         self._probe = np.array([MAGIC], np.uint64)
         q[Q_PROBE] = self._probe.ctypes.data
+        q[Q_NATIVE] = 1 if native.enabled() is not None else 0
         q[Q_MAGIC] = MAGIC  # last: the segment is ready
         return seg
 
@@ -699,7 +718,7 @@ class SharedMemoryTransport(Transport):
         self._watch = _PeerWatch({r: int(s.q[Q_PID]) for r, s in enumerate(segs) if r != self.rank})
         bases = [np.frombuffer(s.mm, np.uint8, 8).ctypes.data for s in segs]
         self._sleep_words = [b + Q_SLEEP * 8 for b in bases]
-        self._epoch_words = [b + Q_EPOCH * 8 for b in bases]
+        self._counter_words = [[b + i * 8 for b in bases] for i in (Q_EPOCH, Q_POST, Q_DONE)]
         own.q[Q_ATTACHED] = 1
         self._ring_all()
         for r in range(self.size):

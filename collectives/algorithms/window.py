@@ -73,13 +73,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-class _Counters:
-    __slots__ = ("turn",)
-
-    def __init__(self) -> None:
-        self.turn = 0
-
-
 class _WindowState:
     """Per-window bookkeeping shared by the algorithms: the turn counter
     (which half is next) and views prepared once per buffer shape."""
@@ -87,26 +80,15 @@ class _WindowState:
     def __init__(self, window, size: int) -> None:
         cap = window.capacity
         self.half = max(((cap - META_BYTES) // 2) // _ALIGN * _ALIGN, 0)
-        self.counters = getattr(window, "counters", None) or _Counters()
+        self.window = window
         self.regions = [window.region(r) for r in range(size)]
         self.plans: dict[tuple, list[np.ndarray]] = {}
 
-    @property
-    def turn(self) -> int:
-        """Steps taken through the halves (the window keeps the count, which
-        its native plans advance too)."""
-        return self.counters.turn
-
-    @turn.setter
-    def turn(self, value: int) -> None:
-        self.counters.turn = value
-
-    def next_half(self) -> int:
-        """Byte offset of the half to use for the next step (alternates)."""
-        c = self.counters
-        h = c.turn & 1
-        c.turn += 1
-        return META_BYTES + h * self.half
+    def next_half(self, deadline: float) -> int:
+        """Byte offset of the half to use for the next step (they alternate;
+        the window counts the steps, its native plans' too, and makes sure
+        the half is free)."""
+        return META_BYTES + ((self.window.step(deadline) - 1) & 1) * self.half
 
     def views(self, offset: int, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's region bytes [offset, offset + nbytes) as ``dtype`` (cached)."""
@@ -225,22 +207,68 @@ def _slot(st: _WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, 
     return (-1, base, base + st.half)
 
 
-def _plan(window, narrays: int, before: list, after: list, reduce: tuple | None = None):
+def _plan(window, narrays: int, before: list, after: list, reduce: tuple | None, sources: list[int]):
     """``(run, settle)`` of the window's native plan, or None without one:
-    ``run(arrays) -> bool`` takes the next half in turn as the algorithm
-    would; when it returns False, ``settle(arrays, deadline)``."""
+    ``run(arrays)`` takes the next step as the algorithm would, and returns
+    None, or what to wait for: then ``settle(arrays, late, deadline)``.
+    ``sources``: the ranks whose regions ``after`` and ``reduce`` read."""
     make = getattr(window, "plan", None)
-    plan = make(narrays, before, after, reduce) if make is not None else None
+    plan = make(narrays, before, after, reduce, sources) if make is not None else None
     if plan is None:
         return None
     settle = window.settle
-    return plan.run, lambda arrays, deadline: settle(plan, arrays, deadline)
+    return plan.run, lambda arrays, late, deadline: settle(plan, arrays, late, deadline)
 
 
 def _reduction(dst: tuple, srcs: list, count: int, dtype: np.dtype, op: Op) -> tuple | None:
     """The plan's reduction ``dst = srcs[0] op srcs[1] ...``, or None without a native kernel."""
     codes = native.kernel_codes(dtype, op.name, op.ufunc)
     return None if codes is None else (dst, srcs, count) + codes
+
+
+def _first(buf, *rest) -> tuple:
+    return (buf,)
+
+
+def _first_two(a, b, *rest) -> tuple:
+    return (a, b)
+
+
+def _planned(made: tuple | None, arrays_of):
+    """The persistent plan (see registry.Algorithm) of a native plan ``made``
+    (or None): a function with the algorithm's signature, whose
+    ``arrays_of(*args)`` are the plan's arrays; ``on_arrays`` is ``made``."""
+    if made is None:
+        return None
+    go, settle = made
+
+    def run(ctx, *args) -> None:
+        arrays = arrays_of(*args)
+        late = go(arrays)
+        if late is not None:
+            settle(arrays, late, ctx.deadline)
+    run.on_arrays = made
+    return run
+
+
+_MISSING = object()
+
+
+def _run_planned(ctx, prepare, key: tuple, *args) -> bool:
+    """Run this call's case as its persistent plan, made by ``prepare`` once
+    per ``key`` (the call's signature), if it has one; True when it ran.
+    Every rank runs a case alike, through the plan or not: a native plan
+    and a fence do not wait for each other."""
+    _, st = _state_of(ctx)
+    run = st.plans.get(key, _MISSING)
+    if run is _MISSING:
+        if len(st.plans) > 256:
+            st.plans.clear()
+        run = st.plans[key] = prepare(ctx.transport, *args)
+    if run is None:
+        return False
+    run(ctx, *args)
+    return True
 
 
 def _prepare_allreduce(transport, buf: np.ndarray, op: Op):
@@ -254,15 +282,10 @@ def _prepare_allreduce(transport, buf: np.ndarray, op: Op):
     if p == 1 or nbytes == 0 or dtype in _LOW or not _single_fence(nbytes, p, st):
         return None
     reduction = _reduction(_arr(0), [_slot(st, r) for r in range(p)], buf.size, dtype, op)
-    made = _plan(window, 1, [(_arr(0), _slot(st, rank), nbytes)], [], reduction) if reduction else None
+    peers = [r for r in range(p) if r != rank]
+    made = _plan(window, 1, [(_arr(0), _slot(st, rank), nbytes)], [], reduction, peers) if reduction else None
     if made is not None:
-        go, settle = made
-
-        def run_native(ctx, buf: np.ndarray, op: Op) -> None:
-            if not go((buf,)):
-                settle((buf,), ctx.deadline)
-        run_native.on_arrays = made
-        return run_native
+        return _planned(made, _first)
     halves = []
     for off in (META_BYTES, META_BYTES + st.half):
         views = st.views(off, nbytes, dtype)
@@ -270,9 +293,7 @@ def _prepare_allreduce(transport, buf: np.ndarray, op: Op):
     fence, ufunc, copyto = window.fence, op.ufunc, np.copyto
 
     def run(ctx, buf: np.ndarray, op: Op) -> None:
-        h = st.turn & 1
-        st.turn += 1
-        mine, first, second, rest = halves[h]
+        mine, first, second, rest = halves[(window.step(ctx.deadline) - 1) & 1]
         copyto(mine, buf)
         fence(ctx.deadline)
         ufunc(first, second, out=buf)
@@ -290,7 +311,8 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         return
     window, st = _state_of(ctx)
     if _single_fence(buf.nbytes, p, st):
-        _allreduce_small(ctx, window, st, buf, op)
+        if not _run_planned(ctx, _prepare_allreduce, ("allreduce", buf.dtype, buf.size, op.name), buf, op):
+            _allreduce_small(ctx, window, st, buf, op)
         return
     direct_from = DIRECT_ALLREDUCE_BYTES * -(-p // _cores())
     if buf.nbytes < direct_from or not _allreduce_direct(ctx, window, st, buf, op):
@@ -298,7 +320,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
 
 
 def _allreduce_small(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> None:
-    off = st.next_half()
+    off = st.next_half(ctx.deadline)
     views = st.views(off, buf.nbytes, buf.dtype)
     np.copyto(views[ctx.rank], buf)
     window.fence(ctx.deadline)
@@ -314,8 +336,7 @@ def _allreduce_small(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> 
 def _publish(ctx, window, st: _WindowState, buf: np.ndarray) -> list[np.ndarray]:
     """Tell every rank where ``buf`` is (pool offset if in the shared pool, and
     its address) and learn the same of every rank; one fence."""
-    meta_off = (st.turn & 1) * 32
-    st.turn += 1
+    meta_off = ((window.step(ctx.deadline) - 1) & 1) * 32
     where = window.locate(buf) if hasattr(window, "locate") else None
     meta = st.regions[ctx.rank][meta_off:meta_off + 24].view(np.int64)
     meta[0] = 1 if where is not None else 0
@@ -428,7 +449,7 @@ def _allreduce_pieces(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
     item = buf.itemsize
     peers = [r for r in range(p) if r != me]
     for parts, used in _striped(_blocks(buf.size, p), step):
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         mine = st.regions[me]
         for r in peers:
             start, n, off = parts[r]
@@ -473,16 +494,7 @@ def _prepare_reduce_scatter(transport, sendbuf: np.ndarray, recvbuf: np.ndarray,
     start, n, off = parts[me]
     reduction = _reduction(_arr(1), [_arr(0, start * item)] + [_slot(st, r, off * item) for r in peers],
                            n, dtype, op)
-    made = _plan(window, 2, before, [], reduction) if reduction else None
-    if made is None:
-        return None
-    go, settle = made
-
-    def run(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op) -> None:
-        if not go((sendbuf, recvbuf)):
-            settle((sendbuf, recvbuf), ctx.deadline)
-    run.on_arrays = made
-    return run
+    return _planned(_plan(window, 2, before, [], reduction, peers) if reduction else None, _first_two)
 
 
 @register("reduce_scatter", "shared_window", needs=("window",), prepare=_prepare_reduce_scatter,
@@ -493,6 +505,9 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
         np.copyto(recvbuf, sendbuf[:counts[0]])
         return
     if sum(counts) == 0:
+        return
+    key = ("reduce_scatter", sendbuf.dtype, sendbuf.size, tuple(counts), op.name)
+    if _run_planned(ctx, _prepare_reduce_scatter, key, sendbuf, recvbuf, counts, op):
         return
     window, st = _state_of(ctx)
     readers = _direct(ctx, window, st, sendbuf, sendbuf.nbytes)
@@ -505,7 +520,7 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
     peers = [r for r in range(p) if r != me]
     dt = sendbuf.dtype
     for parts, used in _striped_cached(st, counts, step):
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         for r in peers:
             start, n, off = parts[r]
             if n:
@@ -552,16 +567,8 @@ def _prepare_allgather(transport, buf: np.ndarray, counts: list[int]):
     before = [(_arr(0, start * item), _slot(st, me, off * item), n * item)] if n else []
     after = [(_slot(st, r, off * item), _arr(0, start * item), n * item)
              for r, (start, n, off) in enumerate(parts) if r != me and n]
-    made = _plan(window, 1, before, after)
-    if made is None:
-        return None
-    go, settle = made
-
-    def run(ctx, buf: np.ndarray, counts: list[int]) -> None:
-        if not go((buf,)):
-            settle((buf,), ctx.deadline)
-    run.on_arrays = made
-    return run
+    sources = [r for r, (_, n, _) in enumerate(parts) if r != me and n]
+    return _planned(_plan(window, 1, before, after, None, sources), _first)
 
 
 @register("allgather", "shared_window", needs=("window",), prepare=_prepare_allgather,
@@ -569,6 +576,8 @@ def _prepare_allgather(transport, buf: np.ndarray, counts: list[int]):
 def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
     p, me = ctx.size, ctx.rank
     if p == 1 or sum(counts) == 0:
+        return
+    if _run_planned(ctx, _prepare_allgather, ("allgather", buf.dtype, buf.size, tuple(counts)), buf, counts):
         return
     window, st = _state_of(ctx)
     item = buf.itemsize
@@ -583,7 +592,7 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
     step = max(1, min(st.half, PIECE_BYTES) // (p * item))
     dt = buf.dtype
     for parts, used in _striped_cached(st, counts, step):
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         start, n, off = parts[me]
         if n:
             np.copyto(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
@@ -606,22 +615,17 @@ def _prepare_bcast(transport, buf: np.ndarray, root: int):
         return None
     here = (_arr(0), _slot(st, root), n)
     there = (_slot(st, root), _arr(0), n)
-    made = _plan(window, 1, [here] if me == root else [], [] if me == root else [there])
-    if made is None:
-        return None
-    go, settle = made
-
-    def run(ctx, buf: np.ndarray, root: int) -> None:
-        if not go((buf,)):
-            settle((buf,), ctx.deadline)
-    run.on_arrays = made
-    return run
+    if me == root:
+        return _planned(_plan(window, 1, [here], [], None, []), _first)
+    return _planned(_plan(window, 1, [], [there], None, [root]), _first)
 
 
 @register("bcast", "shared_window", needs=("window",), prepare=_prepare_bcast,
           description="the root copies into its window region; the others copy out")
 def bcast(ctx, buf: np.ndarray, root: int) -> None:
     if ctx.size == 1 or buf.size == 0:
+        return
+    if _run_planned(ctx, _prepare_bcast, ("bcast", buf.dtype, buf.size, root), buf, root):
         return
     window, st = _state_of(ctx)
     readers = _direct(ctx, window, st, buf, buf.nbytes)
@@ -635,7 +639,7 @@ def bcast(ctx, buf: np.ndarray, root: int) -> None:
     u8 = data.dtype
     for a in range(0, data.size, step):
         b = min(a + step, data.size)
-        src = st.views(st.next_half(), b - a, u8)[root]
+        src = st.views(st.next_half(ctx.deadline), b - a, u8)[root]
         if ctx.rank == root:
             np.copyto(src, data[a:b])
         window.fence(ctx.deadline)

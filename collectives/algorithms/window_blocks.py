@@ -29,23 +29,11 @@ import numpy as np
 
 from ..ops import Op
 from ..registry import register
-from .window import (_LOW, DIRECT_BYTES, PIECE_BYTES, _arr, _blocks, _direct, _displs, _one_piece, _plan, _reduce,
-                     _reduction, _single_fence, _slot, _state_of, _striped_cached, _window_state)
+from .window import (_LOW, DIRECT_BYTES, PIECE_BYTES, _arr, _blocks, _direct, _displs, _first, _first_two, _one_piece,
+                     _plan, _planned, _reduce, _reduction, _run_planned, _single_fence, _slot, _state_of,
+                     _striped_cached, _window_state)
 
 __all__ = ["barrier", "gather", "scatter", "alltoall", "reduce"]
-
-
-def _rooted(made: tuple | None):
-    """A prepared gather or scatter from a native plan (or None)."""
-    if made is None:
-        return None
-    go, settle = made
-
-    def run(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray | None, root: int, counts: list[int]) -> None:
-        if not go((sendbuf, recvbuf)):
-            settle((sendbuf, recvbuf), ctx.deadline)
-    run.on_arrays = made
-    return run
 
 
 def _budget(st) -> int:
@@ -75,17 +63,20 @@ def _prepare_gather(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, 
     displs = _displs(list(counts))
     if me == root:
         before = [(_arr(0), _arr(1, displs[me] * item), counts[me] * item)] if counts[me] else []
-        after = [(_slot(st, r), _arr(1, displs[r] * item), counts[r] * item)
-                 for r in range(p) if r != me and counts[r]]
+        sources = [r for r in range(p) if r != me and counts[r]]
+        after = [(_slot(st, r), _arr(1, displs[r] * item), counts[r] * item) for r in sources]
     else:
-        before, after = ([(_arr(0), _slot(st, me), counts[me] * item)] if counts[me] else []), []
-    return _rooted(_plan(window, 2, before, after))
+        before, after, sources = ([(_arr(0), _slot(st, me), counts[me] * item)] if counts[me] else []), [], []
+    return _planned(_plan(window, 2, before, after, None, sources), _first_two)
 
 
 @register("gather", "shared_window", needs=("window",), prepare=_prepare_gather,
           description="each rank copies its block into its window region; the root copies all out")
 def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: Sequence[int]) -> None:
     p, me = ctx.size, ctx.rank
+    key = ("gather", sendbuf.dtype, tuple(counts), root)
+    if p > 1 and _run_planned(ctx, _prepare_gather, key, sendbuf, recvbuf, root, counts):
+        return
     displs = _displs(list(counts))
     if me == root:
         np.copyto(recvbuf[displs[me]:displs[me] + counts[me]], sendbuf)
@@ -103,7 +94,7 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         return
     step = max(1, _budget(st) // item)
     for a in range(0, max(counts), step):
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         n = min(step, counts[me] - a)
         if me != root and n > 0:
             np.copyto(_region(st, me, base, n, dt), sendbuf[a:a + n])
@@ -130,11 +121,12 @@ def _prepare_scatter(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray,
                   for r, (start, n, off) in enumerate(parts) if r != me and n]
         start, n, _ = parts[me]
         before += [(_arr(0, start * item), _arr(1), n * item)] if n else []
-        after = []
+        after, sources = [], []
     else:
         start, n, off = parts[me]
-        before, after = [], ([(_slot(st, root, off * item), _arr(1), n * item)] if n else [])
-    return _rooted(_plan(window, 2, before, after))
+        after = [(_slot(st, root, off * item), _arr(1), n * item)] if n else []
+        before, sources = [], ([root] if n else [])
+    return _planned(_plan(window, 2, before, after, None, sources), _first_two)
 
 
 @register("scatter", "shared_window", needs=("window",), prepare=_prepare_scatter,
@@ -142,6 +134,9 @@ def _prepare_scatter(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray,
 def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: Sequence[int]) -> None:
     p, me = ctx.size, ctx.rank
     counts = list(counts)
+    key = ("scatter", recvbuf.dtype, tuple(counts), root)
+    if p > 1 and _run_planned(ctx, _prepare_scatter, key, sendbuf, recvbuf, root, counts):
+        return
     displs = _displs(counts)
     if me == root:
         np.copyto(recvbuf, sendbuf[displs[me]:displs[me] + counts[me]])
@@ -157,7 +152,7 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
         return
     step = max(1, _budget(st) // (p * item))
     for parts, _ in _striped_cached(st, counts, step):
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         if me == root:
             for r, (start, n, off) in enumerate(parts):
                 if r != me and n:
@@ -180,22 +175,15 @@ def _prepare_alltoall(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     before = [(_arr(0, d * b), _slot(st, me, d * b), b) for d in range(p) if d != me]
     before.append((_arr(0, me * b), _arr(1, me * b), b))
     after = [(_slot(st, r, me * b), _arr(1, r * b), b) for r in range(p) if r != me]
-    made = _plan(window, 2, before, after)
-    if made is None:
-        return None
-    go, settle = made
-
-    def run(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-        if not go((sendbuf, recvbuf)):
-            settle((sendbuf, recvbuf), ctx.deadline)
-    run.on_arrays = made
-    return run
+    return _planned(_plan(window, 2, before, after, None, [r for r in range(p) if r != me]), _first_two)
 
 
 @register("alltoall", "shared_window", needs=("window",), prepare=_prepare_alltoall,
           description="each rank copies its blocks into its window region; each copies its own from every region")
 def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     p, me = ctx.size, ctx.rank
+    if p > 1 and _run_planned(ctx, _prepare_alltoall, ("alltoall", sendbuf.dtype, sendbuf.size), sendbuf, recvbuf):
+        return
     b = sendbuf.size // p
     np.copyto(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
     if p == 1 or b == 0:
@@ -212,7 +200,7 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     step = max(1, _budget(st) // (p * item))
     for a in range(0, b, step):
         m = min(step, b - a)
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         for d in range(p):
             if d != me:
                 np.copyto(_region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
@@ -228,24 +216,13 @@ def _prepare_reduce(transport, buf: np.ndarray, root: int, op: Op):
     window, st = _window_state(transport.window, p)
     if p == 1 or buf.size == 0 or buf.dtype in _LOW or not _single_fence(buf.nbytes, p, st):
         return None
-    if me == root:
-        before = []
-        reduction = _reduction(_arr(0), [_arr(0)] + [_slot(st, r) for r in range(p) if r != root],
-                               buf.size, buf.dtype, op)
-        if reduction is None:
-            return None
-    else:
-        before, reduction = [(_arr(0), _slot(st, me), buf.nbytes)], None
-    made = _plan(window, 1, before, [], reduction)
-    if made is None:
+    if _reduction(_arr(0), [], 0, buf.dtype, op) is None:  # every rank declines alike, not the root alone
         return None
-    go, settle = made
-
-    def run(ctx, buf: np.ndarray, root: int, op: Op) -> None:
-        if not go((buf,)):
-            settle((buf,), ctx.deadline)
-    run.on_arrays = made
-    return run
+    if me == root:
+        peers = [r for r in range(p) if r != root]
+        reduction = _reduction(_arr(0), [_arr(0)] + [_slot(st, r) for r in peers], buf.size, buf.dtype, op)
+        return _planned(_plan(window, 1, [], [], reduction, peers), _first)
+    return _planned(_plan(window, 1, [(_arr(0), _slot(st, me), buf.nbytes)], [], None, []), _first)
 
 
 @register("reduce", "shared_window", needs=("window",), prepare=_prepare_reduce,
@@ -254,10 +231,12 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
     p, me = ctx.size, ctx.rank
     if p == 1 or buf.size == 0:
         return
+    if _run_planned(ctx, _prepare_reduce, ("reduce", buf.dtype, buf.size, root, op.name), buf, root, op):
+        return
     window, st = _state_of(ctx)
     dt, item = buf.dtype, buf.itemsize
     if _single_fence(buf.nbytes, p, st):
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         if me != root:
             np.copyto(st.views(base, buf.nbytes, dt)[me], buf)
         window.fence(ctx.deadline)
@@ -268,7 +247,7 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
     step = max(1, _budget(st) // (p * item))
     peers = [r for r in range(p) if r != me]
     for parts, _ in _striped_cached(st, _blocks(buf.size, p), step):
-        base = st.next_half()
+        base = st.next_half(ctx.deadline)
         for r in peers:  # the pieces of the blocks the others reduce
             start, n, off = parts[r]
             if n:
