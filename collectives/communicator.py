@@ -225,16 +225,14 @@ class Communicator:
         entry = self._prepared.get(key)
         if entry is None or self._broken is not None or self._closed or self._lane.busy:
             return False
-        if len(arrays) == 1:  # the common case, without a loop
-            flags = arrays[0].flags
-            if not flags.c_contiguous or (entry.writes[0] and not flags.writeable):
+        writes = entry.writes
+        flags = arrays[0].flags if arrays and arrays[0] is not None else None  # unrolled: one or two arrays
+        if flags is not None and (not flags.c_contiguous or (writes[0] and not flags.writeable)):
+            return False
+        if len(arrays) > 1:
+            flags = arrays[1].flags if arrays[1] is not None else None
+            if flags is not None and (not flags.c_contiguous or (writes[1] and not flags.writeable)):
                 return False
-        else:
-            for arr, writes in zip(arrays, entry.writes):
-                if arr is not None:
-                    flags = arr.flags
-                    if not flags.c_contiguous or (writes and not flags.writeable):
-                        return False
             if entry.check is not None and not entry.check(arrays):
                 return False
         deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
