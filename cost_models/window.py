@@ -3,7 +3,8 @@
 Their cost is memory traffic and fences, not messages: ``copy(m)`` is a
 local copy of m bytes at the memory bandwidth, ``F`` one fence (a barrier
 through shared memory), gamma the reduction of one byte. Below
-``DIRECT_BYTES`` data goes through the window (copy in, fence, copy out);
+``DIRECT_BYTES`` (times the square of the ranks per core) data goes through the window
+(copy in, fence, copy out);
 from it on, ranks publish their buffers (one fence) and read each other's
 directly (one copy), with a closing fence.
 
@@ -30,11 +31,14 @@ import math
 
 from .model import Params, cost_model
 
-SMALL_BYTES = 32 * 1024
-SMALL_TOTAL_BYTES = 1 << 20
-DIRECT_BYTES = 64 * 1024
-DIRECT_ALLREDUCE_BYTES = 2 << 20
-PIECE_BYTES = 2 << 20
+from collectives.algorithms.window import (DIRECT_ALLREDUCE_BYTES, DIRECT_BYTES, PIECE_BYTES,  # noqa: F401
+                                           SMALL_BYTES, SMALL_TOTAL_BYTES)
+
+
+def direct_from(threshold: int, p: int, P: Params, power: int = 1) -> int:
+    """Bytes from which the algorithms read peers' buffers directly:
+    ``threshold`` times the ranks per core to ``power`` (as the implementation decides)."""
+    return threshold * (math.ceil(p / P.cores) if P.cores else 1) ** power
 
 
 @cost_model("allreduce", "shared_window")
@@ -45,8 +49,7 @@ def allreduce(p: int, n: int, P: Params) -> float:
     if n <= max(SMALL_BYTES, SMALL_TOTAL_BYTES // p):
         return P.copy(n) + P.fence + (p - 1) * n * P.gamma
     share = (p - 1) / p * n
-    ranks_per_core = math.ceil(p / P.cores) if P.cores else 1
-    if n < DIRECT_ALLREDUCE_BYTES * ranks_per_core:
+    if n < direct_from(DIRECT_ALLREDUCE_BYTES, p, P):
         pieces = max(1, math.ceil(n / PIECE_BYTES))
         return 2 * pieces * P.fence + P.copy(share) + share * P.gamma + P.copy(n)
     return 3 * P.fence + 2 * P.copy(share) + share * P.gamma
@@ -58,7 +61,7 @@ def reduce_scatter(p: int, n: int, P: Params) -> float:
     if p == 1:
         return P.copy(n)
     b = n / p
-    if n >= DIRECT_BYTES:
+    if n >= direct_from(DIRECT_BYTES, p, P, 2):
         return 2 * P.fence + P.copy((p - 1) * b) + (p - 1) * b * P.gamma
     return P.copy((p - 1) * b) + P.fence + (p - 1) * b * P.gamma
 
@@ -69,7 +72,7 @@ def allgather(p: int, n: int, P: Params) -> float:
     if p == 1 or n == 0:
         return 0.0
     b = n / p
-    if n >= DIRECT_BYTES:
+    if n >= direct_from(DIRECT_BYTES, p, P, 2):
         return 2 * P.fence + P.copy((p - 1) * b)
     return P.copy(b) + P.fence + P.copy((p - 1) * b)
 
@@ -79,6 +82,6 @@ def bcast(p: int, n: int, P: Params) -> float:
     """2F + copy(n)."""
     if p == 1 or n == 0:
         return 0.0
-    if n >= DIRECT_BYTES:
+    if n >= direct_from(DIRECT_BYTES, p, P, 2):
         return 2 * P.fence + P.copy(n)
     return 2 * P.copy(n) + P.fence

@@ -18,7 +18,7 @@ other: a half is rewritten only after a fence that every reader has passed.
 * ``allgather``: each rank copies its block in, fence, copies the others out.
 * ``bcast``: the root copies in, fence, the others copy out.
 
-From ``DIRECT_BYTES`` on, when every rank's buffer can be read directly
+From ``DIRECT_BYTES`` (times the ranks per core) on, when every rank's buffer can be read directly
 (it lives in the shared pool, or the window offers cross-memory attach,
 ``window.cma`` and ``window.read``), the collectives publish their buffers'
 addresses (one fence) and copy straight from the other ranks' buffers: one
@@ -50,8 +50,12 @@ SMALL_TOTAL_BYTES = 1 << 20
 #: Largest piece (bytes per region half) of the pipelined paths.
 PIECE_BYTES = 2 << 20
 META_BYTES = 4096
-#: Collectives other than allreduce read peers' buffers directly from this size on.
-DIRECT_BYTES = 64 * 1024
+#: Collectives other than allreduce read peers' buffers directly from this size
+#: on, times the square of the ranks per core (measured: 2 ranks on 2 cores,
+#: the window's pieces are faster up to 256 KiB and even at 1 MiB; 4 ranks,
+#: faster or even up to 4 MiB: each read pins pages, and stalls longer when
+#: ranks take turns on a core).
+DIRECT_BYTES = 512 * 1024
 #: Allreduce reads peers' buffers directly (one copy, but a system call and
 #: page pinning per read) from this size on, times the ranks per core
 #: (measured, 2 ranks on 2 cores: the window's pieces are faster up to 1 MiB;
@@ -71,6 +75,13 @@ def _cores() -> int:
         return max(len(os.sched_getaffinity(0)), 1)
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _direct_from(threshold: int, p: int, power: int = 1) -> int:
+    """Bytes from which reading peers' buffers directly beats the window's
+    pieces: ``threshold`` times the ranks per core to ``power`` (a read is a
+    system call that pins pages, paid by every rank of a core in turn)."""
+    return threshold * (-(-p // _cores())) ** power
 
 
 class _WindowState:
@@ -314,8 +325,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         if not _run_planned(ctx, _prepare_allreduce, ("allreduce", buf.dtype, buf.size, op.name), buf, op):
             _allreduce_small(ctx, window, st, buf, op)
         return
-    direct_from = DIRECT_ALLREDUCE_BYTES * -(-p // _cores())
-    if buf.nbytes < direct_from or not _allreduce_direct(ctx, window, st, buf, op):
+    if buf.nbytes < _direct_from(DIRECT_ALLREDUCE_BYTES, p) or not _allreduce_direct(ctx, window, st, buf, op):
         _allreduce_pieces(ctx, window, st, buf, op)
 
 
@@ -430,9 +440,9 @@ class _Readers:
 def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int) -> _Readers | None:
     """Publish ``buf`` and return readers of every rank's buffer, or None (every
     rank alike) when some rank's buffer cannot be read directly. Only for
-    ``nbytes`` (the same on every rank) of at least DIRECT_BYTES."""
+    ``nbytes`` (the same on every rank) from ``_direct_from(DIRECT_BYTES, p, 2)`` on."""
     cma = bool(getattr(window, "cma", False))
-    if nbytes < DIRECT_BYTES or not (cma or hasattr(window, "allocation")):
+    if nbytes < _direct_from(DIRECT_BYTES, ctx.size, 2) or not (cma or hasattr(window, "allocation")):
         return None
     metas = _publish(ctx, window, st, buf)
     if cma or all(int(m[0]) for m in metas):
@@ -483,7 +493,7 @@ def _prepare_reduce_scatter(transport, sendbuf: np.ndarray, recvbuf: np.ndarray,
     p, me = transport.size, transport.rank
     window, st = _window_state(transport.window, p)
     item, dtype = sendbuf.itemsize, sendbuf.dtype
-    if p == 1 or sendbuf.nbytes >= DIRECT_BYTES or dtype in _LOW or not sum(counts):
+    if p == 1 or sendbuf.nbytes >= _direct_from(DIRECT_BYTES, p, 2) or dtype in _LOW or not sum(counts):
         return None
     parts = _one_piece(st, counts, _piece_elems(st.half, p, item))
     if parts is None:
@@ -558,7 +568,7 @@ def _prepare_allgather(transport, buf: np.ndarray, counts: list[int]):
     p, me = transport.size, transport.rank
     window, st = _window_state(transport.window, p)
     item = buf.itemsize
-    if p == 1 or buf.nbytes >= DIRECT_BYTES or not sum(counts):
+    if p == 1 or buf.nbytes >= _direct_from(DIRECT_BYTES, p, 2) or not sum(counts):
         return None
     parts = _one_piece(st, counts, max(1, min(st.half, PIECE_BYTES) // (p * item)))
     if parts is None:
@@ -611,7 +621,7 @@ def _prepare_bcast(transport, buf: np.ndarray, root: int):
     p, me = transport.size, transport.rank
     window, st = _window_state(transport.window, p)
     n = buf.nbytes
-    if p == 1 or n == 0 or n >= DIRECT_BYTES or n > min(st.half, PIECE_BYTES):
+    if p == 1 or n == 0 or n >= _direct_from(DIRECT_BYTES, p, 2) or n > min(st.half, PIECE_BYTES):
         return None
     here = (_arr(0), _slot(st, root), n)
     there = (_slot(st, root), _arr(0), n)
