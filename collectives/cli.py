@@ -33,6 +33,9 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument("--transport", default=None, help="transport name (default: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
     ap.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    ap.add_argument("--bind", choices=("auto", "core", "none"), default=None,
+                    help="bind rank i to core i (round robin): auto (default, COLLECTIVES_BIND) when the "
+                         "ranks outnumber the cores, core always, none never")
     ap.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     ap.add_argument("script", nargs="?", help="the Python script every rank runs")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -43,7 +46,8 @@ def run_main(argv: Sequence[str]) -> int:
         cmd = [sys.executable, ns.script] + ns.args
     else:
         ap.error("a script or -m module is required")
-    return launch(cmd, ns.nprocs, transport=ns.transport, prefix=not ns.no_prefix, timeout=ns.timeout)
+    return launch(cmd, ns.nprocs, transport=ns.transport, prefix=not ns.no_prefix, timeout=ns.timeout,
+                  bind=ns.bind)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

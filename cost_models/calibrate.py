@@ -289,10 +289,10 @@ def window_probes(comm) -> tuple[tuple[str, str], ...]:
 
 
 def fit_stretch(probes: Sequence[tuple[str, str, int, float]], params: Params,
-                p: int) -> tuple[float, float, float]:
-    """Least-squares ``(message latency, per-byte, fence)`` factors at ``p`` ranks.
+                p: int) -> tuple[float, float, float, float]:
+    """Least-squares ``(message latency, message bytes, fence, local)`` factors at ``p`` ranks.
 
-    Each probe time is modelled as ``a L + b B + f F`` with ``(L, B, F)``
+    Each probe time is modelled as ``a L + b B + f F + c C`` with ``(L, B, F, C)``
     the terms of its unstretched prediction
     (:func:`~collectives.cost_models.model.split_terms`); residuals are
     relative, so that microsecond and millisecond probes weigh alike. A
@@ -303,10 +303,10 @@ def fit_stretch(probes: Sequence[tuple[str, str, int, float]], params: Params,
 
     t = np.array([probe[3] for probe in probes], dtype=float)
     if not len(t) or p < 2:
-        return 1.0, 1.0, 1.0
+        return 1.0, 1.0, 1.0, 1.0
     A = np.array([split_terms(c, a, p, n, params) for c, a, n, _ in probes], dtype=float) / t[:, None]
     y = np.ones_like(t)
-    keep = [j for j in range(3) if A[:, j].any()]
+    keep = [j for j in range(4) if A[:, j].any()]
     while keep:
         coef, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
         bad = [j for j, c in zip(keep, coef) if c <= 0]
@@ -315,7 +315,7 @@ def fit_stretch(probes: Sequence[tuple[str, str, int, float]], params: Params,
         keep.remove(bad[0])
     factors = dict(zip(keep, coef)) if keep else {}
     fill = float(np.mean(list(factors.values()))) if factors else 1.0
-    return tuple(float(factors.get(j, fill)) for j in range(3))  # type: ignore[return-value]
+    return tuple(float(factors.get(j, fill)) for j in range(4))  # type: ignore[return-value]
 
 
 def fit_overheads(probes: Sequence[tuple[str, str, int, float]], params: Params, p: int) -> tuple[float, float]:
@@ -450,7 +450,7 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
     profile at ``path``."""
     data = json.loads(path.read_text())
     params = Params.from_dict(data)
-    table = {int(t[0]): tuple(map(float, t[1:4])) for t in data.get("stretch", ()) if len(t) == 4}
+    table = {int(t[0]): tuple(t[1:]) for t in params.stretch}
     anchors = [t for t in data.get("anchors", ()) if int(t[2]) not in ranks]
     with tempfile.TemporaryDirectory() as tmp:
         for p in ranks:
@@ -465,8 +465,8 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
     data["stretch"] = [[p, *table[p]] for p in sorted(table)]
     data["anchors"] = anchors
     path.write_text(json.dumps(data, indent=2))
-    print("stretch (ranks: message latency x, per-byte x, fence x): "
-          + ", ".join(f"{p}: {a:.2f}, {b:.2f}, {f:.2f}" for p, (a, b, f) in sorted(table.items())))
+    print("stretch (ranks: message latency x, message bytes x, fence x, local x): "
+          + ", ".join(f"{p}: {a:.2f}, {b:.2f}, {f:.2f}, {c:.2f}" for p, (a, b, f, c) in sorted(table.items())))
 
 
 def default_stretch_ranks(transport: str, nprocs: int) -> list[int]:

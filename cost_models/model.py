@@ -26,9 +26,11 @@ Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
 * when more ranks share a host than it has cores (``P.cores``), they take
   turns: every term stretches by ``p / cores``; a calibrated profile
   replaces that guess with measured stretch factors per rank count
-  (``P.stretch``: one each for the message latency, per-byte and fence
-  terms, since waiting for a descheduled peer costs latency far more than
-  bandwidth, and a fence waits for every rank);
+  (``P.stretch``: one each for the message latency, message-byte, fence
+  and local (copies and reductions) terms, since waiting for a descheduled
+  peer costs latency far more than bandwidth, a fence waits for every rank,
+  and a message's bytes wait for the peer that moves them while a local
+  copy does not);
 * each algorithm's own fixed cost (its Python work per call and per step,
   which no per-message term captures for every algorithm alike): where a
   calibrated profile measured an algorithm at its smallest size for this p
@@ -75,9 +77,10 @@ class Params:
         overhead: CPU seconds per message around the transport's own latency.
         call: seconds of one collective call's fixed work (checks, choice, plan).
         cores: cores the ranks share on one host (0: every rank has its own).
-        stretch: measured ``(p, message-latency factor, per-byte factor,
-            fence factor)`` in increasing p (see :meth:`stretch_at`); when
-            given, it replaces the ``p / cores`` stretch.
+        stretch: measured ``(p, message-latency factor, message-byte factor,
+            fence factor, local factor)`` in increasing p (see
+            :meth:`stretch_at`); when given, it replaces the ``p / cores``
+            stretch.
         anchors: measured ``(collective, algorithm, p, bytes, seconds)`` of
             algorithms at their smallest size (see :func:`predict`).
         source: where the numbers come from (a profile path or "defaults").
@@ -95,7 +98,7 @@ class Params:
     overhead: float = 0.0
     call: float = 0.0
     cores: int = 0
-    stretch: tuple[tuple[int, float, float, float], ...] = ()
+    stretch: tuple[tuple[int, float, float, float, float], ...] = ()
     anchors: tuple[tuple[str, str, int, int, float], ...] = ()
     source: str = "defaults"
 
@@ -107,13 +110,13 @@ class Params:
             return self
         return replace(self, gamma=gamma, itemsize=dt.itemsize)
 
-    def stretch_at(self, p: int) -> tuple[float, float, float]:
-        """(message latency, per-byte, fence) stretch factors at ``p`` ranks:
-        measured ones, linear between measured rank counts, 1 below the
-        first, and growing as ``p`` beyond the last."""
+    def stretch_at(self, p: int) -> tuple[float, float, float, float]:
+        """(message latency, message bytes, fence, local work) stretch factors
+        at ``p`` ranks: measured ones, linear between measured rank counts, 1
+        below the first, and growing as ``p`` beyond the last."""
         table = self.stretch
         if not table or p < table[0][0]:
-            return 1.0, 1.0, 1.0
+            return 1.0, 1.0, 1.0, 1.0
         for lo, hi in zip(table, table[1:]):
             if lo[0] <= p <= hi[0]:
                 w = (p - lo[0]) / (hi[0] - lo[0]) if hi[0] > lo[0] else 0.0
@@ -125,6 +128,12 @@ class Params:
         """These parameters with every per-byte cost zero (the latency terms of a formula)."""
         return replace(self, beta=0.0, gamma=0.0, gamma_by_dtype={}, mem_bandwidth=math.inf,
                        protocol=tuple((bound, a, 0.0) for bound, a, _ in self.protocol), stretch=())
+
+    def local_only(self) -> "Params":
+        """These parameters with every cost but local copies and reductions
+        zero (the local terms of a formula)."""
+        return replace(self, alpha=0.0, beta=0.0, overhead=0.0, call=0.0, fence=0.0, stretch=(),
+                       protocol=tuple((bound, 0.0, 0.0) for bound, _, _ in self.protocol))
 
     def fence_only(self) -> "Params":
         """These parameters with every cost but the fence zero (the fence terms of a formula)."""
@@ -163,8 +172,7 @@ class Params:
                                    "overhead", "call", "cores", "source") if k in d}
         return cls(**known, gamma_by_dtype=dict(d.get("gamma_by_dtype", {})),
                    protocol=tuple(tuple(t) for t in d.get("protocol", ())),
-                   stretch=tuple((int(t[0]), *map(float, t[1:4])) for t in d.get("stretch", ())
-                                 if len(t) == 4),
+                   stretch=tuple(_stretch_row(t) for t in d.get("stretch", ()) if len(t) in (4, 5)),
                    anchors=tuple((str(t[0]), str(t[1]), int(t[2]), int(t[3]), float(t[4]))
                                  for t in d.get("anchors", ()) if len(t) == 5))
 
@@ -228,9 +236,8 @@ def _formula(model: CostModel, p: int, nbytes: int, P: Params) -> float:
     """The formula with the fixed call cost and the sharing of cores."""
     seconds = float(model.func(p, nbytes, P)) + P.call
     if P.stretch:
-        latency, per_byte, fences = _terms(model, p, nbytes, P, seconds)
-        s_latency, s_bytes, s_fence = P.stretch_at(p)
-        return s_latency * latency + s_bytes * per_byte + s_fence * fences
+        terms = _terms(model, p, nbytes, P, seconds)
+        return sum(f * t for f, t in zip(P.stretch_at(p), terms))
     return seconds * max(1.0, p / P.cores) if P.cores else seconds
 
 
@@ -239,16 +246,26 @@ def _anchor_index(anchors: tuple) -> dict[tuple[str, str, int], tuple[int, float
     return {(c, a, p): (n, s) for c, a, p, n, s in anchors}
 
 
-def _terms(model: CostModel, p: int, nbytes: int, P: Params, total: float) -> tuple[float, float, float]:
+def _stretch_row(t: Any) -> tuple[int, float, float, float, float]:
+    """A stretch table row; one of a profile without the local factor takes
+    the message-byte factor for it."""
+    factors = [float(x) for x in t[1:]]
+    return (int(t[0]), *factors, *factors[1:2] * (4 - len(factors)))  # type: ignore[return-value]
+
+
+def _terms(model: CostModel, p: int, nbytes: int, P: Params,
+           total: float) -> tuple[float, float, float, float]:
     latency = float(model.func(p, nbytes, P.latency_only())) + P.call
     fences = float(model.func(p, nbytes, P.fence_only()))
-    return max(latency - fences, 0.0), max(total - latency, 0.0), fences
+    local = float(model.func(p, nbytes, P.local_only()))
+    return max(latency - fences, 0.0), max(total - latency - local, 0.0), fences, local
 
 
 def split_terms(collective: str, name: str, p: int, nbytes: int, params: Params,
-                dtype: Any = np.float32) -> tuple[float, float, float]:
-    """(message latency, per-byte, fence) seconds of a prediction without
-    stretch: what the :attr:`Params.stretch` factors multiply."""
+                dtype: Any = np.float32) -> tuple[float, float, float, float]:
+    """(message latency, message bytes, fence, local copies and reductions)
+    seconds of a prediction without stretch: what the :attr:`Params.stretch`
+    factors multiply."""
     from . import _load
 
     _load()

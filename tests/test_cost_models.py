@@ -172,11 +172,13 @@ def test_slowest_best_times_from_a_common_start(lead) -> None:
 
 
 def test_stretch_table_interpolates_and_scales() -> None:
-    P = Params(stretch=((2, 1.0, 1.0, 2.0), (4, 3.0, 2.0, 10.0)))
-    assert P.stretch_at(1) == (1.0, 1.0, 1.0)
-    assert P.stretch_at(3) == pytest.approx((2.0, 1.5, 6.0))
-    assert P.stretch_at(8) == pytest.approx((6.0, 4.0, 20.0))  # beyond the table: grows as p
+    P = Params(stretch=((2, 1.0, 1.0, 2.0, 1.0), (4, 3.0, 2.0, 10.0, 1.5)))
+    assert P.stretch_at(1) == (1.0, 1.0, 1.0, 1.0)
+    assert P.stretch_at(3) == pytest.approx((2.0, 1.5, 6.0, 1.25))
+    assert P.stretch_at(8) == pytest.approx((6.0, 4.0, 20.0, 3.0))  # beyond the table: grows as p
     assert Params.from_dict(P.as_dict()).stretch == P.stretch
+    old = Params.from_dict({"stretch": [[2, 1.0, 1.5, 2.0]]})  # a profile from before the local factor
+    assert old.stretch_at(2) == (1.0, 1.5, 2.0, 1.5)
 
 
 def test_fit_stretch_recovers_known_factors() -> None:
@@ -184,7 +186,7 @@ def test_fit_stretch_recovers_known_factors() -> None:
     from collectives.cost_models.model import split_terms
 
     base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=8e9, fence=1e-6, overhead=2e-6)
-    truth = (3.0, 1.5, 40.0)
+    truth = (3.0, 1.5, 40.0, 1.2)
     p = 4
     probes = []
     for c, a in PROBES + WINDOW_PROBES:

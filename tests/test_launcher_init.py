@@ -48,6 +48,39 @@ def test_run_stops_every_rank_when_one_fails(tmp_path):
     assert time.monotonic() - t0 < 30
 
 
+def test_rank_cpus_binds_round_robin_when_ranks_outnumber_cores(monkeypatch):
+    from collectives.launcher import rank_cpus
+
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores)
+    assert rank_cpus(n, "auto") is None  # a core each: left to the kernel
+    assert rank_cpus(n + 1, "none") is None
+    bound = rank_cpus(2 * n + 1, "auto")
+    assert bound == [{cores[r % n]} for r in range(2 * n + 1)]
+    assert rank_cpus(1, "core") == [{cores[0]}]
+    monkeypatch.setenv("COLLECTIVES_BIND", "core")
+    assert rank_cpus(1) == [{cores[0]}]
+    with pytest.raises(ValueError, match="bind must be one of"):
+        rank_cpus(2, "sockets")
+
+
+def test_run_binds_ranks_that_share_cores(tmp_path):
+    n = len(os.sched_getaffinity(0)) + 1
+    res = _run(["-n", str(n)], """
+        import os
+        print("cpus", os.environ["COLLECTIVES_RANK"], sorted(os.sched_getaffinity(0)))
+    """, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    cores = sorted(os.sched_getaffinity(0))
+    for r in range(n):
+        assert f"cpus {r} [{cores[r % len(cores)]}]" in res.stdout
+    res = _run(["-n", str(n), "--bind", "none"], """
+        import os
+        print("cpus", os.environ["COLLECTIVES_RANK"], len(os.sched_getaffinity(0)))
+    """, tmp_path)
+    assert f"cpus 0 {len(cores)}" in res.stdout
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
     path = tmp_path / "job.py"
