@@ -8,9 +8,12 @@ for each collective and size (best of ``--repeats`` after a warm-up, the
 slowest rank's time), rank 0 predicts it with the transport's calibration
 profile (``collectives calibrate`` first; defaults otherwise), and prints per
 algorithm |predicted - measured| / measured, and per (collective, size) the
-regret of :class:`ModelSelector` and of the MPICH-style
-:class:`~collectives.selection.RuleSelector` (time of the chosen algorithm
-over the best measured one). Writes JSON with ``--out``.
+regret (time of the chosen algorithm over the best measured one) of
+:class:`ModelSelector`, of the library's rule
+(:class:`~collectives.selection.RuleSelector`, which takes the shared window
+where there is one) and of MPICH's fixed rules (the same rule without the
+window: the algorithms MPICH chooses among). Writes JSON with ``--out``;
+``--summarize a.json b.json ...`` prints the figures over several runs.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def rank_main(ns) -> int:
         params = replace(params, cores=host_cores())
     dtype = np.dtype(np.float32)
     rows, regrets = [], []
-    model_sel, rule_sel = ModelSelector(params), RuleSelector()
+    model_sel, rule_sel, mpich_sel = ModelSelector(params), RuleSelector(), RuleSelector()
     for collective in ns.collectives.split(","):
         for size in (parse_bytes(s) for s in ns.sizes.split(",")):
             count = max(size // dtype.itemsize, comm.size)
@@ -71,7 +74,8 @@ def rank_main(ns) -> int:
                              "measured": t, "predicted": pred, "rel_error": abs(pred - t) / t})
             best = min(measured.values())
             picks = {"model": model_sel.choose(collective, nbytes, comm.size, dtype, caps),
-                     "rule": rule_sel.choose(collective, nbytes, comm.size, dtype, caps)}
+                     "rule": rule_sel.choose(collective, nbytes, comm.size, dtype, caps),
+                     "mpich": mpich_sel.choose(collective, nbytes, comm.size, dtype, caps - {"window"})}
             regrets.append({"collective": collective, "bytes": nbytes, "p": comm.size,
                             **{f"{k}_choice": v for k, v in picks.items()},
                             **{f"{k}_regret": measured[v] / best - 1 for k, v in picks.items()}})
@@ -84,16 +88,37 @@ def rank_main(ns) -> int:
         print(f"{r['collective']:15s} {r['algorithm']:38s} {r['bytes']:9d} {r['measured'] * 1e6:12.1f} "
               f"{r['predicted'] * 1e6:12.1f} {r['rel_error']:6.0%}")
     med = statistics.median(r["rel_error"] for r in rows)
-    mreg = [g["model_regret"] for g in regrets]
-    rreg = [g["rule_regret"] for g in regrets]
     print(f"\n{transport}, p={rows[0]['p'] if rows else '?'}, profile: {params.source}")
-    print(f"median |predicted - measured| / measured: {med:.1%}")
-    print(f"regret of the model's choice: median {statistics.median(mreg):.1%}, max {max(mreg):.1%}")
-    print(f"regret of the rule's choice:  median {statistics.median(rreg):.1%}, max {max(rreg):.1%}")
+    _print_summary(rows, regrets)
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump({"transport": transport, "profile": params.as_dict(), "rows": rows, "regrets": regrets,
                        "median_rel_error": med}, f, indent=2)
+    return 0
+
+
+def _print_summary(rows: list[dict], regrets: list[dict]) -> None:
+    errors = sorted(r["rel_error"] for r in rows)
+    print(f"median |predicted - measured| / measured: {statistics.median(errors):.1%} "
+          f"({len(errors)} points)")
+    for who in ("model", "rule", "mpich"):
+        reg = sorted(g[f"{who}_regret"] for g in regrets if f"{who}_regret" in g)
+        if reg:
+            p95 = reg[min(len(reg) - 1, int(0.95 * len(reg)))]
+            print(f"regret of the {who}'s choice: median {statistics.median(reg):.1%}, p95 {p95:.1%}, "
+                  f"mean {statistics.fmean(reg):.1%}, max {reg[-1]:.1%} ({len(reg)} choices)")
+
+
+def summarize(paths: Sequence[str]) -> int:
+    """Print the figures over the runs written to ``paths`` (``--out`` files)."""
+    rows, regrets = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        regrets += data["regrets"]
+    print(f"{len(paths)} runs, p in {sorted({r['p'] for r in rows})}")
+    _print_summary(rows, regrets)
     return 0
 
 
@@ -107,8 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
+                    help="print the figures over earlier --out files and exit")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
+    if ns.summarize:
+        return summarize(ns.summarize)
     if ns.rank_main:
         return rank_main(ns)
     from collectives.launcher import launch

@@ -11,6 +11,9 @@
 * ``bruck``: ceil(log2 p) steps, step k moving min(2^k, p - 2^k) blocks,
   any p: ceil(log2 p) alpha + (p-1)/p n beta, plus two local copies (into
   the rotated buffer and back): copy(b) + copy(n).
+
+Every step but the fold and unfold is an exchange (a rank sends and
+receives at once): ``xmsg`` in place of ``msg`` (see :mod:`.model`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from .model import Params, cost_model, pof2
 
 @cost_model("allgather", "ring")
 def ring(p: int, n: int, P: Params) -> float:
-    """(p-1) (alpha + n/p beta)."""
-    return (p - 1) * P.msg(n / p)
+    """(p-1) xmsg(n/p): each step an exchange."""
+    return (p - 1) * P.xmsg(n / p)
 
 
 @cost_model("allgather", "recursive_doubling")
@@ -34,7 +37,7 @@ def recursive_doubling(p: int, n: int, P: Params) -> float:
     t = P.msg(b) if r else 0.0
     k = 1
     while k < q:
-        t += P.msg((k + min(k, r)) * b)
+        t += P.xmsg((k + min(k, r)) * b)
         k <<= 1
     return t + (P.msg(n) if r else 0.0)
 
@@ -46,6 +49,6 @@ def bruck(p: int, n: int, P: Params) -> float:
         return 0.0
     b, t, k = n / p, 0.0, 1
     while k < p:
-        t += P.msg(min(k, p - k) * b)
+        t += P.xmsg(min(k, p - k) * b)
         k <<= 1
     return t + P.copy(b) + P.copy(n)

@@ -20,6 +20,9 @@ reduced as they land, see :func:`.model.stream`).
   T = f stream(n) + sum_k stream(n/2^k) + sum_k msg(2^k n/p') + f send(n)
   (about 2 lg p' alpha + 2 (p'-1)/p' n beta + (p'-1)/p' n gamma + f terms,
   Thakur et al. 2005).
+
+The ring steps, the recursive-doubling and halving steps and the doubling
+allgather are exchanges (``xmsg``, see :mod:`.model`); folds are one-way.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ def ring_time(p: int, n: int, P: Params, allgather: bool) -> float:
     b = max(even_blocks(n, p, P.itemsize))
     sizes = segment_sizes(b, P)
     if len(sizes) <= 1:
-        rs = (p - 1) * (P.msg(b) + b * P.gamma)
-        return rs + ((p - 1) * P.msg(b) if allgather else 0.0)
-    link = send_sum(b, P)
+        rs = (p - 1) * (P.xmsg(b) + b * P.gamma)
+        return rs + ((p - 1) * P.xmsg(b) if allgather else 0.0)
+    link = send_sum(b, P, exchange=True)
     m = sizes[0]
-    rs = (p - 1) * max(link, b * P.gamma) + m * P.gamma + P.msg(m) - link / len(sizes)
+    rs = (p - 1) * max(link, b * P.gamma) + m * P.gamma + P.xmsg(m) - link / len(sizes)
     return rs + ((p - 1) * link if allgather else 0.0)
 
 
@@ -63,7 +66,7 @@ def recursive_doubling(p: int, n: int, P: Params) -> float:
         return 0.0
     q = pof2(p)
     f = 1 if p > q else 0
-    return (lg(q) + f) * stream(n, P) + f * send_sum(n, P)
+    return lg(q) * stream(n, P, exchange=True) + f * (stream(n, P) + send_sum(n, P))
 
 
 @cost_model("allreduce", "rabenseifner")
@@ -76,6 +79,6 @@ def rabenseifner(p: int, n: int, P: Params) -> float:
     t = f * stream(n, P) + halving_time(q, n, P)
     k = 1
     while k < q:
-        t += P.msg(k * n / q)
+        t += P.xmsg(k * n / q)
         k <<= 1
     return t + f * send_sum(n, P)

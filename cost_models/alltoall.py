@@ -15,8 +15,8 @@ from .model import Params, cost_model
 
 @cost_model("alltoall", "pairwise")
 def pairwise(p: int, n: int, P: Params) -> float:
-    """(p-1) (alpha + n/p beta) + copy(n/p)."""
-    return (p - 1) * P.msg(n / p) + P.copy(n / p)
+    """(p-1) xmsg(n/p) + copy(n/p): each step an exchange."""
+    return (p - 1) * P.xmsg(n / p) + P.copy(n / p)
 
 
 @cost_model("alltoall", "bruck")
@@ -25,7 +25,7 @@ def bruck(p: int, n: int, P: Params) -> float:
     b, t, moved, k = n / p, 0.0, 0.0, 1
     while k < p:
         c = (p // (2 * k)) * k + max(0, p % (2 * k) - k)  # indices below p with bit k set
-        t += P.msg(c * b)
+        t += P.xmsg(c * b)
         moved += c * b
         k <<= 1
     return t + P.copy(2 * n + 2 * moved)

@@ -8,12 +8,13 @@ message, b_i the p nearly equal blocks (even_bounds) and p' = 2^floor(log2 p).
   every d messages and forwards it in d-1, so it never falls behind, and the
   deepest leaf gets the last piece when the root's last send ends:
   T = d (s alpha + n beta).
-* ``pipelined_chain``: a flow shop of p-1 links over s pieces:
-  T = sum_k msg(m_k) + (p-2) max_k msg(m_k).
+* ``pipelined_chain``: a flow shop of p-1 links over s pieces, the middle
+  ranks receiving a piece while they send the one before (an exchange):
+  T = sum_k msg(m_k) + (p-2) max_k xmsg(m_k).
 * ``scatter_ring_allgather`` (van de Geijn): binomial scatter, bounded by the
   root's sends: d alpha + (n - b_0) beta (Chan et al. 2007); ranks finish
   the scatter at different times, the last at that bound, and the ring
-  that follows needs p-1 more steps from it: T = T_scatter + (p-1) msg(b).
+  that follows needs p-1 more exchange steps from it: T = T_scatter + (p-1) xmsg(b).
 * ``scatter_recursive_doubling_allgather``: the same scatter, then log2 p'
   exchanges doubling the blocks held; for p not a power of two the ranks
   v >= p' hand their block to v - p' first (hidden behind the scatter) and
@@ -46,11 +47,11 @@ def binomial(p: int, n: int, P: Params) -> float:
 
 @cost_model("bcast", "pipelined_chain")
 def pipelined_chain(p: int, n: int, P: Params) -> float:
-    """sum_k msg(m_k) + (p-2) max_k msg(m_k): a pipeline through p-1 links."""
+    """sum_k msg(m_k) + (p-2) max_k xmsg(m_k): a pipeline through p-1 links."""
     if p == 1:
         return 0.0
     sizes = segment_sizes(n, P) or [0]
-    return sum(P.msg(m) for m in sizes) + (p - 2) * max(P.msg(m) for m in sizes)
+    return sum(P.msg(m) for m in sizes) + (p - 2) * max(P.xmsg(m) for m in sizes)
 
 
 @cost_model("bcast", "scatter_ring_allgather")
@@ -58,7 +59,7 @@ def scatter_ring_allgather(p: int, n: int, P: Params) -> float:
     """d alpha + (n - b_0) beta + (p-1) msg(b): scatter, then a ring allgather."""
     if p == 1:
         return 0.0
-    return scatter_time(p, n, P) + (p - 1) * P.msg(max(even_blocks(n, p, P.itemsize)))
+    return scatter_time(p, n, P) + (p - 1) * P.xmsg(max(even_blocks(n, p, P.itemsize)))
 
 
 @cost_model("bcast", "scatter_recursive_doubling_allgather")
@@ -72,6 +73,6 @@ def scatter_recursive_doubling_allgather(p: int, n: int, P: Params) -> float:
     t = scatter_time(p, n, P)
     k = 1
     while k < q:
-        t += P.msg((k + min(k, r)) * b)
+        t += P.xmsg((k + min(k, r)) * b)
         k <<= 1
     return t + (P.msg(n) if r else 0.0)

@@ -9,7 +9,11 @@ weighted by 1/t so that small messages count. Where the transport changes
 protocol with size, a piecewise fit (up to three pieces, the breakpoints
 chosen among the measured sizes) replaces the single line when each piece
 cuts the error by a tenth or more (a protocol change, or messages that no
-longer fit the caches): the lower pieces go to ``protocol``. Rank 0 also
+longer fit the caches): the lower pieces go to ``protocol``. Ranks 0 and
+1 then send each other 1, 4 and 16 MiB at once: the per-byte time of such
+an exchange over a one-way message's is ``exchange`` (1 on a full-duplex
+network; near 2 on shared memory, where each rank copies its message in and
+its peer's out). Rank 0 also
 measures gamma per dtype (seconds per byte of ``np.add(a, b, out=a)`` on 4 MiB), the copy bandwidth
 (``np.copyto`` of 64 MiB) and the fence (the shared window's fence where
 the transport has one, else a barrier of all ranks).
@@ -25,7 +29,8 @@ construction, the profile also records the host's cores (``cores``).
 
 Then the anchors (``anchors``): every algorithm the transport runs, timed
 at its smallest size (one float32 per rank), which fixes the algorithm's own
-fixed cost in :func:`~.model.predict`.
+fixed cost in :func:`~.model.predict`, and at 4 MiB, which scales what the
+formula adds with size to meet it.
 
 Last, the stretch table (``stretch``): the same probes plus 1 MiB ones run
 (and the shared-window allreduce and bcast where the transport has a
@@ -258,10 +263,14 @@ ANCHORED = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce", "r
             "barrier")
 
 
-def measure_anchors(comm, repeats: int) -> list[tuple[str, str, int, int, float]]:
+#: The large size at which every algorithm is measured too (bytes per rank).
+LARGE_ANCHOR_BYTES = 4 << 20
+
+
+def measure_anchors(comm, repeats: int, large: int = LARGE_ANCHOR_BYTES) -> list[tuple[str, str, int, int, float]]:
     """``(collective, algorithm, p, bytes, seconds)`` of every algorithm the
-    transport runs (``native`` aside) at its smallest size: one float32 per
-    rank (:attr:`~.model.Params.anchors`)."""
+    transport runs (``native`` aside) at its smallest size, one float32 per
+    rank, and at ``large`` bytes (0: not) (:attr:`~.model.Params.anchors`)."""
     from collectives.registry import algorithms_for
 
     from .timing import collective_call
@@ -270,12 +279,13 @@ def measure_anchors(comm, repeats: int) -> list[tuple[str, str, int, int, float]
     dtype, p = np.dtype(np.float32), comm.size
     out = []
     for collective in ANCHORED:
-        count = 0 if collective == "barrier" else p
-        call = collective_call(comm, collective, count, dtype)
-        for name, algo in algorithms_for(collective).items():
-            if algo.needs <= caps and name != "native":
-                seconds = slowest_best(comm, lambda: call(name), repeats)
-                out.append((collective, name, p, count * dtype.itemsize, seconds))
+        counts = [0] if collective == "barrier" else [p] + ([large // 4 // p * p] if large else [])
+        for count, reps in zip(counts, (repeats, max(2, repeats // 3))):
+            call = collective_call(comm, collective, count, dtype)
+            for name, algo in algorithms_for(collective).items():
+                if algo.needs <= caps and name != "native":
+                    seconds = slowest_best(comm, lambda: call(name), reps)
+                    out.append((collective, name, p, count * dtype.itemsize, seconds))
     return out
 
 
@@ -374,6 +384,37 @@ def _pingpong(comm, sizes: Sequence[int], quick: bool) -> list[float]:
     return out
 
 
+#: Sizes of the exchange probe (a rank sends and receives at once), where the bytes dominate.
+EXCHANGE_BYTES = (1 << 20, 4 << 20, 16 << 20)
+
+
+def _exchange(comm, sizes: Sequence[int], quick: bool) -> list[float]:
+    """The best time per size of ranks 0 and 1 sending each other ``n``
+    bytes at once (other ranks skip), timed from a common start."""
+    out = []
+    for n in sizes:
+        send, recv = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+
+        def both_ways() -> None:
+            if comm.rank < 2:
+                other = 1 - comm.rank
+                s, r = comm.isend(send, other), comm.irecv(recv, other)
+                s.wait()
+                r.wait()
+
+        out.append(slowest_best(comm, both_ways, 2 if quick else 5))
+    return out
+
+
+def fit_exchange(sizes: Sequence[int], seconds: Sequence[float], params: Params) -> float:
+    """The exchange factor (:attr:`~.model.Params.exchange`): the median over
+    ``sizes`` of the measured exchange's per-byte time over a one-way
+    message's, kept within [1, 4]."""
+    ratios = [(t - params.msg(0)) / (params.msg(n) - params.msg(0))
+              for n, t in zip(sizes, seconds) if params.msg(n) > params.msg(0)]
+    return float(min(max(np.median(ratios), 1.0), 4.0)) if ratios else 1.0
+
+
 def rank_main(out: str | None, quick: bool) -> int:
     """What every rank of the calibration job runs."""
     import collectives
@@ -381,6 +422,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     comm = collectives.init()
     sizes = SWEEP_BYTES[:8] if quick else SWEEP_BYTES
     times = _pingpong(comm, sizes, quick) if comm.size > 1 else []
+    exchanges = _exchange(comm, EXCHANGE_BYTES, quick) if comm.size > 1 else []
     comm.barrier()
     fence = _window_fence(comm, 20 if quick else 50)
     if fence is None:
@@ -398,6 +440,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     params = Params(alpha=fit["alpha"], beta=fit["beta"], gamma=gammas.get("float32", GENERIC.gamma),
                     gamma_by_dtype=gammas, mem_bandwidth=measure_copy_bandwidth(16 << 20 if quick else 64 << 20),
                     fence=fence, protocol=tuple(tuple(t) for t in fit["protocol"]))
+    params = replace(params, exchange=fit_exchange(EXCHANGE_BYTES, exchanges, params))
     overhead, call = fit_overheads(probes, params, p)
     params = replace(params, overhead=overhead, call=call, cores=host_cores() if name == "shm" else 0)
     if p > 1:
@@ -414,6 +457,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     print(f"{name}: alpha={params.alpha * 1e6:.2f} us, beta={params.beta * 1e9:.4f} ns/B "
           f"({1e-9 / max(params.beta, 1e-30):.2f} GB/s), gamma(float32)={params.gamma * 1e9:.3f} ns/B, "
           f"copy {params.mem_bandwidth / 1e9:.2f} GB/s, fence {fence * 1e6:.2f} us, "
+          f"exchange x{params.exchange:.2f}, "
           f"overhead {overhead * 1e6:.2f} us/msg, call {call * 1e6:.2f} us, "
           f"{len(params.protocol) + 1} piece(s), fit error {fit['error']:.1%}\nprofile: {path}")
     return 0
@@ -426,7 +470,7 @@ def rank_count_measurements(comm, quick: bool) -> tuple[list, list]:
     anchors. Returns (probes, anchors)."""
     windowed = measure_probes(comm, 3 if quick else 10, PROBE_BYTES, window_probes(comm))
     heavy = measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, PROBES + window_probes(comm))
-    return windowed + heavy, measure_anchors(comm, 3 if quick else 10)
+    return windowed + heavy, measure_anchors(comm, 3 if quick else 10, 0 if quick else LARGE_ANCHOR_BYTES)
 
 
 def stretch_main(out: str, quick: bool) -> int:

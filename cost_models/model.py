@@ -12,6 +12,13 @@ Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
 * a message of m bytes costs ``P.msg(m) = alpha + m beta``; a transport
   that changes protocol with size has piecewise (alpha, beta)
   (``Params.protocol``);
+* a step in which a rank sends m bytes and receives m bytes at once (an
+  exchange: ring, recursive doubling and halving, pairwise, Bruck, the
+  middle of a chain) costs ``P.xmsg(m) = alpha + m beta x``: x
+  (``Params.exchange``) is 1 on a full-duplex network, and near 2 where the
+  CPUs of both ends move the bytes (shared memory: a rank copies its
+  outgoing message in and its incoming one out), which a one-way ping-pong
+  cannot see;
 * a rank's outgoing and incoming links carry one message at a time, so the
   messages a rank posts together cost the sum of their ``msg``;
 * reducing m bytes costs ``m gamma`` on the reducing rank;
@@ -35,7 +42,11 @@ Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
   which no per-message term captures for every algorithm alike): where a
   calibrated profile measured an algorithm at its smallest size for this p
   (``P.anchors``), the prediction is that time plus what the formula adds
-  from there to n bytes.
+  from there to n bytes; and where it also measured it at a large size, what
+  the formula adds is scaled so that the prediction meets that measurement
+  too (the formula gives the shape in between and beyond; the scale covers
+  what the terms miss, such as the CPU time of copies through shared memory
+  competing with the reductions of the same rank).
 
 A long message travels in pieces of ``segment_bytes`` (rounded down to whole
 elements); when the receiver reduces each piece as it lands, the stream
@@ -75,6 +86,8 @@ class Params:
             ``(up_to_bytes, alpha, beta)`` in increasing size; messages above
             the last bound use ``alpha`` and ``beta``.
         overhead: CPU seconds per message around the transport's own latency.
+        exchange: per-byte cost of an exchange step (a rank sends and
+            receives at once) over that of a one-way message (see :meth:`xmsg`).
         call: seconds of one collective call's fixed work (checks, choice, plan).
         cores: cores the ranks share on one host (0: every rank has its own).
         stretch: measured ``(p, message-latency factor, message-byte factor,
@@ -82,7 +95,8 @@ class Params:
             :meth:`stretch_at`); when given, it replaces the ``p / cores``
             stretch.
         anchors: measured ``(collective, algorithm, p, bytes, seconds)`` of
-            algorithms at their smallest size (see :func:`predict`).
+            algorithms at their smallest size, and at a large one (see
+            :func:`predict`).
         source: where the numbers come from (a profile path or "defaults").
     """
 
@@ -96,6 +110,7 @@ class Params:
     itemsize: int = 8
     protocol: tuple[tuple[int, float, float], ...] = ()
     overhead: float = 0.0
+    exchange: float = 1.0
     call: float = 0.0
     cores: int = 0
     stretch: tuple[tuple[int, float, float, float, float], ...] = ()
@@ -147,6 +162,15 @@ class Params:
                 return a + self.overhead + m * b
         return self.alpha + self.overhead + m * self.beta
 
+    def xmsg(self, m: float) -> float:
+        """Seconds of one exchange step: ``m`` bytes out and ``m`` bytes in at once."""
+        if self.exchange == 1.0:
+            return self.msg(m)
+        for bound, a, b in self.protocol:
+            if m <= bound:
+                return a + self.overhead + m * b * self.exchange
+        return self.alpha + self.overhead + m * self.beta * self.exchange
+
     def copy(self, m: float) -> float:
         """Seconds of a local copy of ``m`` bytes."""
         return m / self.mem_bandwidth if self.mem_bandwidth > 0 and math.isfinite(self.mem_bandwidth) else 0.0
@@ -161,6 +185,7 @@ class Params:
         return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
                 "gamma_by_dtype": dict(self.gamma_by_dtype), "mem_bandwidth": self.mem_bandwidth,
                 "fence": self.fence, "segment_bytes": self.segment_bytes, "overhead": self.overhead,
+                "exchange": self.exchange,
                 "call": self.call, "cores": self.cores, "stretch": [list(t) for t in self.stretch],
                 "anchors": [list(t) for t in self.anchors],
                 "protocol": [list(t) for t in self.protocol], "source": self.source}
@@ -169,7 +194,7 @@ class Params:
     def from_dict(cls, d: dict[str, Any]) -> "Params":
         """Inverse of :meth:`as_dict` (unknown keys ignored)."""
         known = {k: d[k] for k in ("alpha", "beta", "gamma", "mem_bandwidth", "fence", "segment_bytes",
-                                   "overhead", "call", "cores", "source") if k in d}
+                                   "overhead", "exchange", "call", "cores", "source") if k in d}
         return cls(**known, gamma_by_dtype=dict(d.get("gamma_by_dtype", {})),
                    protocol=tuple(tuple(t) for t in d.get("protocol", ())),
                    stretch=tuple(_stretch_row(t) for t in d.get("stretch", ()) if len(t) in (4, 5)),
@@ -225,11 +250,18 @@ def predict(collective: str, name: str, p: int, nbytes: int, params: Params | No
     model = MODELS[(collective, name)]
     P = (params or Params()).for_dtype(dtype)
     nbytes = int(nbytes) - int(nbytes) % P.itemsize
-    anchor = _anchor_index(P.anchors).get((collective, name, int(p))) if P.anchors else None
-    if anchor is None:
+    points = _anchor_index(P.anchors).get((collective, name, int(p))) if P.anchors else None
+    if not points:
         return _formula(model, int(p), nbytes, P)
-    at, seconds = anchor
-    return seconds + _formula(model, int(p), nbytes, P) - _formula(model, int(p), at, P)
+    at, seconds = points[0]
+    if len(points) == 1 or nbytes <= at:
+        return seconds + _formula(model, int(p), nbytes, P) - _formula(model, int(p), at, P)
+    i = max(j for j in range(len(points) - 1) if points[j][0] <= nbytes) if nbytes < points[-1][0] \
+        else len(points) - 2
+    (lo, t_lo), (hi, t_hi) = points[i], points[i + 1]
+    f_lo, f_hi = _formula(model, int(p), lo, P), _formula(model, int(p), hi, P)
+    scale = (t_hi - t_lo) / (f_hi - f_lo) if f_hi > f_lo and t_hi > t_lo else 1.0
+    return t_lo + scale * (_formula(model, int(p), nbytes, P) - f_lo)
 
 
 def _formula(model: CostModel, p: int, nbytes: int, P: Params) -> float:
@@ -242,8 +274,14 @@ def _formula(model: CostModel, p: int, nbytes: int, P: Params) -> float:
 
 
 @functools.lru_cache(maxsize=16)
-def _anchor_index(anchors: tuple) -> dict[tuple[str, str, int], tuple[int, float]]:
-    return {(c, a, p): (n, s) for c, a, p, n, s in anchors}
+def _anchor_index(anchors: tuple) -> dict[tuple[str, str, int], list[tuple[int, float]]]:
+    """Each algorithm's measured points at each rank count, by size."""
+    index: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
+    for c, a, p, n, s in anchors:
+        index.setdefault((c, a, p), []).append((n, s))
+    for points in index.values():
+        points.sort()
+    return index
 
 
 def _stretch_row(t: Any) -> tuple[int, float, float, float, float]:
@@ -307,23 +345,27 @@ def nsegments(n: int, P: Params) -> int:
     return -(-n // P.segment)
 
 
-def send_sum(n: int, P: Params) -> float:
-    """Seconds to send n bytes as back-to-back pieces over one link."""
-    return sum(P.msg(m) for m in segment_sizes(n, P))
+def send_sum(n: int, P: Params, exchange: bool = False) -> float:
+    """Seconds to send n bytes as back-to-back pieces over one link (while
+    receiving as many, with ``exchange``)."""
+    one = P.xmsg if exchange else P.msg
+    return sum(one(m) for m in segment_sizes(n, P))
 
 
-def stream(n: int, P: Params, reduce: bool = True) -> float:
-    """Seconds to receive n bytes in pieces and reduce each piece as it lands.
+def stream(n: int, P: Params, reduce: bool = True, exchange: bool = False) -> float:
+    """Seconds to receive n bytes in pieces and reduce each piece as it lands
+    (while sending as many, with ``exchange``).
 
     Piece i arrives at ``A_i`` (the pieces' messages back to back) and its
     reduction starts when both it and the previous reduction are done; the
     stream ends with the last reduction: ``max_i (A_i + sum_{j >= i} m_j gamma)``.
     """
     sizes = segment_sizes(n, P)
+    one = P.xmsg if exchange else P.msg
     if not reduce:
-        return sum(P.msg(m) for m in sizes)
+        return sum(one(m) for m in sizes)
     t_arrive, t_done = 0.0, 0.0
     for m in sizes:
-        t_arrive += P.msg(m)
+        t_arrive += one(m)
         t_done = max(t_done, t_arrive) + m * P.gamma
     return t_done

@@ -62,7 +62,7 @@ def halving_time(p2: int, n: int, P: Params) -> float:
     k = 1
     while k < p2:
         x = x / 2
-        t += stream(int(round(x / P.itemsize)) * P.itemsize, P)
+        t += stream(int(round(x / P.itemsize)) * P.itemsize, P, exchange=True)
         k <<= 1
     return t
 

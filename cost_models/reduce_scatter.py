@@ -12,6 +12,8 @@ blocks of b = n/p; p' = 2^floor(log2 p), r = p - p').
 * ``ring``: p-1 ring steps, each msg(b) then b gamma of reduction (one
   piece per block): T = (p-1) (msg(b) + b gamma); with several pieces the
   steps overlap (see :func:`.allreduce.ring_time`).
+
+The halving and ring steps are exchanges (``xmsg``, see :mod:`.model`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def recursive_halving(p: int, n: int, P: Params) -> float:
     t = stream(n, P) if r else 0.0
     m = q >> 1
     while m:
-        t += stream(int(round((m + min(m, r)) * b)), P)
+        t += stream(int(round((m + min(m, r)) * b)), P, exchange=True)
         m >>= 1
     return t + (P.msg(b) if r else 0.0)
 

@@ -139,3 +139,18 @@ def test_the_check_counts_elements_a_collective_did_not_deliver(collective):
     case = CallBuffers(_OneRankOfTwo(), collective, 64, np.dtype(np.float32), "sum", 0, inplace=True)
     case.reset()  # inputs only: what a collective that did nothing would leave
     assert case.wrong() > 0
+
+
+def test_model_validation_runs_and_summarizes(tmp_path):
+    out = tmp_path / "mv.json"
+    res = subprocess.run([sys.executable, "-m", "collectives.bench.model_validation", "-n", "2", "--sizes", "8,4K",
+                          "--collectives", "allreduce,bcast", "--repeats", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    assert {r["algorithm"] for r in data["rows"] if r["collective"] == "allreduce"} >= {"ring", "shared_window"}
+    assert all({"model_regret", "rule_regret", "mpich_regret"} <= set(g) for g in data["regrets"])
+    assert all(g["mpich_choice"] != "shared_window" for g in data["regrets"])  # MPICH has no window
+    res = subprocess.run([sys.executable, "-m", "collectives.bench.model_validation", "--summarize", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "regret of the mpich's choice" in res.stdout, res.stdout + res.stderr

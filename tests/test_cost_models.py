@@ -209,3 +209,34 @@ def test_anchors_fix_an_algorithms_own_fixed_cost() -> None:
     assert predict("allreduce", "mst", 4, 4096, anchored) == predict("allreduce", "mst", 4, 4096, base)
     assert predict("allreduce", "ring", 8, 4096, anchored) == predict("allreduce", "ring", 8, 4096, base)
     assert Params.from_dict(anchored.as_dict()).anchors == anchored.anchors
+
+
+def test_a_large_anchor_scales_what_the_formula_adds() -> None:
+    base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=8e9)
+    big = 4 << 20
+    grows = predict("allreduce", "ring", 4, big, base) - predict("allreduce", "ring", 4, 16, base)
+    anchored = Params(**{**base.__dict__, "anchors": (("allreduce", "ring", 4, big, 80e-6 + 3 * grows),
+                                                     ("allreduce", "ring", 4, 16, 80e-6))})
+    assert predict("allreduce", "ring", 4, 16, anchored) == pytest.approx(80e-6)
+    assert predict("allreduce", "ring", 4, big, anchored) == pytest.approx(80e-6 + 3 * grows)
+    for n in (1 << 16, 1 << 20, 16 << 20):  # in between and beyond: three times what the formula adds
+        adds = predict("allreduce", "ring", 4, n, base) - predict("allreduce", "ring", 4, 16, base)
+        assert predict("allreduce", "ring", 4, n, anchored) == pytest.approx(80e-6 + 3 * adds)
+
+
+def test_exchange_steps_cost_the_exchange_factor() -> None:
+    from collectives.cost_models.calibrate import fit_exchange
+
+    base = Params(alpha=5e-6, beta=2e-10, gamma=0.0, mem_bandwidth=8e9)
+    doubled = Params(**{**base.__dict__, "exchange": 2.0})
+    n = 1 << 20
+    assert doubled.xmsg(n) == pytest.approx(base.msg(n) + n * 2e-10)
+    assert doubled.msg(n) == base.msg(n)  # one-way messages keep beta
+    # the ring's steps are exchanges, the binomial tree's are not
+    assert predict("allgather", "ring", 4, n, doubled) > predict("allgather", "ring", 4, n, base) * 1.5
+    assert predict("bcast", "binomial", 4, n, doubled) == predict("bcast", "binomial", 4, n, base)
+    sizes = (1 << 20, 4 << 20)
+    measured = [base.msg(0) + 2.0 * (base.msg(m) - base.msg(0)) for m in sizes]
+    assert fit_exchange(sizes, measured, base) == pytest.approx(2.0)
+    assert fit_exchange(sizes, [base.msg(m) * 0.5 for m in sizes], base) == 1.0  # never below one-way
+    assert Params.from_dict(doubled.as_dict()).exchange == 2.0
