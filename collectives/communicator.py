@@ -254,6 +254,20 @@ class Communicator:
             raise
         return True
 
+    def _rooted_key(self, collective: str, algorithm: str, root: Any, everywhere: Any,
+                    on_root: Any) -> tuple[tuple | None, Any]:
+        """Key of a prepared gather or scatter, whose ``everywhere`` buffer every
+        rank passes and ``on_root`` only the root, with that buffer as this
+        rank takes it (None off the root); (None, None) where the call cannot
+        be prepared."""
+        if not (_flat_array(everywhere) and type(root) is int):
+            return None, None
+        mine = on_root if root == self.rank else None
+        if mine is not None and not _flat_array(mine):
+            return None, None
+        return (collective, algorithm, root, everywhere.dtype, everywhere.size,
+                None if mine is None else (mine.dtype, mine.size)), mine
+
     def _remember(self, key: tuple, plan: _Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                   check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
         """Keep ``plan`` (just validated by the full path) for repeated calls of
@@ -580,14 +594,9 @@ class Communicator:
         ``sendbuf`` (p times ``recvbuf``'s size) matters only on the root.
         Returns ``recvbuf``.
         """
-        key = None
-        if _flat_array(recvbuf) and type(root) is int:
-            send = sendbuf if root == self.rank else None
-            if send is None or _flat_array(send):
-                key = ("scatter", algorithm, root, recvbuf.dtype, recvbuf.size,
-                       None if send is None else (send.dtype, send.size))
-                if self._run_prepared(key, (send, recvbuf), timeout):
-                    return recvbuf
+        key, send = self._rooted_key("scatter", algorithm, root, recvbuf, sendbuf)
+        if key is not None and self._run_prepared(key, (send, recvbuf), timeout):
+            return recvbuf
         recv_count = element_count(recvbuf)
         counts = [recv_count] * self.size
         plan = self._plan_scatterv(sendbuf, recvbuf, counts, root, algorithm)
@@ -618,14 +627,9 @@ class Communicator:
         ``recvbuf`` (p times ``sendbuf``'s size) matters only on the root.
         Returns ``recvbuf`` on the root, None elsewhere.
         """
-        key = None
-        if _flat_array(sendbuf) and type(root) is int:
-            recv = recvbuf if root == self.rank else None
-            if recv is None or _flat_array(recv):
-                key = ("gather", algorithm, root, sendbuf.dtype, sendbuf.size,
-                       None if recv is None else (recv.dtype, recv.size))
-                if self._run_prepared(key, (sendbuf, recv), timeout):
-                    return recv
+        key, recv = self._rooted_key("gather", algorithm, root, sendbuf, recvbuf)
+        if key is not None and self._run_prepared(key, (sendbuf, recv), timeout):
+            return recv
         send_count = element_count(sendbuf)
         counts = [send_count] * self.size
         plan = self._plan_gatherv(sendbuf, recvbuf, counts, root, algorithm)

@@ -175,28 +175,29 @@ def after_close(comm) -> str:
     return "no error"
 
 
+def _no_failures(fn, p: int, timeout: float) -> None:
+    for failures in run_ranks(fn, p, timeout=timeout):
+        assert not failures, failures
+
+
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_repeated_allreduce_matches_numpy(p):
-    for failures in run_ranks(repeated_calls, p, timeout=120):
-        assert not failures, failures
+    _no_failures(repeated_calls, p, 120)
 
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_calls_the_plan_does_not_cover(p):
-    for failures in run_ranks(full_path_cases, p, timeout=120):
-        assert not failures, failures
+    _no_failures(full_path_cases, p, 120)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_every_collective_repeated_matches_numpy(p):
-    for failures in run_ranks(every_collective_repeated, p, timeout=180):
-        assert not failures, failures
+    _no_failures(every_collective_repeated, p, 180)
 
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_prepared_calls_still_refuse_bad_buffers(p):
-    for failures in run_ranks(refused_on_the_prepared_path, p, timeout=60):
-        assert not failures, failures
+    _no_failures(refused_on_the_prepared_path, p, 60)
 
 
 def test_closed_communicator_refuses():
