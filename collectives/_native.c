@@ -318,15 +318,9 @@ static PyObject *Window_step(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Window_wake_sleepers(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
-    for (int r = 0; r < w->size; r++)
-        if (r != w->rank && load_acquire(w->sleeps[r])) wake(w, r);
-    Py_RETURN_NONE;
-}
-
 /* ------------------------------------------------------------ move plans */
-/* A plan: copies before the fence, the fence, copies and one reduction
- * after it; the places are in the call's buffers or in the window's halves.
+/* A plan: copies, a post, a wait for the ranks it reads from, copies and one
+ * reduction; the places are in the call's buffers or in the window's halves.
  * A Loc is arrays[idx] + a0 (idx >= 0) or, in the window, the absolute
  * address a0 in half 0 and a1 in half 1 (idx < 0). */
 
@@ -349,7 +343,7 @@ typedef struct {
     int stage;                    /* 0 idle, 1 to post, 2 to read (a run waits there) */
     int half;                     /* the half of the step in progress */
     uint64_t step;                /* the step in progress */
-    int writes_window;            /* some copy before the fence lands in the window */
+    int writes_window;            /* some copy before the post lands in the window */
     unsigned char *sources;       /* the ranks whose regions it reads */
     Py_ssize_t need[MAX_ARRAYS];  /* bytes each array must hold; -1: unused (may be None) */
     int writes[MAX_ARRAYS];
@@ -628,10 +622,19 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
         PyErr_SetString(PyExc_ValueError, "srcs: 2 to 4096 buffers");
         return NULL;
     }
-    Py_buffer out, views[p];
-    char *bases[p];
+    Py_buffer out;
+    Py_buffer *views = PyMem_Calloc((size_t)p, sizeof(Py_buffer));
+    char **bases = PyMem_Calloc((size_t)p, sizeof(char *));
     Py_ssize_t got = 0;
+    if (!views || !bases) {
+        PyMem_Free(views);
+        PyMem_Free(bases);
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
     if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyMem_Free(views);
+        PyMem_Free(bases);
         Py_DECREF(fast);
         return NULL;
     }
@@ -650,6 +653,8 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
         reduce_all(f, out.buf, bases, (int)p, out.len / ITEMSIZE[dtype], ITEMSIZE[dtype]);
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     PyBuffer_Release(&out);
+    PyMem_Free(views);
+    PyMem_Free(bases);
     Py_DECREF(fast);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
@@ -660,7 +665,6 @@ static PyMethodDef Window_methods[] = {
      "fence() -> bool: publish the next epoch, wake sleeping peers, wait (bounded) for all."},
     {"step", (PyCFunction)Window_step, METH_NOARGS,
      "step() -> None or (rank, kind, value): the next step through the halves, once its half is free."},
-    {"wake_sleepers", (PyCFunction)Window_wake_sleepers, METH_NOARGS, "Wake every sleeping peer."},
     {"plan", (PyCFunction)Window_plan, METH_VARARGS,
      "plan(narrays, before, after, reduce, sources) -> Plan: copies, post, wait, copies, a reduction."},
     {NULL, NULL, 0, NULL},
@@ -711,7 +715,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "collectives._native",
-    "Native fast path of the shared-memory window (fences, small allreduce, reductions).", -1,
+    "Native fast path of the shared-memory window (fences, plans of small collectives, reductions).", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 

@@ -4,7 +4,8 @@ For transports that offer a :class:`~collectives.transport.SharedWindow`
 (shared memory now; CUDA IPC and RDMA later). Each rank's window region is
 split into a small metadata block and two halves used in turns, so that a
 rank may fill one half for the next step while slower ranks still read the
-other: a half is rewritten only after a fence that every reader has passed.
+other. The window counts the steps (:meth:`_WindowState.next_half`): a half
+is rewritten only once every rank is done with its last use.
 
 * ``allreduce``: small vectors take a single-fence path (every rank copies
   its vector into its half, fences, and reduces all of them itself, in rank
@@ -18,12 +19,19 @@ other: a half is rewritten only after a fence that every reader has passed.
 * ``allgather``: each rank copies its block in, fence, copies the others out.
 * ``bcast``: the root copies in, fence, the others copy out.
 
-From ``DIRECT_BYTES`` (times the ranks per core) on, when every rank's buffer can be read directly
-(it lives in the shared pool, or the window offers cross-memory attach,
-``window.cma`` and ``window.read``), the collectives publish their buffers'
-addresses (one fence) and copy straight from the other ranks' buffers: one
-copy instead of two, and a final fence so that no rank changes its buffer
-while another still reads it.
+Where the window offers native plans (``window.plan``), the one-piece cases
+(here and in :mod:`.window_blocks`) run as one plan each, on every path,
+every rank alike: copies in, a post, a wait for only the ranks whose
+regions it reads (not a fence of all), copies out or a reduction. The
+persistent plans (``prepare``) of repeated calls are the same plans.
+
+From ``DIRECT_BYTES`` (times the square of the ranks per core; allreduce:
+``DIRECT_ALLREDUCE_BYTES`` times the ranks per core) on, when every rank's
+buffer can be read directly (it lives in the shared pool, or the window
+offers cross-memory attach, ``window.cma`` and ``window.read``), the
+collectives publish their buffers' addresses (one fence) and copy straight
+from the other ranks' buffers: one copy instead of two, and a final fence
+so that no rank changes its buffer while another still reads it.
 """
 
 from __future__ import annotations
