@@ -177,6 +177,14 @@ def test_every_collective_and_algorithm_against_numpy(p):
     assert not failures, "\n".join(failures[:40])
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_every_collective_over_zeromq_sockets_alone(monkeypatch, p):
+    monkeypatch.setenv("COLLECTIVES_ZMQ_LANES", "0")  # the data on ZeroMQ's own sockets, not the TCP lanes
+    results = run_ranks(check_everything, p, transport="zmq", timeout=240, comm_timeout=60)
+    failures = [f"rank {r}: {f}" for r, per in enumerate(results) for fs in per.values() for f in fs]
+    assert not failures, "\n".join(failures[:40])
+
+
 # -- faults --------------------------------------------------------------------
 
 FAULT_TIMEOUT = 6.0

@@ -85,6 +85,7 @@ class JobCredentials:
         self.mechanism = mechanism
         key = secret.encode()
         self._token = self._derive(key, b"plain-token").hex().encode()
+        self._lane_key = self._derive(key, b"tcp-lanes")
         if mechanism == "curve":
             self._server_secret = z85.encode(self._derive(key, b"curve-server"))
             self._client_secret = z85.encode(self._derive(key, b"curve-client"))
@@ -95,6 +96,10 @@ class JobCredentials:
     @staticmethod
     def _derive(key: bytes, label: bytes) -> bytes:
         return hmac.new(key, b"collectives-zmq/" + label, hashlib.sha256).digest()
+
+    def lane_key(self) -> bytes:
+        """The key the direct TCP lanes prove the job with (see :mod:`.lanes`)."""
+        return self._lane_key
 
     def server(self, sock: zmq.Socket) -> None:
         """Make ``sock`` (before bind) require the job's credentials from clients."""

@@ -58,6 +58,7 @@ import zmq
 from collectives.errors import BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost
 from collectives.transport import COMPLETED, Request, Transport
 
+from .lanes import Lanes, LaneSend
 from .rendezvous import JobCredentials, ZapHandler, choose_address, exchange_endpoints, open_store, wait_for_key
 
 __all__ = ["ZmqTransport", "SEGMENT_BYTES"]
@@ -119,6 +120,32 @@ class _SendRequest(Request):
             except zmq.NotDone:
                 pass
             t._progress_nowait()
+
+
+class _LaneRequest(Request):
+    """A send over a TCP lane whose bytes are not all in the kernel yet."""
+
+    __slots__ = ("_transport", "_pending", "_peer")
+
+    def __init__(self, transport: "ZmqTransport", pending: LaneSend, peer: int) -> None:
+        self._transport = transport
+        self._pending = pending
+        self._peer = peer
+
+    def test(self) -> bool:
+        if not self._pending.done:
+            self._transport._progress_nowait()
+        if self._pending.done:
+            return True
+        self._transport._raise_if_broken()
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        t = self._transport
+        timeout = t.timeout if timeout is None else timeout
+        t._drive_until(self.test, time.monotonic() + timeout,
+                       lambda: f"rank {t.rank}: send to rank {self._peer} did not complete "
+                               f"within {timeout:.3g}s")
 
 
 class _RecvRequest(Request):
@@ -194,6 +221,8 @@ class _RecvRequest(Request):
         if self.error is None:
             for offset, data in self.frames:
                 self._place(offset, data, len(memoryview(data).cast("B")))
+        if self._transport._lanes is not None:
+            self._transport._lanes.recycle([data for _, data in self.frames])
         self.frames = []
 
     def test(self) -> bool:
@@ -245,6 +274,7 @@ class ZmqTransport(Transport):
         self._broken: PeerLost | None = None
         self._aborted = False
         self._closed = False
+        self._lanes: Lanes | None = None
         self.endpoint = ""
 
     # -- opening -------------------------------------------------------------
@@ -294,12 +324,35 @@ class ZmqTransport(Transport):
         try:
             endpoints = exchange_endpoints(store, prefix, self.rank, self.size, self.endpoint, self.timeout)
             self._connect_all(endpoints, credentials, heartbeat)
+            if _lanes_wanted(options, credentials):
+                self._open_lanes(store, prefix, addr, credentials, job)
             store.set(f"{prefix}/ready/{self.rank}", b"1")
             if self.rank == 0:  # the store must outlive every rank's reads
                 for r in range(1, self.size):
                     wait_for_key(store, f"{prefix}/ready/{r}", self.timeout)
         finally:
             close_store()
+
+    def _open_lanes(self, store: Any, prefix: str, addr: str, credentials: JobCredentials, job: str) -> None:
+        """The direct TCP lanes that carry every message (see :mod:`.lanes`)."""
+        self._lanes = Lanes.connect(
+            self.rank, self.size, addr, credentials.lane_key(), job,
+            lambda where: store.set(f"{prefix}/lane/{self.rank}", where.encode()),
+            lambda peer, left: wait_for_key(store, f"{prefix}/lane/{peer}", left).decode(),
+            self.timeout, self._lane_message, self._lane_ended, self._cv)
+        for sock in self._lanes.sockets():
+            self._router_poller.register(sock, zmq.POLLIN)
+
+    def _lane_message(self, peer: int, tag: int, total: int) -> _RecvRequest:
+        """A message starts on ``peer``'s lane: the request it fills (called with the lock held)."""
+        req = self._match(peer, tag)
+        req.start(total)
+        return req
+
+    def _lane_ended(self, peer: int) -> None:
+        """``peer``'s lane ended: lost, unless it said goodbye first."""
+        if peer not in self._said_bye and not self._closed:
+            self._lost_since.setdefault(peer, time.monotonic())
 
     def _socket(self, kind: int, heartbeat: float) -> zmq.Socket:
         s = self._ctx.socket(kind)
@@ -348,6 +401,9 @@ class ZmqTransport(Transport):
             self._deliver_to_self(data, tag)
             return COMPLETED
         self._raise_if_broken()
+        if self._lanes is not None:
+            pending = self._lanes.send(peer, tag, memoryview(data), buf)
+            return COMPLETED if pending is None else _LaneRequest(self, pending, peer)
         total = data.nbytes
         seg = self.segment_bytes
         trackers = []
@@ -456,15 +512,14 @@ class ZmqTransport(Transport):
             raise PeerLost(f"rank {self.rank}: transport is closed", self.rank)
         if self._lost_since:
             timeout = max(0.0, min(timeout, min(self._lost_since.values()) + GRACE_SECONDS - time.monotonic()))
-        if not self._drain_router() and timeout > 0:
+        if not self._drain_all() and timeout > 0:
             spin_until = time.perf_counter() + min(timeout, SPIN_SECONDS)
             while time.perf_counter() < spin_until:  # the answer is often microseconds away
                 _yield()
-                if self._drain_router():
+                if self._drain_all():
                     break
             else:
-                if self._router_poller.poll(max(1, int(timeout * 1000))):
-                    self._drain_router()
+                self._poll_sockets(timeout)
         now = time.monotonic()
         if now >= self._next_monitor_check:
             self._next_monitor_check = now + MONITOR_EVERY
@@ -473,6 +528,31 @@ class ZmqTransport(Transport):
         if self._lost_since:
             self._drain_router()
             self._declare_lost()
+
+    def _poll_sockets(self, timeout: float) -> None:
+        """Block until something arrives (or a lane with queued sends can take
+        more), at most ``timeout`` seconds; then handle it."""
+        sending = self._lanes.sending() if self._lanes is not None else []
+        poller = self._router_poller
+        for sock in sending:
+            poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
+        try:
+            if poller.poll(max(1, int(timeout * 1000))):
+                self._drain_all()
+        finally:
+            for sock in sending:
+                poller.register(sock, zmq.POLLIN)
+
+    def _drain_all(self) -> int:
+        """What has arrived on the inbound socket and the lanes (queued lane
+        sends pushed too); returns how much moved."""
+        moved = self._drain_router()
+        if self._lanes is not None:
+            if self._lanes.progress():
+                moved += 1
+                with self._cv:
+                    self._cv.notify_all()
+        return moved
 
     def _drain_router(self) -> int:
         """Handle every message waiting on the inbound socket; return how many."""
@@ -571,7 +651,7 @@ class ZmqTransport(Transport):
     def _raise_if_broken(self, peer: int | None = None) -> None:
         if self._broken is not None:
             raise PeerLost(str(self._broken), self._broken.peer)
-        if peer is not None and peer in self._said_bye:
+        if peer is not None and peer in self._said_bye and (self._lanes is None or not self._lanes.is_open(peer)):
             raise PeerLost(f"rank {self.rank}: rank {peer} closed its transport before sending "
                            "the awaited message", peer)
         if self._closed:
@@ -612,6 +692,8 @@ class ZmqTransport(Transport):
                 self._broadcast(HEADER.pack(KIND_BYE, 0, 0, 0))
             self._closed = True
             linger = 0 if self._broken is not None else 1000
+            if self._lanes is not None:
+                self._lanes.close(time.monotonic() + linger / 1000)
             for sock in [*self._dealers.values(), *self._monitors, self._router]:
                 if sock is not None:
                     try:
@@ -649,6 +731,14 @@ def reuse_message_buffers(largest: int) -> bool:
         return False
     _reused_up_to = largest
     return True
+
+
+def _lanes_wanted(options: dict[str, Any], credentials: JobCredentials) -> bool:
+    """Direct TCP lanes carry the data unless turned off (``zmq_lanes`` or
+    ``COLLECTIVES_ZMQ_LANES`` false) or the job asked for encryption (CURVE:
+    the lanes authenticate but do not encrypt, so ZeroMQ carries the data)."""
+    wanted = options.get("zmq_lanes", os.environ.get("COLLECTIVES_ZMQ_LANES", "1"))
+    return credentials.mechanism != "curve" and str(wanted).lower() not in ("0", "false", "no", "off")
 
 
 def _secret(options: dict[str, Any], job: str) -> str:
