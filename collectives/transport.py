@@ -135,6 +135,10 @@ class Transport(abc.ABC):
     #: request is waited for; algorithms use this to post such receives
     #: early. False (the safe default) for MPI, whose standard forbids it.
     released_on_delivery: ClassVar[bool] = False
+    #: Receives a pipelined algorithm keeps posted ahead of the one it
+    #: consumes. A transport that must buffer what arrives before its
+    #: receive (a byte stream read as it comes) wants them all posted early.
+    receives_ahead: int = 4
     rank: int
     size: int
     #: Default timeout in seconds for waits that pass None.

@@ -342,6 +342,9 @@ class ZmqTransport(Transport):
             self.timeout, self._lane_message, self._lane_ended, self._cv)
         for sock in self._lanes.sockets():
             self._router_poller.register(sock, zmq.POLLIN)
+        # A lane is read as it arrives: what comes before its receive is copied
+        # aside, so pipelined algorithms should post their receives early.
+        self.receives_ahead = 1 << 10
 
     def _lane_message(self, peer: int, tag: int, total: int) -> _RecvRequest:
         """A message starts on ``peer``'s lane: the request it fills (called with the lock held)."""

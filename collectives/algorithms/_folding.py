@@ -33,8 +33,6 @@ __all__ = [
 
 # Scratch slots these algorithms use (ctx.scratch); distinct slots never alias.
 WORK, TMP, ACC32, ROTATE = 0, 1, 2, 3
-#: Ring receives kept in flight ahead of the one being reduced.
-WINDOW = 4
 
 
 def largest_pof2(p: int) -> int:
@@ -294,7 +292,8 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
     units = [(t, j, a, b) for t in range(steps)
              for j, (a, b) in enumerate(pieces(size(block_at(t)), seg))]
     longest = max((b - a for _, _, a, b in units), default=0)
-    tmp = ctx.scratch(WINDOW * longest, src.dtype, TMP)
+    window = max(1, ctx.transport.receives_ahead)  # receives in flight ahead of the one reduced
+    tmp = ctx.scratch(window * longest, src.dtype, TMP)
     sent: dict[tuple[int, int], Request] = {}
     first = (rank - 1) % p
     for j, (a, b) in enumerate(pieces(size(first), seg)):
@@ -308,7 +307,7 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
             blk = block_at(t)
             off = bounds[blk]
             posted.append(ctx.irecv_reduce(dest_of(blk)[a:b], src[off + a:off + b], left, op,
-                                           tmp[(i % WINDOW) * longest:][:b - a]))
+                                           tmp[(i % window) * longest:][:b - a]))
         else:  # allgather: straight into place, where our earlier send of it was read from
             req = sent.get((t - (p - 1), j))
             # What lands here was reduced from that very send, so a transport
@@ -317,13 +316,13 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
                 req.wait(ctx.remaining())
             posted.append(ctx.irecv(dest_of(block_at(t))[a:b], left))
 
-    for i in range(min(WINDOW, len(units))):
+    for i in range(min(window, len(units))):
         post(i)
     for i, (t, j, a, b) in enumerate(units):
         posted[i].wait(ctx.remaining())
         out = dest_of(block_at(t))[a:b]
-        if i + WINDOW < len(units):
-            post(i + WINDOW)
+        if i + window < len(units):
+            post(i + window)
         if t + 1 < steps:
             sent[(t + 1, j)] = ctx.isend(out, right)
     ctx.waitall(list(sent.values()))
