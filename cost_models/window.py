@@ -41,13 +41,22 @@ def direct_from(threshold: int, p: int, P: Params, power: int = 1) -> int:
     return threshold * (math.ceil(p / P.cores) if P.cores else 1) ** power
 
 
+def one_fence(p: int, n: int, P: Params) -> float | None:
+    """copy(n) + F + (p-1) n gamma where n takes the one-fence path (every
+    rank's vector in the window, one rank or all reducing them), else None."""
+    if n <= max(SMALL_BYTES, SMALL_TOTAL_BYTES // p):
+        return P.copy(n) + P.fence + (p - 1) * n * P.gamma
+    return None
+
+
 @cost_model("allreduce", "shared_window")
 def allreduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; pieces; 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
     if p == 1 or n == 0:
         return 0.0
-    if n <= max(SMALL_BYTES, SMALL_TOTAL_BYTES // p):
-        return P.copy(n) + P.fence + (p - 1) * n * P.gamma
+    small = one_fence(p, n, P)
+    if small is not None:
+        return small
     share = (p - 1) / p * n
     if n < direct_from(DIRECT_ALLREDUCE_BYTES, p, P):
         pieces = max(1, math.ceil(n / PIECE_BYTES))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from .model import Params, cost_model
-from .window import DIRECT_BYTES, PIECE_BYTES, SMALL_BYTES, SMALL_TOTAL_BYTES, direct_from
+from .window import DIRECT_BYTES, PIECE_BYTES, direct_from, one_fence
 
 
 def _pieces(per_rank_bytes: float) -> int:
@@ -77,7 +77,8 @@ def reduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; 2F per piece + copy((p-1)/p n) + (p-1)/p n gamma + copy(n)."""
     if p == 1 or n == 0:
         return 0.0
-    if n <= max(SMALL_BYTES, SMALL_TOTAL_BYTES // p):
-        return P.copy(n) + P.fence + (p - 1) * n * P.gamma
+    small = one_fence(p, n, P)
+    if small is not None:
+        return small
     share = (p - 1) / p * n
     return 2 * _pieces(n) * P.fence + P.copy(share) + share * P.gamma + P.copy(n)
