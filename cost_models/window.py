@@ -43,7 +43,10 @@ def direct_from(threshold: int, p: int, P: Params, power: int = 1) -> int:
 
 def one_fence(p: int, n: int, P: Params) -> float | None:
     """copy(n) + F + (p-1) n gamma where n takes the one-fence path (every
-    rank's vector in the window, one rank or all reducing them), else None."""
+    rank's vector in the window, one rank or all reducing them; nothing for
+    one rank or no bytes), else None."""
+    if p == 1 or n == 0:
+        return 0.0
     if n <= max(SMALL_BYTES, SMALL_TOTAL_BYTES // p):
         return P.copy(n) + P.fence + (p - 1) * n * P.gamma
     return None
@@ -52,8 +55,6 @@ def one_fence(p: int, n: int, P: Params) -> float | None:
 @cost_model("allreduce", "shared_window")
 def allreduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; pieces; 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
-    if p == 1 or n == 0:
-        return 0.0
     small = one_fence(p, n, P)
     if small is not None:
         return small

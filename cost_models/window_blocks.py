@@ -75,8 +75,6 @@ def alltoall(p: int, n: int, P: Params) -> float:
 @cost_model("reduce", "shared_window")
 def reduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; 2F per piece + copy((p-1)/p n) + (p-1)/p n gamma + copy(n)."""
-    if p == 1 or n == 0:
-        return 0.0
     small = one_fence(p, n, P)
     if small is not None:
         return small

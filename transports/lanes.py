@@ -104,7 +104,7 @@ class Lanes:
     """Every peer's lane of one rank.
 
     Args:
-        rank, size: this rank and the number of ranks.
+        rank: this rank.
         socks: the authenticated socket of every peer (None for this rank).
         start: ``start(peer, tag, total)`` -> the request a new message fills.
         lost: ``lost(peer)``, called once when a lane ends.
@@ -112,7 +112,7 @@ class Lanes:
             over its receives; one thread reads the lanes at a time).
     """
 
-    def __init__(self, rank: int, size: int, socks: Sequence[socket.socket | None],
+    def __init__(self, rank: int, socks: Sequence[socket.socket | None],
                  start: Callable[[int, int, int], Any], lost: Callable[[int], None],
                  matching: ContextManager) -> None:
         self.rank = rank
@@ -180,7 +180,7 @@ class Lanes:
         for s in socks:
             if s is not None:
                 _tune(s)
-        return cls(rank, size, socks, start, lost, matching)
+        return cls(rank, socks, start, lost, matching)
 
     # -- sending -------------------------------------------------------------
 
