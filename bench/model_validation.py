@@ -19,6 +19,7 @@ window: the algorithms MPICH chooses among). Writes JSON with ``--out``;
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -32,12 +33,14 @@ __all__ = ["main"]
 DEFAULT_COLLECTIVES = ("bcast", "allgather", "reduce", "allreduce", "reduce_scatter", "alltoall")
 
 
-def _measure(comm, call, algo: str, repeats: int, nbytes: int) -> float:
-    """Best of ``repeats`` (fewer for large sizes) of the slowest rank's time."""
-    from collectives.cost_models.timing import slowest_best
+def _measure(comm, call, algos: list[str], repeats: int, nbytes: int) -> dict[str, float]:
+    """Best of ``repeats`` (fewer for large sizes) of the slowest rank's time
+    per algorithm, the algorithms taking turns (see
+    :func:`~collectives.cost_models.timing.slowest_best_each`)."""
+    from collectives.cost_models.timing import slowest_best_each
 
     reps = repeats if nbytes <= (1 << 20) else max(2, repeats // 3)
-    return slowest_best(comm, lambda: call(algo), reps)
+    return slowest_best_each(comm, {a: functools.partial(call, a) for a in algos}, reps)
 
 
 def rank_main(ns) -> int:
@@ -64,10 +67,9 @@ def rank_main(ns) -> int:
             count -= count % comm.size
             nbytes = count * dtype.itemsize
             call = collective_call(comm, collective, count, dtype)
-            measured = {}
-            for name, algo in algorithms_for(collective).items():
-                if algo.needs <= caps and name != "native":
-                    measured[name] = _measure(comm, call, name, ns.repeats, nbytes)
+            algos = [name for name, algo in algorithms_for(collective).items()
+                     if algo.needs <= caps and name != "native"]
+            measured = _measure(comm, call, algos, ns.repeats, nbytes)
             for name, t in measured.items():
                 pred = predict(collective, name, comm.size, nbytes, params, dtype)
                 rows.append({"collective": collective, "algorithm": name, "bytes": nbytes, "p": comm.size,

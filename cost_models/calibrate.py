@@ -55,6 +55,7 @@ for every transport. :func:`load_profile` falls back to :data:`DEFAULTS`.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -71,7 +72,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .model import Params
-from .timing import slowest_best
+from .timing import slowest_best, slowest_best_each
 
 __all__ = ["main", "load_profile", "profile_path", "fit_line", "fit_piecewise", "fit_overheads", "DEFAULTS",
            "measure_gamma", "measure_copy_bandwidth", "measure_probes", "measure_anchors", "host_cores"]
@@ -282,10 +283,10 @@ def measure_anchors(comm, repeats: int, large: int = LARGE_ANCHOR_BYTES) -> list
         counts = [0] if collective == "barrier" else [p] + ([large // 4 // p * p] if large else [])
         for count, reps in zip(counts, (repeats, max(2, repeats // 3))):
             call = collective_call(comm, collective, count, dtype)
-            for name, algo in algorithms_for(collective).items():
-                if algo.needs <= caps and name != "native":
-                    seconds = slowest_best(comm, lambda: call(name), reps)
-                    out.append((collective, name, p, count * dtype.itemsize, seconds))
+            calls = {name: functools.partial(call, name) for name, algo in algorithms_for(collective).items()
+                     if algo.needs <= caps and name != "native"}
+            for name, seconds in slowest_best_each(comm, calls, reps).items():
+                out.append((collective, name, p, count * dtype.itemsize, seconds))
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["shared_clock", "slowest_best", "sleep_until", "collective_call", "START_LEAD"]
+__all__ = ["shared_clock", "slowest_best", "slowest_best_each", "sleep_until", "collective_call", "START_LEAD"]
 
 #: First lead of the agreed start over the agreement itself (seconds).
 START_LEAD = 200e-6
@@ -67,33 +67,30 @@ def sleep_until(instant: float) -> None:
             _yield()
 
 
-def _barrier_best(comm, call: Callable[[], object], repeats: int) -> float:
-    best = math.inf
-    stamp = np.zeros(1)
-    for _ in range(repeats):
-        comm.barrier()
-        t0 = time.perf_counter()
-        call()
-        stamp[0] = time.perf_counter() - t0
-        comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
-        best = min(best, float(stamp[0]))
-    return best
+class _Timer:
+    """One timed try at a time of collective calls on ``comm``, from a common
+    start where the ranks share a clock, else from a barrier."""
 
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.common_start = comm.size > 1 and shared_clock(comm)
+        self.lead = START_LEAD
+        self.stamp = np.zeros(2)
 
-def slowest_best(comm, call: Callable[[], object], repeats: int) -> float:
-    """Best of ``repeats`` (after one warm-up) of ``call()``'s time from a common
-    start to the last rank's finish (see the module's docstring). Collective."""
-    call()
-    if comm.size == 1:
-        return _barrier_best(comm, call, repeats)
-    if not shared_clock(comm):
-        return _barrier_best(comm, call, repeats)
-    best, lead, done, tries = math.inf, START_LEAD, 0, 0
-    stamp = np.zeros(2)
-    monotonic = time.monotonic
-    while done < repeats:
-        tries += 1
-        stamp[0] = monotonic() + lead
+    def once(self, call: Callable[[], object], last_chance: bool) -> float | None:
+        """``call()``'s time to the slowest rank's finish, or None (every rank
+        alike) when some rank learnt the common start too late; then the lead
+        doubles. With ``last_chance`` a late try counts anyway."""
+        comm, stamp = self.comm, self.stamp
+        if not self.common_start:
+            comm.barrier()
+            t0 = time.perf_counter()
+            call()
+            stamp[0] = time.perf_counter() - t0
+            comm.allreduce(stamp[:1], op="max", algorithm="recursive_doubling")
+            return float(stamp[0])
+        monotonic = time.monotonic
+        stamp[0] = monotonic() + self.lead
         comm.allreduce(stamp[:1], op="max", algorithm="recursive_doubling")
         start = float(stamp[0])
         stamp[1] = monotonic() - start  # > 0: this rank learnt the start too late
@@ -101,11 +98,38 @@ def slowest_best(comm, call: Callable[[], object], repeats: int) -> float:
         call()
         stamp[0] = monotonic()
         comm.allreduce(stamp, op="max", algorithm="recursive_doubling")
-        if stamp[1] > 0 and tries < 4 * repeats:
-            lead *= 2
-            continue
-        best = min(best, float(stamp[0]) - start)
-        done += 1
+        if stamp[1] > 0 and not last_chance:
+            self.lead *= 2
+            return None
+        return float(stamp[0]) - start
+
+
+def slowest_best(comm, call: Callable[[], object], repeats: int) -> float:
+    """Best of ``repeats`` (after one warm-up) of ``call()``'s time from a common
+    start to the last rank's finish (see the module's docstring). Collective."""
+    return slowest_best_each(comm, {None: call}, repeats)[None]
+
+
+def slowest_best_each(comm, calls: dict, repeats: int) -> dict:
+    """:func:`slowest_best` of every call in ``calls`` (name to function),
+    interleaved: each round times every call once, so that a slow spell of
+    the machine falls on all of them rather than on whichever ran then.
+    Returns name to seconds. Collective (every rank passes the same names
+    in the same order)."""
+    for call in calls.values():
+        call()
+    timer = _Timer(comm)
+    best = {name: math.inf for name in calls}
+    done = {name: 0 for name in calls}
+    tries = 0
+    while any(n < repeats for n in done.values()):
+        tries += 1
+        for name, call in calls.items():
+            if done[name] < repeats:
+                t = timer.once(call, last_chance=tries >= 4 * repeats)
+                if t is not None:
+                    best[name] = min(best[name], t)
+                    done[name] += 1
     return best
 
 

@@ -171,6 +171,33 @@ def test_slowest_best_times_from_a_common_start(lead) -> None:
     assert 0.003 <= seconds.pop() < 0.003 + 0.002
 
 
+def _timed_turns(comm) -> tuple[dict, list]:
+    from collectives.cost_models import timing
+
+    order: list[str] = []
+
+    def nap(name: str, seconds: float):
+        def call() -> None:
+            order.append(name)
+            time.sleep(seconds if comm.rank == 0 else 0.0)
+        return call
+
+    best = timing.slowest_best_each(comm, {"short": nap("short", 0.001), "long": nap("long", 0.003)}, 3)
+    return best, order
+
+
+def test_slowest_best_each_takes_turns() -> None:
+    from harness import run_ranks
+
+    results = run_ranks(_timed_turns, 2, timeout=60)
+    assert results[0] == results[1]  # every rank reports the same times
+    best, order = results[0]
+    assert 0.001 <= best["short"] < 0.001 + 0.002 and 0.003 <= best["long"] < 0.003 + 0.002
+    assert order[:2] == ["short", "long"]  # one warm-up each
+    assert order[2:4] == ["short", "long"]  # then each round times both (a late try is retried later)
+    assert order.count("short") >= 4 and order.count("long") >= 4
+
+
 def test_stretch_table_interpolates_and_scales() -> None:
     P = Params(stretch=((2, 1.0, 1.0, 2.0, 1.0), (4, 3.0, 2.0, 10.0, 1.5)))
     assert P.stretch_at(1) == (1.0, 1.0, 1.0, 1.0)
