@@ -57,7 +57,7 @@ def rank_main(ns) -> int:
     caps = frozenset(comm.transport.capabilities)
     params = load_profile(comm.transport.name)
     if not params.cores:  # every rank of this job runs on this host
-        params = replace(params, cores=host_cores())
+        params = replace(params, cores=comm.transport.cores or host_cores())
     dtype = np.dtype(np.float32)
     rows, regrets = [], []
     model_sel, rule_sel, mpich_sel = ModelSelector(params), RuleSelector(), RuleSelector()

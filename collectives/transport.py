@@ -139,6 +139,9 @@ class Transport(abc.ABC):
     #: consumes. A transport that must buffer what arrives before its
     #: receive (a byte stream read as it comes) wants them all posted early.
     receives_ahead: int = 4
+    #: Cores the ranks of this host share between them (0: not known; each
+    #: rank is taken to have one of its own).
+    cores: int = 0
     rank: int
     size: int
     #: Default timeout in seconds for waits that pass None.

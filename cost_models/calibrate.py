@@ -430,7 +430,7 @@ def rank_main(out: str | None, quick: bool) -> int:
         fence = _best(comm.barrier, 5 if quick else 50)
     probes = measure_probes(comm, 3 if quick else 20) if comm.size > 1 else []
     extra, anchors = rank_count_measurements(comm, quick) if comm.size > 1 else ([], [])
-    name, p = comm.transport.name, comm.size
+    name, p, cores = comm.transport.name, comm.size, comm.transport.cores or host_cores()
     comm.close()
     if comm.rank != 0:
         return 0
@@ -443,7 +443,7 @@ def rank_main(out: str | None, quick: bool) -> int:
                     fence=fence, protocol=tuple(tuple(t) for t in fit["protocol"]))
     params = replace(params, exchange=fit_exchange(EXCHANGE_BYTES, exchanges, params))
     overhead, call = fit_overheads(probes, params, p)
-    params = replace(params, overhead=overhead, call=call, cores=host_cores() if name == "shm" else 0)
+    params = replace(params, overhead=overhead, call=call, cores=cores if name == "shm" else 0)
     if p > 1:
         params = replace(params, stretch=((p, *fit_stretch(probes + extra, params, p)),),
                          anchors=tuple(anchors))

@@ -2,15 +2,15 @@
 
 Their cost is memory traffic and fences, not messages: ``copy(m)`` is a
 local copy of m bytes at the memory bandwidth, ``F`` one fence (a barrier
-through shared memory), gamma the reduction of one byte. Below
-``DIRECT_BYTES`` (times the square of the ranks per core) data goes through the window
-(copy in, fence, copy out);
-from it on, ranks publish their buffers (one fence) and read each other's
+through shared memory), gamma the reduction of one byte. Below each
+collective's ``DIRECT_FROM`` (growing with the ranks per core, see
+:func:`collectives.algorithms.window.direct_from`) data goes through the
+window (copy in, fence, copy out); from it on, ranks publish their buffers (one fence) and read each other's
 directly (one copy), with a closing fence.
 
 * allreduce, n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma
   (every rank reduces all p vectors itself).
-* allreduce, up to ``DIRECT_ALLREDUCE_BYTES`` times the ranks per core,
+* allreduce, below its ``DIRECT_FROM``,
   through the window in pieces of at most ``PIECE_BYTES`` per rank: copy
   the (p-1)/p others reduce in, F, reduce this rank's 1/p from p sources
   ((p-1)/p n gamma), F, copy every reduced block out:
@@ -31,14 +31,12 @@ import math
 
 from .model import Params, cost_model
 
-from collectives.algorithms.window import (DIRECT_ALLREDUCE_BYTES, DIRECT_BYTES, PIECE_BYTES,  # noqa: F401
-                                           SMALL_BYTES, SMALL_TOTAL_BYTES)
+from collectives.algorithms.window import PIECE_BYTES, SMALL_BYTES, SMALL_TOTAL_BYTES, direct_from
 
 
-def direct_from(threshold: int, p: int, P: Params, power: int = 1) -> int:
-    """Bytes from which the algorithms read peers' buffers directly:
-    ``threshold`` times the ranks per core to ``power`` (as the implementation decides)."""
-    return threshold * (math.ceil(p / P.cores) if P.cores else 1) ** power
+def direct(collective: str, p: int, n: int, P: Params) -> bool:
+    """Whether ``collective`` reads peers' buffers directly at ``n`` bytes (as the implementation decides)."""
+    return n >= direct_from(collective, p, P.cores)
 
 
 def one_fence(p: int, n: int, P: Params) -> float | None:
@@ -59,7 +57,7 @@ def allreduce(p: int, n: int, P: Params) -> float:
     if small is not None:
         return small
     share = (p - 1) / p * n
-    if n < direct_from(DIRECT_ALLREDUCE_BYTES, p, P):
+    if not direct("allreduce", p, n, P):
         pieces = max(1, math.ceil(n / PIECE_BYTES))
         return 2 * pieces * P.fence + P.copy(share) + share * P.gamma + P.copy(n)
     return 3 * P.fence + 2 * P.copy(share) + share * P.gamma
@@ -71,7 +69,7 @@ def reduce_scatter(p: int, n: int, P: Params) -> float:
     if p == 1:
         return P.copy(n)
     b = n / p
-    if n >= direct_from(DIRECT_BYTES, p, P, 2):
+    if direct("reduce_scatter", p, n, P):
         return 2 * P.fence + P.copy((p - 1) * b) + (p - 1) * b * P.gamma
     return P.copy((p - 1) * b) + P.fence + (p - 1) * b * P.gamma
 
@@ -82,7 +80,7 @@ def allgather(p: int, n: int, P: Params) -> float:
     if p == 1 or n == 0:
         return 0.0
     b = n / p
-    if n >= direct_from(DIRECT_BYTES, p, P, 2):
+    if direct("allgather", p, n, P):
         return 2 * P.fence + P.copy((p - 1) * b)
     return P.copy(b) + P.fence + P.copy((p - 1) * b)
 
@@ -92,6 +90,6 @@ def bcast(p: int, n: int, P: Params) -> float:
     """2F + copy(n)."""
     if p == 1 or n == 0:
         return 0.0
-    if n >= direct_from(DIRECT_BYTES, p, P, 2):
+    if direct("bcast", p, n, P):
         return 2 * P.fence + P.copy(n)
     return 2 * P.copy(n) + P.fence

@@ -4,9 +4,9 @@ As in :mod:`.window`: ``copy(m)`` a local copy of m bytes, ``F`` a fence,
 gamma the reduction of one byte; n is the selector's size (the p blocks
 together for gather, scatter and alltoall). Through the window, a piece
 is at most ``PIECE_BYTES`` per rank and costs one fence (two for reduce);
-from ``DIRECT_BYTES`` on, ranks publish their buffers (one fence) and read
-each other's directly, then fence once more (times the square of the ranks
-per core).
+from each collective's ``DIRECT_FROM`` on (see :mod:`.window`), ranks
+publish their buffers (one fence) and read each other's directly, then
+fence once more.
 
 * barrier: F.
 * gather (the root's time): through the window, copy(n/p) in on the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from .model import Params, cost_model
-from .window import DIRECT_BYTES, PIECE_BYTES, direct_from, one_fence
+from .window import PIECE_BYTES, direct, one_fence
 
 
 def _pieces(per_rank_bytes: float) -> int:
@@ -46,7 +46,7 @@ def gather(p: int, n: int, P: Params) -> float:
     if p == 1 or n == 0:
         return P.copy(n)
     rest = (p - 1) / p * n
-    if n >= direct_from(DIRECT_BYTES, p, P, 2):
+    if direct("gather", p, n, P):
         return 2 * P.fence + P.copy(rest)
     return P.copy(n / p) + _pieces(n / p) * P.fence + P.copy(rest)
 
@@ -56,7 +56,7 @@ def scatter(p: int, n: int, P: Params) -> float:
     """copy((p-1)/p n) + F per piece + copy(n/p); direct 2F + copy(n/p)."""
     if p == 1 or n == 0:
         return P.copy(n)
-    if n >= direct_from(DIRECT_BYTES, p, P, 2):
+    if direct("scatter", p, n, P):
         return 2 * P.fence + P.copy(n / p)
     return P.copy((p - 1) / p * n) + _pieces(n) * P.fence + P.copy(n / p)
 
@@ -67,7 +67,7 @@ def alltoall(p: int, n: int, P: Params) -> float:
     if p == 1 or n == 0:
         return P.copy(n / max(p, 1))
     rest = (p - 1) / p * n
-    if n >= direct_from(DIRECT_BYTES, p, P, 2):
+    if direct("alltoall", p, n, P):
         return 2 * P.fence + P.copy(rest)
     return 2 * P.copy(rest) + _pieces(n) * P.fence
 

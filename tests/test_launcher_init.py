@@ -67,13 +67,15 @@ def test_rank_cpus_binds_round_robin_when_ranks_outnumber_cores(monkeypatch):
 def test_run_binds_ranks_that_share_cores(tmp_path):
     n = len(os.sched_getaffinity(0)) + 1
     res = _run(["-n", str(n)], """
-        import os
-        print("cpus", os.environ["COLLECTIVES_RANK"], sorted(os.sched_getaffinity(0)))
+        import os, collectives
+        comm = collectives.init()
+        print("cpus", comm.rank, sorted(os.sched_getaffinity(0)), "shared", comm.transport.cores)
+        comm.close()
     """, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     cores = sorted(os.sched_getaffinity(0))
-    for r in range(n):
-        assert f"cpus {r} [{cores[r % len(cores)]}]" in res.stdout
+    for r in range(n):  # one core each, but the shared-memory ranks know they share all of them
+        assert f"cpus {r} [{cores[r % len(cores)]}] shared {len(cores)}" in res.stdout
     res = _run(["-n", str(n), "--bind", "none"], """
         import os
         print("cpus", os.environ["COLLECTIVES_RANK"], len(os.sched_getaffinity(0)))

@@ -220,5 +220,6 @@ def window_collectives(comm):
 def test_window_collectives_private_and_shared_buffers(cma, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SHM_CMA", cma)
     monkeypatch.setenv("COLLECTIVES_SHM_WINDOW_BYTES", str(1 << 20))
+    monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(2 << 20))  # the largest read directly
     for bad in run_ranks(window_collectives, 3, timeout=120):
         assert not bad

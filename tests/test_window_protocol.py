@@ -16,7 +16,9 @@ from reference import data, expect_equal, reduced
 
 COLLECTIVES = ["bcast", "reduce", "allreduce", "gather", "scatter", "allgather", "reduce_scatter", "alltoall",
                "barrier", "iallreduce"]
-#: elements per rank: one-piece plans, several pieces, direct reads (from 64 KiB)
+#: elements per rank: one-piece plans, several pieces, direct reads (from
+#: DIRECT_BYTES, set lower than the default for these tests)
+DIRECT_BYTES = 512 * 1024
 COUNTS = [1, 7, 300, 3000, 20_000, 150_000]
 DTYPES = [("int64", "sum"), ("float32", "max"), ("float16", "sum"), ("int32", "bxor")]
 
@@ -83,6 +85,11 @@ def mixed_sequence(comm, seed: int, steps: int) -> list[str]:
         if len(failures) > 5:
             break
     return failures
+
+
+@pytest.fixture(autouse=True)
+def _direct_reads_from_half_a_mebibyte(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(DIRECT_BYTES))
 
 
 @pytest.mark.parametrize("p,seed", [(2, 1), (3, 2), (4, 3), (5, 4), (6, 5), (8, 6), (4, 7), (3, 8)])

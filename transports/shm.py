@@ -92,6 +92,7 @@ Q_SLEEP = 48             # line 6 (apart from the epoch's 128 bytes): 1 while th
                          # blocks on it (a futex), until a peer rings it
 Q_POST, Q_DONE = 64, 80  # lines 8 and 10: the last window step whose data this rank
                          # posted, and the last it is done reading (native plans)
+Q_CPUS, CPU_WORDS = 96, 16  # lines 12 and 13: the cores this rank may run on (a bit each)
 REASON_OFFSET, REASON_MAX = 1024, PAGE - 1024
 
 PEER_CHECK_SECONDS = 0.002
@@ -105,11 +106,12 @@ YIELD_SECONDS = 200e-6
 BLOCK_FIRST, BLOCK_MAX = 20e-6, 1e-3
 
 
-def _cores() -> int:
+def _affinity() -> set[int]:
+    """The cores this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
 def _align(n: int, a: int) -> int:
@@ -328,6 +330,7 @@ class ShmWindow:
         t = self._t = transport
         lay = t._layout
         self.capacity = lay.window
+        self.cores = t.cores  # shared by the ranks (algorithms scale thresholds with ranks per core)
         self._regions = [np.frombuffer(s.mm, np.uint8, lay.window, lay.window_off) for s in t._segs]
         self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]
         self._pool_base = self._pools[t.rank].ctypes.data
@@ -640,7 +643,8 @@ class SharedMemoryTransport(Transport):
         self._next_check = 0.0
         self.cma = False
         self._cma_wanted = cma
-        self._spin = SPIN_SECONDS if size <= _cores() else 0.0
+        self.cores = len(_affinity())  # until the rendezvous tells every rank's
+        self._spin = SPIN_SECONDS if size <= self.cores else 0.0
         deadline = time.monotonic() + timeout
         try:
             self._rendezvous(deadline)
@@ -672,6 +676,9 @@ class SharedMemoryTransport(Transport):
         self._probe = np.array([MAGIC], np.uint64)
         q[Q_PROBE] = self._probe.ctypes.data
         q[Q_NATIVE] = 1 if native.enabled() is not None else 0
+        for cpu in _affinity():
+            if cpu < 64 * CPU_WORDS:
+                q[Q_CPUS + cpu // 64] |= 1 << (cpu % 64)
         q[Q_MAGIC] = MAGIC  # last: the segment is ready
         return seg
 
@@ -726,6 +733,17 @@ class SharedMemoryTransport(Transport):
                 self._wait_counter(segs[r].q, Q_ATTACHED, 1, r, deadline, "shared-memory rendezvous")
         os.unlink(own.path)
         self._probe_cma(deadline)
+        self._count_cores()
+
+    def _count_cores(self) -> None:
+        """Cores the ranks share: those any rank may run on (a launcher that
+        binds each rank to one core leaves each a single core of its own)."""
+        words = [0] * CPU_WORDS
+        for seg in self._segs:
+            for i in range(CPU_WORDS):
+                words[i] |= int(seg.q[Q_CPUS + i])
+        self.cores = max(sum(bin(w).count("1") for w in words), 1)
+        self._spin = SPIN_SECONDS if self.size <= self.cores else 0.0
 
     def _probe_cma(self, deadline: float) -> None:
         """Agree whether every rank may read every other's private memory

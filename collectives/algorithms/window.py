@@ -25,9 +25,8 @@ every rank alike: copies in, a post, a wait for only the ranks whose
 regions it reads (not a fence of all), copies out or a reduction. The
 persistent plans (``prepare``) of repeated calls are the same plans.
 
-From ``DIRECT_BYTES`` (times the square of the ranks per core; allreduce:
-``DIRECT_ALLREDUCE_BYTES`` times the ranks per core) on, when every rank's
-buffer can be read directly (it lives in the shared pool, or the window
+From a size per collective (:data:`DIRECT_FROM`, growing with the ranks
+per core) on, when every rank's buffer can be read directly (it lives in the shared pool, or the window
 offers cross-memory attach, ``window.cma`` and ``window.read``), the
 collectives publish their buffers' addresses (one fence) and copy straight
 from the other ranks' buffers: one copy instead of two, and a final fence
@@ -36,7 +35,6 @@ so that no rank changes its buffer while another still reads it.
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 
@@ -46,7 +44,7 @@ from .. import native
 from ..ops import BFLOAT16, Op
 from ..registry import register
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "bcast", "SMALL_BYTES"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "bcast", "SMALL_BYTES", "DIRECT_FROM", "direct_from"]
 
 #: Vectors up to this size take allreduce's single-fence path.
 SMALL_BYTES = 32 * 1024
@@ -58,17 +56,24 @@ SMALL_TOTAL_BYTES = 1 << 20
 #: Largest piece (bytes per region half) of the pipelined paths.
 PIECE_BYTES = 2 << 20
 META_BYTES = 4096
-#: Collectives other than allreduce read peers' buffers directly from this size
-#: on, times the square of the ranks per core (measured: 2 ranks on 2 cores,
-#: the window's pieces are faster up to 256 KiB and even at 1 MiB; 4 ranks,
-#: faster or even up to 4 MiB: each read pins pages, and stalls longer when
-#: ranks take turns on a core).
-DIRECT_BYTES = 512 * 1024
-#: Allreduce reads peers' buffers directly (one copy, but a system call and
-#: page pinning per read) from this size on, times the ranks per core
-#: (measured, 2 ranks on 2 cores: the window's pieces are faster up to 1 MiB;
-#: 4 ranks: up to 2 MiB).
-DIRECT_ALLREDUCE_BYTES = 2 << 20
+#: Where each collective reads peers' buffers directly (one copy, but through
+#: the kernel: a system call and page pinning per read, about 9 GB/s here
+#: against 23 GB/s for a copy that stays in the cache) rather than going
+#: through the window in pieces (two copies): from ``bytes`` times the ranks
+#: per core to ``power`` (ranks of one core take turns, and the pieces keep
+#: winning longer). Measured on 2 cores, 2 and 4 ranks, each path timed in
+#: turns with the other: the crossover is where the data stops fitting the
+#: cache; reduce_scatter and gather gain little from the single copy, since
+#: their window copies run on every rank at once.
+DIRECT_FROM: dict[str, tuple[int, int]] = {
+    "allreduce": (4 << 20, 1),       # 2 ranks: pieces 25-35% faster at 2 MiB, direct 30% at 16
+    "bcast": (2 << 20, 2),           # 2 ranks: direct 12% faster from 2 MiB; 4 ranks: even at 8-16
+    "allgather": (1 << 20, 2),       # 2 ranks: direct 6-35% faster from 1 MiB; 4 ranks: even at 8
+    "reduce_scatter": (16 << 20, 1),  # 2 ranks: pieces 12% faster even at 32 MiB; 4 ranks: even at 8
+    "gather": (16 << 20, 0),         # 2 ranks: pieces 34% faster at 8 MiB, even at 16-32
+    "scatter": (2 << 20, 0),         # 4 ranks: direct 50-60% faster from 4 MiB; 2 ranks: even
+    "alltoall": (8 << 20, 1),        # pieces 2x faster at 1-4 MiB; direct 20-30% from 8 (2 ranks)
+}
 #: Blocks from this size on are reduced by the native kernel when it is there.
 NATIVE_REDUCE_BYTES = 16 * 1024
 _ALIGN = 64
@@ -76,20 +81,21 @@ _ALIGN = 64
 _state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-@functools.lru_cache(maxsize=1)
-def _cores() -> int:
-    """Cores this process may run on (ranks beyond them share cores)."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+def direct_from(collective: str, p: int, cores: int) -> int:
+    """Bytes from which ``collective`` at ``p`` ranks on ``cores`` cores (0:
+    a core each) reads peers' buffers directly (see :data:`DIRECT_FROM`);
+    ``COLLECTIVES_WINDOW_DIRECT_BYTES``, when set, replaces it for every
+    collective (all ranks must agree)."""
+    forced = os.environ.get("COLLECTIVES_WINDOW_DIRECT_BYTES")
+    if forced:
+        return int(forced)
+    nbytes, power = DIRECT_FROM[collective]
+    return nbytes * (-(-p // cores) if cores else 1) ** power
 
 
-def _direct_from(threshold: int, p: int, power: int = 1) -> int:
-    """Bytes from which reading peers' buffers directly beats the window's
-    pieces: ``threshold`` times the ranks per core to ``power`` (a read is a
-    system call that pins pages, paid by every rank of a core in turn)."""
-    return threshold * (-(-p // _cores())) ** power
+def _direct_from(collective: str, window, p: int) -> int:
+    """:func:`direct_from` on the cores the window's ranks share (``window.cores``)."""
+    return direct_from(collective, p, getattr(window, "cores", 0))
 
 
 class _WindowState:
@@ -333,7 +339,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         if not _run_planned(ctx, _prepare_allreduce, ("allreduce", buf.dtype, buf.size, op.name), buf, op):
             _allreduce_small(ctx, window, st, buf, op)
         return
-    if buf.nbytes < _direct_from(DIRECT_ALLREDUCE_BYTES, p) or not _allreduce_direct(ctx, window, st, buf, op):
+    if buf.nbytes < _direct_from("allreduce", window, p) or not _allreduce_direct(ctx, window, st, buf, op):
         _allreduce_pieces(ctx, window, st, buf, op)
 
 
@@ -445,12 +451,12 @@ class _Readers:
             self.window.read(rank, int(m[2]) + byte_offset, out)
 
 
-def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int) -> _Readers | None:
+def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int, collective: str) -> _Readers | None:
     """Publish ``buf`` and return readers of every rank's buffer, or None (every
     rank alike) when some rank's buffer cannot be read directly. Only for
-    ``nbytes`` (the same on every rank) from ``_direct_from(DIRECT_BYTES, p, 2)`` on."""
+    ``nbytes`` (the same on every rank) from ``collective``'s :func:`direct_from` on."""
     cma = bool(getattr(window, "cma", False))
-    if nbytes < _direct_from(DIRECT_BYTES, ctx.size, 2) or not (cma or hasattr(window, "allocation")):
+    if nbytes < _direct_from(collective, window, ctx.size) or not (cma or hasattr(window, "allocation")):
         return None
     metas = _publish(ctx, window, st, buf)
     if cma or all(int(m[0]) for m in metas):
@@ -501,7 +507,7 @@ def _prepare_reduce_scatter(transport, sendbuf: np.ndarray, recvbuf: np.ndarray,
     p, me = transport.size, transport.rank
     window, st = _window_state(transport.window, p)
     item, dtype = sendbuf.itemsize, sendbuf.dtype
-    if p == 1 or sendbuf.nbytes >= _direct_from(DIRECT_BYTES, p, 2) or dtype in _LOW or not sum(counts):
+    if p == 1 or sendbuf.nbytes >= _direct_from("reduce_scatter", window, p) or dtype in _LOW or not sum(counts):
         return None
     parts = _one_piece(st, counts, _piece_elems(st.half, p, item))
     if parts is None:
@@ -528,7 +534,7 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
     if _run_planned(ctx, _prepare_reduce_scatter, key, sendbuf, recvbuf, counts, op):
         return
     window, st = _state_of(ctx)
-    readers = _direct(ctx, window, st, sendbuf, sendbuf.nbytes)
+    readers = _direct(ctx, window, st, sendbuf, sendbuf.nbytes, "reduce_scatter")
     if readers is not None:
         _reduce_scatter_direct(ctx, window, readers, sendbuf, recvbuf, counts, op)
         return
@@ -576,7 +582,7 @@ def _prepare_allgather(transport, buf: np.ndarray, counts: list[int]):
     p, me = transport.size, transport.rank
     window, st = _window_state(transport.window, p)
     item = buf.itemsize
-    if p == 1 or buf.nbytes >= _direct_from(DIRECT_BYTES, p, 2) or not sum(counts):
+    if p == 1 or buf.nbytes >= _direct_from("allgather", window, p) or not sum(counts):
         return None
     parts = _one_piece(st, counts, max(1, min(st.half, PIECE_BYTES) // (p * item)))
     if parts is None:
@@ -599,7 +605,7 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
         return
     window, st = _state_of(ctx)
     item = buf.itemsize
-    readers = _direct(ctx, window, st, buf, buf.nbytes)
+    readers = _direct(ctx, window, st, buf, buf.nbytes, "allgather")
     if readers is not None:
         displs = _displs(counts)
         for r in range(p):
@@ -629,7 +635,7 @@ def _prepare_bcast(transport, buf: np.ndarray, root: int):
     p, me = transport.size, transport.rank
     window, st = _window_state(transport.window, p)
     n = buf.nbytes
-    if p == 1 or n == 0 or n >= _direct_from(DIRECT_BYTES, p, 2) or n > min(st.half, PIECE_BYTES):
+    if p == 1 or n == 0 or n >= _direct_from("bcast", window, p) or n > min(st.half, PIECE_BYTES):
         return None
     here = (_arr(0), _slot(st, root), n)
     there = (_slot(st, root), _arr(0), n)
@@ -646,7 +652,7 @@ def bcast(ctx, buf: np.ndarray, root: int) -> None:
     if _run_planned(ctx, _prepare_bcast, ("bcast", buf.dtype, buf.size, root), buf, root):
         return
     window, st = _state_of(ctx)
-    readers = _direct(ctx, window, st, buf, buf.nbytes)
+    readers = _direct(ctx, window, st, buf, buf.nbytes, "bcast")
     if readers is not None:
         if ctx.rank != root:
             readers.read(root, 0, buf)

@@ -3,9 +3,8 @@
 Like :mod:`.window` (whose state, turns and direct readers they share): data
 goes through the window regions in pieces that fit one half, copy in, fence,
 copy out, the halves used in turns so that a half is rewritten only after a
-fence every reader has passed. From ``DIRECT_BYTES`` (times the square of
-the ranks per core) on, where every rank's
-buffer can be read directly (the shared pool, or cross-memory attach), the
+fence every reader has passed. From each collective's
+:data:`~.window.DIRECT_FROM` on, where every rank's buffer can be read directly (the shared pool, or cross-memory attach), the
 ranks publish their buffers (one fence) and copy straight from them, with a
 closing fence so that no rank changes its buffer while another still reads.
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from ..ops import Op
 from ..registry import register
-from .window import (_LOW, DIRECT_BYTES, PIECE_BYTES, _arr, _blocks, _direct, _direct_from, _displs, _first,
+from .window import (_LOW, PIECE_BYTES, _arr, _blocks, _direct, _direct_from, _displs, _first,
                      _first_two, _one_piece,
                      _plan, _planned, _reduce, _reduction, _run_planned, _single_fence, _slot, _state_of,
                      _striped_cached, _window_state)
@@ -60,7 +59,7 @@ def _prepare_gather(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, 
     window, st = _window_state(transport.window, p)
     item = sendbuf.itemsize
     total = sum(counts) * item
-    if p == 1 or not total or total >= _direct_from(DIRECT_BYTES, p, 2) or max(counts) * item > _budget(st):
+    if p == 1 or not total or total >= _direct_from("gather", window, p) or max(counts) * item > _budget(st):
         return None
     displs = _displs(list(counts))
     if me == root:
@@ -86,7 +85,7 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         return
     window, st = _state_of(ctx)
     dt, item = sendbuf.dtype, sendbuf.itemsize
-    readers = _direct(ctx, window, st, sendbuf, sum(counts) * item)
+    readers = _direct(ctx, window, st, sendbuf, sum(counts) * item, "gather")
     if readers is not None:
         if me == root:
             for r in range(p):
@@ -113,7 +112,7 @@ def _prepare_scatter(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray,
     p, me = transport.size, transport.rank
     window, st = _window_state(transport.window, p)
     item = recvbuf.itemsize
-    if p == 1 or not sum(counts) or sum(counts) * item >= _direct_from(DIRECT_BYTES, p, 2):
+    if p == 1 or not sum(counts) or sum(counts) * item >= _direct_from("scatter", window, p):
         return None
     parts = _one_piece(st, list(counts), max(1, _budget(st) // (p * item)))
     if parts is None:
@@ -146,7 +145,7 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
         return
     window, st = _state_of(ctx)
     dt, item = recvbuf.dtype, recvbuf.itemsize
-    readers = _direct(ctx, window, st, sendbuf if me == root else recvbuf, sum(counts) * item)
+    readers = _direct(ctx, window, st, sendbuf if me == root else recvbuf, sum(counts) * item, "scatter")
     if readers is not None:
         if me != root:
             readers.read(root, displs[me] * item, recvbuf)
@@ -172,7 +171,7 @@ def _prepare_alltoall(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     window, st = _window_state(transport.window, p)
     item = sendbuf.itemsize
     b = sendbuf.size // p * item  # bytes per block
-    if p == 1 or not b or sendbuf.nbytes >= _direct_from(DIRECT_BYTES, p, 2) or b > _budget(st) // p:
+    if p == 1 or not b or sendbuf.nbytes >= _direct_from("alltoall", window, p) or b > _budget(st) // p:
         return None
     before = [(_arr(0, d * b), _slot(st, me, d * b), b) for d in range(p) if d != me]
     before.append((_arr(0, me * b), _arr(1, me * b), b))
@@ -192,7 +191,7 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         return
     window, st = _state_of(ctx)
     dt, item = sendbuf.dtype, sendbuf.itemsize
-    readers = _direct(ctx, window, st, sendbuf, sendbuf.nbytes)
+    readers = _direct(ctx, window, st, sendbuf, sendbuf.nbytes, "alltoall")
     if readers is not None:
         for r in range(p):
             if r != me:
