@@ -8,9 +8,11 @@ message, b_i the p nearly equal blocks (even_bounds) and p' = 2^floor(log2 p).
   every d messages and forwards it in d-1, so it never falls behind, and the
   deepest leaf gets the last piece when the root's last send ends:
   T = d (s alpha + n beta).
-* ``pipelined_chain``: a flow shop of p-1 links over s pieces, the middle
-  ranks receiving a piece while they send the one before (an exchange):
-  T = sum_k msg(m_k) + (p-2) max_k xmsg(m_k).
+* ``pipelined_chain``: a flow shop of p-1 links over s pieces: the first
+  piece crosses them one way, one after the other, then the others follow
+  at the pace of a middle rank, which receives a piece while it sends the
+  one before (an exchange): T = (p-1) msg(m_1) + sum_{k>1} xmsg(m_k); with
+  p = 2 there is no middle rank: T = sum_k msg(m_k).
 * ``scatter_ring_allgather`` (van de Geijn): binomial scatter, bounded by the
   root's sends: d alpha + (n - b_0) beta (Chan et al. 2007); ranks finish
   the scatter at different times, the last at that bound, and the ring
@@ -47,11 +49,13 @@ def binomial(p: int, n: int, P: Params) -> float:
 
 @cost_model("bcast", "pipelined_chain")
 def pipelined_chain(p: int, n: int, P: Params) -> float:
-    """sum_k msg(m_k) + (p-2) max_k xmsg(m_k): a pipeline through p-1 links."""
+    """(p-1) msg(m_1) + sum_{k>1} xmsg(m_k): a pipeline through p-1 links."""
     if p == 1:
         return 0.0
-    sizes = segment_sizes(n, P) or [0]
-    return sum(P.msg(m) for m in sizes) + (p - 2) * max(P.xmsg(m) for m in sizes)
+    first, *rest = segment_sizes(n, P) or [0]
+    if p == 2:
+        return P.msg(first) + sum(P.msg(m) for m in rest)
+    return (p - 1) * P.msg(first) + sum(P.xmsg(m) for m in rest)
 
 
 @cost_model("bcast", "scatter_ring_allgather")

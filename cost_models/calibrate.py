@@ -29,8 +29,10 @@ construction, the profile also records the host's cores (``cores``).
 
 Then the anchors (``anchors``): every algorithm the transport runs, timed
 at its smallest size (one float32 per rank), which fixes the algorithm's own
-fixed cost in :func:`~.model.predict`, and at 4 MiB, which scales what the
-formula adds with size to meet it.
+fixed cost in :func:`~.model.predict`, at the pipeline segment (1 MiB: the
+largest message sent whole, where the formulas change shape) and at 4 MiB;
+between and beyond them the prediction scales what the formula adds with
+size to meet the measurements.
 
 Last, the stretch table (``stretch``): the same probes plus 1 MiB ones run
 (and the shared-window allreduce and bcast where the transport has a
@@ -75,7 +77,8 @@ from .model import Params
 from .timing import slowest_best, slowest_best_each
 
 __all__ = ["main", "load_profile", "profile_path", "fit_line", "fit_piecewise", "fit_overheads", "DEFAULTS",
-           "measure_gamma", "measure_copy_bandwidth", "measure_probes", "measure_anchors", "host_cores"]
+           "measure_gamma", "measure_copy_bandwidth", "measure_probes", "measure_anchors", "anchor_sizes",
+           "host_cores"]
 
 #: Parameters used when a transport has no profile (seconds, bytes/s).
 #: shm: copy through a shared ring, a few microseconds per message;
@@ -268,10 +271,24 @@ ANCHORED = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce", "r
 LARGE_ANCHOR_BYTES = 4 << 20
 
 
+def anchor_sizes(p: int, large: int = LARGE_ANCHOR_BYTES) -> list[int]:
+    """Element counts (float32) at which every algorithm is measured: one
+    element per rank; and, with ``large``, the pipeline segment (the largest
+    message the point-to-point algorithms send whole: the formulas change
+    shape there) and ``large`` bytes."""
+    from collectives.context import SEGMENT_BYTES
+
+    counts = [p]
+    for nbytes in ((SEGMENT_BYTES, large) if large else ()):
+        counts.append(max(nbytes // 4 // p * p, p))
+    return counts
+
+
 def measure_anchors(comm, repeats: int, large: int = LARGE_ANCHOR_BYTES) -> list[tuple[str, str, int, int, float]]:
     """``(collective, algorithm, p, bytes, seconds)`` of every algorithm the
-    transport runs (``native`` aside) at its smallest size, one float32 per
-    rank, and at ``large`` bytes (0: not) (:attr:`~.model.Params.anchors`)."""
+    transport runs (``native`` aside) at :func:`anchor_sizes`, each the best
+    of ``repeats`` at every size (the best of fewer tries would be slower
+    on a noisy host, and bias the large sizes) (:attr:`~.model.Params.anchors`)."""
     from collectives.registry import algorithms_for
 
     from .timing import collective_call
@@ -280,12 +297,12 @@ def measure_anchors(comm, repeats: int, large: int = LARGE_ANCHOR_BYTES) -> list
     dtype, p = np.dtype(np.float32), comm.size
     out = []
     for collective in ANCHORED:
-        counts = [0] if collective == "barrier" else [p] + ([large // 4 // p * p] if large else [])
-        for count, reps in zip(counts, (repeats, max(2, repeats // 3))):
+        counts = [0] if collective == "barrier" else anchor_sizes(p, large)
+        for count in counts:
             call = collective_call(comm, collective, count, dtype)
             calls = {name: functools.partial(call, name) for name, algo in algorithms_for(collective).items()
                      if algo.needs <= caps and name != "native"}
-            for name, seconds in slowest_best_each(comm, calls, reps).items():
+            for name, seconds in slowest_best_each(comm, calls, repeats).items():
                 out.append((collective, name, p, count * dtype.itemsize, seconds))
     return out
 
@@ -468,10 +485,16 @@ def rank_count_measurements(comm, quick: bool) -> tuple[list, list]:
     """What every job measures at its rank count besides the point-to-point
     probes at :data:`PROBE_BYTES`: the window probes at those sizes and
     every probe at :data:`STRETCH_BYTES` (for the stretch fit), and the
-    anchors. Returns (probes, anchors)."""
+    anchors, in two passes around the probes whose best counts (this
+    machine's speed drifts, at times by half, over a few seconds).
+    Returns (probes, anchors)."""
+    large = 0 if quick else LARGE_ANCHOR_BYTES
+    first = measure_anchors(comm, 3 if quick else 5, large)
     windowed = measure_probes(comm, 3 if quick else 10, PROBE_BYTES, window_probes(comm))
     heavy = measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, PROBES + window_probes(comm))
-    return windowed + heavy, measure_anchors(comm, 3 if quick else 10, 0 if quick else LARGE_ANCHOR_BYTES)
+    second = measure_anchors(comm, 3 if quick else 5, large)
+    anchors = [a[:4] + (min(a[4], b[4]),) for a, b in zip(first, second)]  # the same order in both
+    return windowed + heavy, anchors
 
 
 def stretch_main(out: str, quick: bool) -> int:

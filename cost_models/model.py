@@ -42,9 +42,10 @@ Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
   which no per-message term captures for every algorithm alike): where a
   calibrated profile measured an algorithm at its smallest size for this p
   (``P.anchors``), the prediction is that time plus what the formula adds
-  from there to n bytes; and where it also measured it at a large size, what
-  the formula adds is scaled so that the prediction meets that measurement
-  too (the formula gives the shape in between and beyond; the scale covers
+  from there to n bytes; and where it also measured it at larger sizes, what
+  the formula adds between two measured sizes is scaled so that the
+  prediction meets both (beyond the last, at the last interval's scale:
+  the formula gives the shape in between and beyond; the scale covers
   what the terms miss, such as the CPU time of copies through shared memory
   competing with the reductions of the same rank).
 

@@ -23,7 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["shared_clock", "slowest_best", "slowest_best_each", "sleep_until", "collective_call", "START_LEAD"]
+__all__ = ["shared_clock", "slowest_best", "slowest_best_each", "timed_rounds", "sleep_until", "collective_call",
+           "START_LEAD"]
 
 #: First lead of the agreed start over the agreement itself (seconds).
 START_LEAD = 200e-6
@@ -112,25 +113,30 @@ def slowest_best(comm, call: Callable[[], object], repeats: int) -> float:
 
 def slowest_best_each(comm, calls: dict, repeats: int) -> dict:
     """:func:`slowest_best` of every call in ``calls`` (name to function),
-    interleaved: each round times every call once, so that a slow spell of
-    the machine falls on all of them rather than on whichever ran then.
-    Returns name to seconds. Collective (every rank passes the same names
-    in the same order)."""
+    interleaved (see :func:`timed_rounds`). Returns name to seconds.
+    Collective (every rank passes the same names in the same order)."""
+    return {name: min(times) for name, times in timed_rounds(comm, calls, repeats).items()}
+
+
+def timed_rounds(comm, calls: dict, repeats: int) -> dict:
+    """``repeats`` times of every call in ``calls`` (name to function), each
+    from a common start to the slowest rank's finish, after one warm-up
+    each, in rounds: each round times every call once, so that a slow spell
+    of the machine falls on all of them rather than on whichever ran then.
+    Returns name to the list of seconds, in the order taken. Collective."""
     for call in calls.values():
         call()
     timer = _Timer(comm)
-    best = {name: math.inf for name in calls}
-    done = {name: 0 for name in calls}
+    times: dict = {name: [] for name in calls}
     tries = 0
-    while any(n < repeats for n in done.values()):
+    while any(len(t) < repeats for t in times.values()):
         tries += 1
         for name, call in calls.items():
-            if done[name] < repeats:
+            if len(times[name]) < repeats:
                 t = timer.once(call, last_chance=tries >= 4 * repeats)
                 if t is not None:
-                    best[name] = min(best[name], t)
-                    done[name] += 1
-    return best
+                    times[name].append(t)
+    return times
 
 
 def collective_call(comm, collective: str, count: int, dtype: np.dtype) -> Callable[[str], object]:
