@@ -68,19 +68,21 @@ _PAGE = 4096
 #: the kernel: a system call and page pinning per read, about 9 GB/s here
 #: against 23 GB/s for a copy that stays in the cache) rather than going
 #: through the window in pieces (two copies): from ``bytes`` times the ranks
-#: per core to ``power`` (ranks of one core take turns, and the pieces keep
-#: winning longer). Measured on 2 cores, 2 and 4 ranks, each path timed in
-#: turns with the other: the crossover is where the data stops fitting the
-#: cache; reduce_scatter and gather gain little from the single copy, since
-#: their window copies run on every rank at once.
+#: per core to ``power``. Measured on 2 cores at 2 and 4 ranks, the two
+#: paths taking turns, as the benchmark times them (back-to-back calls, the
+#: median of each call's slowest rank). The window's copies run on every
+#: rank at once and stay in the cache, so most collectives keep them long;
+#: a scatter's root alone fills the window, which ranks that share its
+#: core must wait for.
 DIRECT_FROM: dict[str, tuple[int, int]] = {
-    "allreduce": (4 << 20, 1),       # 2 ranks: pieces 25-35% faster at 2 MiB, direct 30% at 16
-    "bcast": (2 << 20, 2),           # 2 ranks: direct 12% faster from 2 MiB; 4 ranks: even at 8-16
-    "allgather": (1 << 20, 2),       # 2 ranks: direct 6-35% faster from 1 MiB; 4 ranks: even at 8
-    "reduce_scatter": (16 << 20, 1),  # 2 ranks: pieces 12% faster even at 32 MiB; 4 ranks: even at 8
-    "gather": (16 << 20, 0),         # 2 ranks: pieces 34% faster at 8 MiB, even at 16-32
-    "scatter": (2 << 20, 0),         # 4 ranks: direct 50-60% faster from 4 MiB; 2 ranks: even
-    "alltoall": (8 << 20, 1),        # pieces 2x faster at 1-4 MiB; direct 20-30% from 8 (2 ranks)
+    "allreduce": (4 << 20, 1),        # 2 ranks: pieces 10% faster at 1-2 MiB, direct 30% at 16
+    "reduce_scatter": (2 << 20, 1),   # direct 25-45% faster from 2 MiB (2 ranks), 4 MiB (4 ranks)
+    "allgather": (1 << 20, 2),        # 2 ranks: direct 2-4x faster from 2 MiB; 4 ranks: even from 4
+    "bcast": (32 << 20, 0),           # 2 ranks: pieces 15-45% faster at 2-16 MiB; 4 ranks: even
+    "gather": (32 << 20, 0),          # pieces 10-70% faster up to 16 MiB
+    "alltoall": (32 << 20, 0),        # pieces faster at 16 MiB: 2x (2 ranks), 1.4x (4 ranks)
+    "scatter": (32 << 20, -3),        # 2 ranks: even at 16 MiB (direct 3x slower in a bench run);
+                                      # 4 ranks: direct 2x faster from 4 MiB
 }
 #: Blocks from this size on are reduced by the native kernel when it is there.
 NATIVE_REDUCE_BYTES = 16 * 1024
@@ -98,7 +100,8 @@ def direct_from(collective: str, p: int, cores: int) -> int:
     if forced:
         return int(forced)
     nbytes, power = DIRECT_FROM[collective]
-    return nbytes * (-(-p // cores) if cores else 1) ** power
+    per_core = -(-p // cores) if cores else 1
+    return nbytes * per_core ** power if power >= 0 else nbytes // per_core ** -power
 
 
 def _direct_from(collective: str, window, p: int) -> int:
