@@ -251,6 +251,46 @@ def test_a_large_anchor_scales_what_the_formula_adds() -> None:
         assert predict("allreduce", "ring", 4, n, anchored) == pytest.approx(80e-6 + 3 * adds)
 
 
+def test_anchors_between_scale_each_interval_apart() -> None:
+    base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=8e9)
+    f = {n: predict("allreduce", "ring", 4, n, base) for n in (16, 1 << 20, 4 << 20, 16 << 20, 2 << 20)}
+    t = {16: 80e-6, 1 << 20: 80e-6 + 2 * (f[1 << 20] - f[16])}
+    t[4 << 20] = t[1 << 20] + 0.5 * (f[4 << 20] - f[1 << 20])
+    anchored = Params(**{**base.__dict__, "anchors": tuple(("allreduce", "ring", 4, n, s) for n, s in t.items())})
+    for n, seconds in t.items():
+        assert predict("allreduce", "ring", 4, n, anchored) == pytest.approx(seconds)
+    mid = t[1 << 20] + 0.5 * (f[2 << 20] - f[1 << 20])  # between 1 and 4 MiB: that interval's scale
+    assert predict("allreduce", "ring", 4, 2 << 20, anchored) == pytest.approx(mid)
+    beyond = t[4 << 20] + 0.5 * (f[16 << 20] - f[4 << 20])  # beyond: the last interval's
+    assert predict("allreduce", "ring", 4, 16 << 20, anchored) == pytest.approx(beyond)
+
+
+def test_a_chain_sends_one_piece_hop_by_hop_and_pipelines_the_rest() -> None:
+    P = Params(alpha=5e-6, beta=2e-10, exchange=1.5, segment_bytes=1 << 20)
+    one, four = 1 << 20, 4 << 20
+    assert predict("bcast", "pipelined_chain", 5, one, P) == pytest.approx(4 * P.msg(one))
+    assert predict("bcast", "pipelined_chain", 5, four, P) == pytest.approx(4 * P.msg(one) + 3 * P.xmsg(one))
+    assert predict("bcast", "pipelined_chain", 2, four, P) == pytest.approx(4 * P.msg(one))  # no middle rank
+
+
+def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatch) -> None:
+    from collectives.algorithms.window import DIRECT_FROM, direct_from
+    from collectives.cost_models.window import direct
+
+    MiB = 1 << 20
+    assert direct_from("allreduce", 2, 2) == 4 * MiB and direct_from("allreduce", 4, 2) == 8 * MiB
+    assert direct_from("allreduce", 8, 0) == 4 * MiB  # a core each
+    assert direct_from("scatter", 2, 2) == 32 * MiB and direct_from("scatter", 4, 2) == 4 * MiB  # sooner
+    P = Params(cores=2)
+    for collective in DIRECT_FROM:
+        at = direct_from(collective, 4, 2)
+        assert direct(collective, 4, at, P) and not direct(collective, 4, at - 1, P)
+    small, large = (predict("allreduce", "shared_window", 2, n, P) for n in (4 * MiB - 4, 4 * MiB))
+    assert large < small  # the single copy of the direct path costs less in the model too
+    monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(MiB))
+    assert direct_from("gather", 8, 2) == MiB and direct("bcast", 2, MiB, P)
+
+
 def test_exchange_steps_cost_the_exchange_factor() -> None:
     from collectives.cost_models.calibrate import fit_exchange
 
