@@ -38,7 +38,7 @@ import numpy as np
 from .errors import BadArgument
 from .registry import algorithms_for
 
-__all__ = ["Selector", "RuleSelector", "size_bucket"]
+__all__ = ["Selector", "RuleSelector", "size_bucket", "bucket_floor"]
 
 KIB = 1024
 
@@ -53,8 +53,21 @@ class Selector(Protocol):
 
 
 def size_bucket(nbytes: int) -> int:
-    """Power-of-two bucket of a size (0 for 0 bytes): decisions are cached per bucket."""
-    return nbytes.bit_length()
+    """Bucket of a size: a quarter of an octave (sizes below 8 bytes each
+    their own). Decisions are cached per bucket and made on its least size
+    (:func:`bucket_floor`), at most 25% below any size in it."""
+    if nbytes < 8:
+        return nbytes
+    k = nbytes.bit_length()
+    return 4 * k + ((nbytes >> (k - 3)) & 3)
+
+
+def bucket_floor(bucket: int) -> int:
+    """The least size of a :func:`size_bucket` bucket."""
+    if bucket < 8:
+        return bucket
+    k, quarter = divmod(bucket, 4)
+    return (4 + quarter) << (k - 3)
 
 
 def _pow2(p: int) -> bool:
@@ -111,8 +124,7 @@ class RuleSelector:
         if name is None:
             # Decide on the bucket's lower bound, never on the exact size, so
             # that every rank makes the same choice whatever it ran before.
-            canonical = 1 << (key[1] - 1) if nbytes else 0
-            name = rule(collective, canonical, p, dtype.itemsize, capabilities)
+            name = rule(collective, bucket_floor(key[1]), p, dtype.itemsize, capabilities)
             table = algorithms_for(collective)
             if name not in table or not table[name].needs <= capabilities:
                 runnable = [a.name for a in table.values() if a.needs <= capabilities]

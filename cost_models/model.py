@@ -158,19 +158,23 @@ class Params:
 
     def msg(self, m: float) -> float:
         """Seconds of one message of ``m`` bytes."""
-        for bound, a, b in self.protocol:
-            if m <= bound:
-                return a + self.overhead + m * b
-        return self.alpha + self.overhead + m * self.beta
+        return self._line(m, 1.0)
 
     def xmsg(self, m: float) -> float:
         """Seconds of one exchange step: ``m`` bytes out and ``m`` bytes in at once."""
-        if self.exchange == 1.0:
-            return self.msg(m)
+        return self._line(m, self.exchange)
+
+    def _line(self, m: float, per_byte: float) -> float:
+        """``alpha + overhead + m beta per_byte`` with the (alpha, beta) of
+        ``m``'s size range, never below what the ranges before it cost at
+        their upper ends (a fit of each range apart may start a range lower
+        than the last one ended; a larger message never costs less)."""
+        floor = 0.0
         for bound, a, b in self.protocol:
             if m <= bound:
-                return a + self.overhead + m * b * self.exchange
-        return self.alpha + self.overhead + m * self.beta * self.exchange
+                return max(a + m * b * per_byte, floor) + self.overhead
+            floor = max(floor, a + bound * b * per_byte)
+        return max(self.alpha + m * self.beta * per_byte, floor) + self.overhead
 
     def copy(self, m: float) -> float:
         """Seconds of a local copy of ``m`` bytes."""
@@ -260,9 +264,11 @@ def predict(collective: str, name: str, p: int, nbytes: int, params: Params | No
     i = max(j for j in range(len(points) - 1) if points[j][0] <= nbytes) if nbytes < points[-1][0] \
         else len(points) - 2
     (lo, t_lo), (hi, t_hi) = points[i], points[i + 1]
-    f_lo, f_hi = _formula(model, int(p), lo, P), _formula(model, int(p), hi, P)
+    f_lo, f_hi, f_n = (_formula(model, int(p), n, P) for n in (lo, hi, nbytes))
+    if f_n < f_lo:  # the formula switches to a cheaper path: follow it in proportion
+        return t_lo * f_n / f_lo
     scale = (t_hi - t_lo) / (f_hi - f_lo) if f_hi > f_lo and t_hi > t_lo else 1.0
-    return t_lo + scale * (_formula(model, int(p), nbytes, P) - f_lo)
+    return t_lo + scale * (f_n - f_lo)
 
 
 def _formula(model: CostModel, p: int, nbytes: int, P: Params) -> float:

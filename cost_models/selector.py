@@ -6,8 +6,8 @@ every registered algorithm the transport can run (``needs`` a subset of the
 capabilities) with the formulas of :mod:`collectives.cost_models` and the
 parameters of the transport's calibration profile, and picks the least.
 Decisions are cached per (collective, size bucket, p, itemsize,
-capabilities); a bucket is decided on its lower bound so that every rank
-decides alike, so the hot path costs one dict lookup.
+capabilities); a bucket (a quarter of an octave) is decided on its least
+size so that every rank decides alike, so the hot path costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from collectives.errors import BadArgument
 from collectives.registry import algorithms_for
-from collectives.selection import size_bucket
+from collectives.selection import bucket_floor, size_bucket
 
 from .model import MODELS, Params, predict
 
@@ -108,8 +108,7 @@ class ModelSelector:
         key = (collective, size_bucket(nbytes), p, dtype.itemsize, capabilities)
         name = self._cache.get(key)
         if name is None:
-            canonical = 1 << (key[1] - 1) if nbytes else 0
-            name = self.explain(collective, canonical, p, dtype, capabilities).choice
+            name = self.explain(collective, bucket_floor(key[1]), p, dtype, capabilities).choice
             self._cache[key] = name
         return name
 

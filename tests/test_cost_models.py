@@ -123,6 +123,16 @@ def test_selector_picks_least_predicted_runnable() -> None:
     assert len(sel._cache) == 3
 
 
+def test_decisions_are_made_per_quarter_octave_on_its_least_size() -> None:
+    from collectives.selection import bucket_floor, size_bucket
+
+    for n in list(range(64)) + [1000, 1 << 20, (1 << 20) - 16, 3 << 19, 16777200, (1 << 30) + 1]:
+        b = size_bucket(n)
+        assert size_bucket(bucket_floor(b)) == b and bucket_floor(b) <= n < 1.25 * bucket_floor(b) + 1
+    assert size_bucket((1 << 20) - 16) != size_bucket(1 << 19)  # just below 1 MiB is not decided at 512 KiB
+    assert bucket_floor(size_bucket((1 << 20) - 16)) == 7 << 17
+
+
 def test_parse_bytes() -> None:
     assert parse_bytes("4M") == 4 << 20 and parse_bytes("512") == 512 and parse_bytes("64KiB") == 64 << 10
 
@@ -263,6 +273,27 @@ def test_anchors_between_scale_each_interval_apart() -> None:
     assert predict("allreduce", "ring", 4, 2 << 20, anchored) == pytest.approx(mid)
     beyond = t[4 << 20] + 0.5 * (f[16 << 20] - f[4 << 20])  # beyond: the last interval's
     assert predict("allreduce", "ring", 4, 16 << 20, anchored) == pytest.approx(beyond)
+
+
+def test_a_larger_message_never_costs_less() -> None:
+    # a range fitted apart may start below where the range before it ended
+    P = Params(alpha=20e-6, beta=2.5e-10, protocol=((131072, 60e-6, 3e-10),), exchange=1.5)
+    sizes = [1 << k for k in range(22)] + [131073, 200_000, 300_000]
+    for cost in (P.msg, P.xmsg):
+        costs = [cost(m) for m in sorted(sizes)]
+        assert costs == sorted(costs)
+    assert P.msg(1 << 21) == pytest.approx(20e-6 + (1 << 21) * 2.5e-10)  # far above, its own line
+
+
+def test_anchored_predictions_follow_a_cheaper_path_in_proportion() -> None:
+    MiB = 1 << 20
+    base = Params(cores=2)  # 4 ranks: the window's scatter reads directly from 4 MiB
+    f = {n: predict("scatter", "shared_window", 4, n, base) for n in (7 * MiB // 2, 4 * MiB)}
+    assert f[4 * MiB] < f[7 * MiB // 2]  # one copy instead of two
+    P = Params(cores=2, anchors=(("scatter", "shared_window", 4, 16, 30e-6),
+                                 ("scatter", "shared_window", 4, 7 * MiB // 2, 800e-6),
+                                 ("scatter", "shared_window", 4, 8 * MiB, 2500e-6)))
+    assert predict("scatter", "shared_window", 4, 4 * MiB, P) == pytest.approx(800e-6 * f[4 * MiB] / f[7 * MiB // 2])
 
 
 def test_a_chain_sends_one_piece_hop_by_hop_and_pipelines_the_rest() -> None:
