@@ -38,12 +38,13 @@ DEFAULT_COLLECTIVES = ("bcast", "allgather", "reduce", "allreduce", "reduce_scat
 
 
 def _measure(comm, call, algos: list[str], repeats: int) -> tuple[dict, dict, dict]:
-    """Per algorithm, the best of ``repeats`` of the slowest rank's time, the algorithms taking turns (see
+    """Per algorithm, the best of ``repeats`` (two at least) of the slowest
+    rank's time, the algorithms taking turns (see
     :func:`~collectives.cost_models.timing.timed_rounds`); and the best of
     the even rounds and of the odd ones apart."""
     from collectives.cost_models.timing import timed_rounds
 
-    times = timed_rounds(comm, {a: functools.partial(call, a) for a in algos}, max(2, repeats))  # two halves
+    times = timed_rounds(comm, {a: functools.partial(call, a) for a in algos}, max(2, repeats))
     best = {a: min(t) for a, t in times.items()}
     return best, {a: min(t[0::2]) for a, t in times.items()}, {a: min(t[1::2]) for a, t in times.items()}
 
@@ -71,7 +72,8 @@ def rank_main(ns) -> int:
             count -= count % comm.size
             algos = [name for name, algo in algorithms_for(collective).items()
                      if algo.needs <= caps and name != "native"]
-            points.append((collective, count * dtype.itemsize, collective_call(comm, collective, count, dtype), algos))
+            call = collective_call(comm, collective, count, dtype)
+            points.append((collective, count * dtype.itemsize, call, algos))
     found: list[list[dict]] = [[{}, {}, {}] for _ in points]  # best, even rounds, odd rounds
     for _ in range(ns.passes):  # whole sweeps, so that a slow spell of the machine spares some pass
         for (collective, nbytes, call, algos), bests in zip(points, found):

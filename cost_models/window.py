@@ -3,15 +3,16 @@
 Their cost is memory traffic and fences, not messages: ``copy(m)`` is a
 local copy of m bytes at the memory bandwidth, ``F`` one fence (a barrier
 through shared memory), gamma the reduction of one byte. Below each
-collective's ``DIRECT_FROM`` (growing with the ranks per core, see
+collective's ``DIRECT_FROM`` (see
 :func:`collectives.algorithms.window.direct_from`) data goes through the
-window (copy in, fence, copy out); from it on, ranks publish their buffers (one fence) and read each other's
-directly (one copy), with a closing fence.
+window (copy in, fence, copy out); from it on, ranks publish their buffers
+(one fence) and read each other's directly (one copy), with a closing
+fence.
 
 * allreduce, n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma
   (every rank reduces all p vectors itself).
-* allreduce, below its ``DIRECT_FROM``,
-  through the window in pieces of at most ``PIECE_BYTES`` per rank: copy
+* allreduce, below its ``DIRECT_FROM``, through the window in pieces of
+  at most ``PIECE_BYTES`` per rank: copy
   the (p-1)/p others reduce in, F, reduce this rank's 1/p from p sources
   ((p-1)/p n gamma), F, copy every reduced block out:
   T = 2F per piece + copy((p-1)/p n) + (p-1)/p n gamma + copy(n).

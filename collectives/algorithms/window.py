@@ -25,12 +25,13 @@ every rank alike: copies in, a post, a wait for only the ranks whose
 regions it reads (not a fence of all), copies out or a reduction. The
 persistent plans (``prepare``) of repeated calls are the same plans.
 
-From a size per collective (:data:`DIRECT_FROM`, growing with the ranks
-per core) on, when every rank's buffer can be read directly (it lives in the shared pool, or the window
-offers cross-memory attach, ``window.cma`` and ``window.read``), the
-collectives publish their buffers' addresses (one fence) and copy straight
-from the other ranks' buffers: one copy instead of two, and a final fence
-so that no rank changes its buffer while another still reads it.
+From a size per collective (:data:`DIRECT_FROM`, which depends on the
+ranks per core) on, when every rank's buffer can be read directly (it
+lives in the shared pool, or the window offers cross-memory attach,
+``window.cma`` and ``window.read``), the collectives publish their
+buffers' addresses (one fence) and copy straight from the other ranks'
+buffers: one copy instead of two, and a final fence so that no rank
+changes its buffer while another still reads it.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Like :mod:`.window` (whose state, turns and direct readers they share): data
 goes through the window regions in pieces that fit one half, copy in, fence,
 copy out, the halves used in turns so that a half is rewritten only after a
 fence every reader has passed. From each collective's
-:data:`~.window.DIRECT_FROM` on, where every rank's buffer can be read directly (the shared pool, or cross-memory attach), the
-ranks publish their buffers (one fence) and copy straight from them, with a
-closing fence so that no rank changes its buffer while another still reads.
+:data:`~.window.DIRECT_FROM` on, where every rank's buffer can be read
+directly (the shared pool, or cross-memory attach), the ranks publish their
+buffers (one fence) and copy straight from them, with a closing fence so
+that no rank changes its buffer while another still reads.
 
 * ``barrier``: one fence.
 * ``gather``: each rank copies its block into its region; the root copies
