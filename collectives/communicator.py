@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from . import native
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES, CallContext
 from .errors import BadArgument, CollectiveError, PeerLost
@@ -416,7 +417,7 @@ class Communicator:
         o = self._op(op, arr.dtype)
         algo = self._pick("allreduce", algorithm, arr.nbytes, arr.dtype)
         if src is not arr:
-            np.copyto(arr, src)
+            native.copy(arr, src)
         fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" else None
         return _Plan(algo, (arr, o), result, fin)
 
@@ -468,7 +469,7 @@ class Communicator:
             send = mine
         algo = self._pick("allgather", algorithm, recv.nbytes, recv.dtype)
         if send is not mine and send.size:
-            np.copyto(mine, send)  # a no-op copy when sendbuf already is this rank's block
+            native.copy(mine, send)  # a no-op copy when sendbuf already is this rank's block
         return _Plan(algo, (recv, counts), recvbuf)
 
     def _even_counts(self, total: int, what: str) -> list[int]:
@@ -675,7 +676,7 @@ class Communicator:
             def args(a: tuple) -> tuple:
                 recv, send = a
                 if send is not None and send.size:
-                    np.copyto(recv[lo:hi], send)  # a no-op when sendbuf already is this block
+                    native.copy(recv[lo:hi], send)  # a no-op when sendbuf already is this block
                 return recv, counts
             self._remember(key, plan, (True, False), args, as_is=False)
         return self._call(plan, timeout)

@@ -6,7 +6,8 @@ in the environment of a rank turns it off for the transports it opens after
 that (:func:`enabled`). What it offers (fences over shared epoch counters, the
 one-fence allreduce of small vectors, reductions on raw memory) is used by
 the shared-memory window; :func:`kernel_codes` says which dtype and op it can
-reduce, exactly as numpy's ufuncs would.
+reduce, exactly as numpy's ufuncs would. :func:`copy` copies between
+buffers without the slow case of the C library's copy (see below).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["native", "built", "enabled", "kernel_codes", "reduce_into"]
+__all__ = ["native", "built", "enabled", "kernel_codes", "reduce_into", "copy"]
 
 native: Any = None
 try:
@@ -65,3 +66,24 @@ def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, i
     :func:`kernel_codes`); every array C-contiguous with dst's size and
     dtype, dst distinct from all but srcs[0]."""
     native.reduce_into(dst, srcs, *codes)
+
+
+_native_copy = native.copy if native is not None else None
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` for C-contiguous arrays of one dtype and size.
+
+    Where the extension is built, natively: the C library's copy runs about
+    ten times slower here when ``dst`` starts 1 to 63 bytes past ``src``'s
+    place in a 4 KiB page, which is where malloc puts two arrays of one size
+    allocated one after the other (a send buffer and its receive buffer);
+    the native copy avoids that case. The bytes are the same either way.
+    """
+    if _native_copy is not None and dst.dtype == src.dtype:
+        try:
+            _native_copy(dst, src)
+            return
+        except (ValueError, TypeError, BufferError):  # a dtype without a buffer format: numpy's copy
+            pass
+    np.copyto(dst, src)

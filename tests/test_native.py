@@ -208,3 +208,38 @@ def test_window_collectives_with_and_without_the_native_path(monkeypatch, native
         pytest.skip("the native extension is not built here")
     monkeypatch.setenv("COLLECTIVES_NATIVE", native_on)
     assert run_ranks(allreduce_cases, p, timeout=90) == [[]] * p
+
+
+@needs_native
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 1023, 1024, 1025, 4097, 65536 + 17])
+def test_copy_gives_the_bytes_at_every_distance_within_a_page(n):
+    rng = np.random.default_rng(n)
+    arena = np.zeros(2 * n + 6 * 4096, np.uint8)
+    page = (-arena.ctypes.data) % 4096
+    for src_at, ahead in [(0, 0), (0, 1), (0, 16), (5, 31), (0, 63), (0, 64), (100, 2048)]:
+        arena[:] = 0
+        src = arena[page + src_at:page + src_at + n]
+        src[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        want = src.copy()
+        start = page + src_at + ((n + 4095) // 4096 + 1) * 4096 + ahead  # the same place in a page, plus ahead
+        dst = arena[start:start + n]
+        native.copy(dst, src)
+        assert np.array_equal(dst, want) and np.array_equal(src, want), (src_at, ahead)
+
+
+@needs_native
+def test_copy_handles_overlap_other_dtypes_and_mismatches():
+    a = np.arange(5000, dtype=np.uint8)
+    want = a[:4000].copy()
+    native.copy(a[16:4016], a[:4000])  # overlapping, 16 bytes ahead: memmove's semantics
+    assert np.array_equal(a[16:4016], want)
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    b = np.arange(100, dtype=ml_dtypes.bfloat16)
+    out = np.zeros_like(b)
+    native.copy(out, b)  # no buffer format: numpy's copy
+    assert np.array_equal(out, b)
+    f = np.zeros(10, np.float32)
+    native.copy(f, np.arange(10, dtype=np.int32))  # dtypes differ: numpy's casting copy, not raw bytes
+    assert f.tolist() == list(range(10))
+    with pytest.raises(ValueError):
+        native.copy(np.zeros(3), np.zeros(4))

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import native
 from ..context import CallContext
 from ..ops import Op
 from ..transport import Request
@@ -206,7 +207,7 @@ def recursive_halving(ctx: CallContext, fold: Fold, work: np.ndarray, bounds: Se
     if src is None or src is work:
         src = work
     elif mask == 0:
-        np.copyto(work, src)
+        native.copy(work, src)
     while mask:
         peer = fold.real(nr ^ mask)
         mid = lo + mask
@@ -277,7 +278,7 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
     p, rank = ctx.size, ctx.rank
     if p == 1:
         if not np.shares_memory(src, dest_of(0)):
-            np.copyto(dest_of(0), src)
+            native.copy(dest_of(0), src)
         return
     right, left = (rank + 1) % p, (rank - 1) % p
     seg = segment_elems(ctx, src.dtype)

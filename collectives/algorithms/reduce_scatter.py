@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import native
 from ..context import CallContext
 from ..ops import Op
 from ..registry import register
@@ -39,7 +40,7 @@ def reduce_scatter_recursive_halving(ctx: CallContext, sendbuf: np.ndarray, recv
     """
     p, rank = ctx.size, ctx.rank
     if p == 1:
-        np.copyto(recvbuf, sendbuf)
+        native.copy(recvbuf, sendbuf)
         return
     fold = Fold(rank, p)
     displs = prefix_bounds(counts)
@@ -53,10 +54,10 @@ def reduce_scatter_recursive_halving(ctx: CallContext, sendbuf: np.ndarray, recv
     recursive_halving(ctx, fold, work, bounds, op, None if in_work else sendbuf)
     if fold.absorbs:  # hand the folded-out rank below its block
         send = ctx.isend(work[displs[rank - 1]:displs[rank]], rank - 1)
-        np.copyto(recvbuf, work[displs[rank]:displs[rank + 1]])
+        native.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
         send.wait(ctx.remaining())
     else:
-        np.copyto(recvbuf, work[displs[rank]:displs[rank + 1]])
+        native.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
 
 
 @register("reduce_scatter", "ring",

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import native
 from ..context import CallContext
 from ..registry import register
 from ._blocks import binomial_scatter_blocks, prefix, rotated
@@ -28,7 +29,7 @@ def linear(ctx: CallContext, sendbuf: np.ndarray | None, recvbuf: np.ndarray, ro
         return
     bounds = prefix(counts)
     sends = [ctx.isend(sendbuf[bounds[i]:bounds[i + 1]], i) for i in range(ctx.size) if i != root]
-    np.copyto(recvbuf, sendbuf[bounds[root]:bounds[root + 1]])
+    native.copy(recvbuf, sendbuf[bounds[root]:bounds[root + 1]])
     ctx.waitall(sends)
 
 
@@ -51,4 +52,4 @@ def binomial(ctx: CallContext, sendbuf: np.ndarray | None, recvbuf: np.ndarray, 
     else:
         work = ctx.scratch(bounds[p], recvbuf.dtype)
     binomial_scatter_blocks(ctx, work, bounds, v, lambda u: (u + root) % p)
-    np.copyto(recvbuf, work[bounds[v]:bounds[v + 1]])
+    native.copy(recvbuf, work[bounds[v]:bounds[v + 1]])

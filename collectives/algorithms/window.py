@@ -327,7 +327,7 @@ def _prepare_allreduce(transport, buf: np.ndarray, op: Op):
     for off in (DATA_OFFSET, DATA_OFFSET + st.half):
         views = st.views(off, nbytes, dtype)
         halves.append((views[rank], views[0], views[1], tuple(views[2:])))
-    fence, ufunc, copyto = window.fence, op.ufunc, np.copyto
+    fence, ufunc, copyto = window.fence, op.ufunc, native.copy
 
     def run(ctx, buf: np.ndarray, op: Op) -> None:
         mine, first, second, rest = halves[(window.step(ctx.deadline) - 1) & 1]
@@ -358,7 +358,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
 def _allreduce_small(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> None:
     off = st.next_half(ctx.deadline)
     views = st.views(off, buf.nbytes, buf.dtype)
-    np.copyto(views[ctx.rank], buf)
+    native.copy(views[ctx.rank], buf)
     window.fence(ctx.deadline)
     if buf.dtype in _LOW:
         _reduce(ctx, op, buf, views)
@@ -417,7 +417,7 @@ def _allreduce_from_pool(ctx, window, bufs: list[np.ndarray], buf: np.ndarray, o
     for r in range(ctx.size):
         if r != me and counts[r]:
             s = slice(displs[r], displs[r] + counts[r])
-            np.copyto(buf[s], bufs[r][s])
+            native.copy(buf[s], bufs[r][s])
     window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
 
 
@@ -458,7 +458,7 @@ class _Readers:
         m = self.metas[rank]
         if int(m[0]) and self.pools is not None:
             start = int(m[1]) + byte_offset
-            np.copyto(out.view(np.uint8), self.pools(rank)[start:start + out.nbytes])
+            native.copy(out.view(np.uint8), self.pools(rank)[start:start + out.nbytes])
         else:
             self.window.read(rank, int(m[2]) + byte_offset, out)
 
@@ -490,7 +490,7 @@ def _allreduce_pieces(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
         for r in peers:
             start, n, off = parts[r]
             if n:
-                np.copyto(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
+                native.copy(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
                           buf[start:start + n])
         window.fence(ctx.deadline)
         start_me, n_me, off_me = parts[me]
@@ -500,7 +500,7 @@ def _allreduce_pieces(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
         window.fence(ctx.deadline)
         for r, (start, n, off) in enumerate(parts):
             if n:
-                np.copyto(buf[start:start + n],
+                native.copy(buf[start:start + n],
                           st.regions[r][base + off * item:base + (off + n) * item].view(buf.dtype))
 
 
@@ -538,7 +538,7 @@ def _prepare_reduce_scatter(transport, sendbuf: np.ndarray, recvbuf: np.ndarray,
 def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op) -> None:
     p, me = ctx.size, ctx.rank
     if p == 1:
-        np.copyto(recvbuf, sendbuf[:counts[0]])
+        native.copy(recvbuf, sendbuf[:counts[0]])
         return
     if sum(counts) == 0:
         return
@@ -560,7 +560,7 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
         for r in peers:
             start, n, off = parts[r]
             if n:
-                np.copyto(st.views(base + off * item, n * item, dt)[me], sendbuf[start:start + n])
+                native.copy(st.views(base + off * item, n * item, dt)[me], sendbuf[start:start + n])
         window.fence(ctx.deadline)
         start, n, off = parts[me]
         if n:
@@ -631,11 +631,11 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
         base = st.next_half(ctx.deadline)
         start, n, off = parts[me]
         if n:
-            np.copyto(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
+            native.copy(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
         window.fence(ctx.deadline)
         for r, (start, n, off) in enumerate(parts):
             if n and r != me:
-                np.copyto(buf[start:start + n], st.views(base + off * item, n * item, dt)[r])
+                native.copy(buf[start:start + n], st.views(base + off * item, n * item, dt)[r])
 
 
 # ---------------------------------------------------------------------- bcast
@@ -677,7 +677,7 @@ def bcast(ctx, buf: np.ndarray, root: int) -> None:
         b = min(a + step, data.size)
         src = st.views(st.next_half(ctx.deadline), b - a, u8)[root]
         if ctx.rank == root:
-            np.copyto(src, data[a:b])
+            native.copy(src, data[a:b])
         window.fence(ctx.deadline)
         if ctx.rank != root:
-            np.copyto(data[a:b], src)
+            native.copy(data[a:b], src)

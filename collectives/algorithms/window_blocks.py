@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import native
 from ..ops import Op
 from ..registry import register
 from .window import (_LOW, PIECE_BYTES, _arr, _blocks, _direct, _direct_from, _displs, _first,
@@ -81,7 +82,7 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         return
     displs = _displs(list(counts))
     if me == root:
-        np.copyto(recvbuf[displs[me]:displs[me] + counts[me]], sendbuf)
+        native.copy(recvbuf[displs[me]:displs[me] + counts[me]], sendbuf)
     if p == 1 or sum(counts) == 0:
         return
     window, st = _state_of(ctx)
@@ -99,13 +100,13 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         base = st.next_half(ctx.deadline)
         n = min(step, counts[me] - a)
         if me != root and n > 0:
-            np.copyto(_region(st, me, base, n, dt), sendbuf[a:a + n])
+            native.copy(_region(st, me, base, n, dt), sendbuf[a:a + n])
         window.fence(ctx.deadline)
         if me == root:
             for r in range(p):
                 m = min(step, counts[r] - a)
                 if r != me and m > 0:
-                    np.copyto(recvbuf[displs[r] + a:displs[r] + a + m], _region(st, r, base, m, dt))
+                    native.copy(recvbuf[displs[r] + a:displs[r] + a + m], _region(st, r, base, m, dt))
 
 
 def _prepare_scatter(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: list[int]):
@@ -141,7 +142,7 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
         return
     displs = _displs(counts)
     if me == root:
-        np.copyto(recvbuf, sendbuf[displs[me]:displs[me] + counts[me]])
+        native.copy(recvbuf, sendbuf[displs[me]:displs[me] + counts[me]])
     if p == 1 or sum(counts) == 0:
         return
     window, st = _state_of(ctx)
@@ -158,12 +159,12 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
         if me == root:
             for r, (start, n, off) in enumerate(parts):
                 if r != me and n:
-                    np.copyto(_region(st, me, base + off * item, n, dt), sendbuf[start:start + n])
+                    native.copy(_region(st, me, base + off * item, n, dt), sendbuf[start:start + n])
         window.fence(ctx.deadline)
         start, n, off = parts[me]
         if me != root and n:
             lo = start - displs[me]
-            np.copyto(recvbuf[lo:lo + n], _region(st, root, base + off * item, n, dt))
+            native.copy(recvbuf[lo:lo + n], _region(st, root, base + off * item, n, dt))
 
 
 def _prepare_alltoall(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
@@ -187,7 +188,7 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     if p > 1 and _run_planned(ctx, _prepare_alltoall, ("alltoall", sendbuf.dtype, sendbuf.size), sendbuf, recvbuf):
         return
     b = sendbuf.size // p
-    np.copyto(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
+    native.copy(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
     if p == 1 or b == 0:
         return
     window, st = _state_of(ctx)
@@ -205,11 +206,11 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         base = st.next_half(ctx.deadline)
         for d in range(p):
             if d != me:
-                np.copyto(_region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
+                native.copy(_region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
         window.fence(ctx.deadline)
         for r in range(p):
             if r != me:
-                np.copyto(recvbuf[r * b + a:r * b + a + m], _region(st, r, base + me * m * item, m, dt))
+                native.copy(recvbuf[r * b + a:r * b + a + m], _region(st, r, base + me * m * item, m, dt))
 
 
 def _prepare_reduce(transport, buf: np.ndarray, root: int, op: Op):
@@ -240,7 +241,7 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
     if _single_fence(buf.nbytes, p, st):
         base = st.next_half(ctx.deadline)
         if me != root:
-            np.copyto(st.views(base, buf.nbytes, dt)[me], buf)
+            native.copy(st.views(base, buf.nbytes, dt)[me], buf)
         window.fence(ctx.deadline)
         if me == root:
             views = st.views(base, buf.nbytes, dt)
@@ -253,7 +254,7 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
         for r in peers:  # the pieces of the blocks the others reduce
             start, n, off = parts[r]
             if n:
-                np.copyto(_region(st, me, base + off * item, n, dt), buf[start:start + n])
+                native.copy(_region(st, me, base + off * item, n, dt), buf[start:start + n])
         window.fence(ctx.deadline)
         start, n, off = parts[me]
         if n:
@@ -263,4 +264,4 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
         if me == root:
             for r, (start, n, off) in enumerate(parts):
                 if n:
-                    np.copyto(buf[start:start + n], _region(st, r, base + off * item, n, dt))
+                    native.copy(buf[start:start + n], _region(st, r, base + off * item, n, dt))
