@@ -15,7 +15,6 @@ different kernels fall back to starting after a barrier.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 import weakref
