@@ -17,9 +17,9 @@ fence.
   ((p-1)/p n gamma), F, copy every reduced block out:
   T = 2F per piece + copy((p-1)/p n) + (p-1)/p n gamma + copy(n).
 * allreduce, larger: publish F, each rank reads and reduces its 1/p from
-  every rank ((p-1)/p n copy and (p-1)/p n gamma), F, reads the others'
-  reduced blocks ((p-1)/p n copy), F:
-  T = 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma.
+  every rank ((p-1)/p n copy and (p-1)/p n gamma) and writes it into every
+  other rank's buffer ((p-1)/p n copy), F:
+  T = 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma.
 * reduce_scatter: 2F + (p-1) copy(b) + (p-1) b gamma (direct), or
   copy((p-1) b) + F + (p-1) b gamma through the window.
 * allgather: 2F + (p-1) copy(b) (direct), or copy(b) + F + (p-1) copy(b).
@@ -53,7 +53,7 @@ def one_fence(p: int, n: int, P: Params) -> float | None:
 
 @cost_model("allreduce", "shared_window")
 def allreduce(p: int, n: int, P: Params) -> float:
-    """copy(n) + F + (p-1) n gamma small; pieces; 3F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
+    """copy(n) + F + (p-1) n gamma small; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
     small = one_fence(p, n, P)
     if small is not None:
         return small
@@ -61,7 +61,7 @@ def allreduce(p: int, n: int, P: Params) -> float:
     if not direct("allreduce", p, n, P):
         pieces = max(1, math.ceil(n / PIECE_BYTES))
         return 2 * pieces * P.fence + P.copy(share) + share * P.gamma + P.copy(n)
-    return 3 * P.fence + 2 * P.copy(share) + share * P.gamma
+    return 2 * P.fence + 2 * P.copy(share) + share * P.gamma
 
 
 @cost_model("reduce_scatter", "shared_window")

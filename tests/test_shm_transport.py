@@ -161,6 +161,33 @@ def test_window_fence_regions_and_alloc_locate():
         assert seen == [1, 2, 3] and located and private is None
 
 
+def cross_memory(comm):
+    """Each rank writes its rank into the next rank's private array and reads
+    it back; a write to an unmapped address raises PeerLost."""
+    w, r, p = comm.transport.window, comm.rank, comm.size
+    mine = np.full(1000, -1, np.int64)
+    addrs = np.zeros(p, np.int64)
+    addrs[r] = mine.ctypes.data
+    comm.allgather(None, addrs)
+    nxt, prev = (r + 1) % p, (r - 1) % p
+    w.write(nxt, int(addrs[nxt]) + 8 * 10, np.full(5, r, np.int64))
+    comm.barrier()
+    got = np.zeros(5, np.int64)
+    w.read(nxt, int(addrs[nxt]) + 8 * 10, got)
+    try:
+        w.write(nxt, 8, got)
+        refused = False
+    except PeerLost:
+        refused = True
+    comm.barrier()
+    return w.cma, mine[10:15].tolist() == [prev] * 5, got.tolist() == [r] * 5, refused
+
+
+def test_window_reads_and_writes_private_memory():
+    for cma, written, read, refused in run_ranks(cross_memory, 3, timeout=60):
+        assert cma and written and read and refused
+
+
 def test_rendezvous_timeout_leaves_nothing():
     job = "lonely" + secrets.token_hex(4)
     start = time.monotonic()

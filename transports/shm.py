@@ -42,8 +42,9 @@ Sizes come from ``options`` or the environment (all ranks must agree):
 ``COLLECTIVES_SHM_WINDOW_BYTES`` (default 4 MiB per rank),
 ``shm_alloc_bytes`` / ``COLLECTIVES_SHM_ALLOC_BYTES`` (sparse pool, default
 1 GiB of address space per rank), ``shm_cma`` / ``COLLECTIVES_SHM_CMA`` (0
-turns off reading peers' private memory with process_vm_readv; it is used
-only when every rank may read every other).
+turns off reading and writing peers' private memory with process_vm_readv
+and process_vm_writev; they are used only when every rank may reach every
+other).
 """
 
 from __future__ import annotations
@@ -280,10 +281,10 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _load_readv():
+def _load_vm(name: str):
+    """libc's ``process_vm_readv`` or ``process_vm_writev``, or None."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.process_vm_readv
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_ssize_t
@@ -292,25 +293,37 @@ def _load_readv():
     return fn
 
 
-_readv = _load_readv()
+_readv = _load_vm("process_vm_readv")
+_writev = _load_vm("process_vm_writev")
 
 
-def _cma_read(pid: int, address: int, out: np.ndarray) -> bool:
-    """Copy ``out.nbytes`` bytes at ``address`` in process ``pid`` into ``out``.
-    Returns False when the kernel refuses (no permission, no support)."""
-    if _readv is None:
+def _cma(fn, pid: int, address: int, local: np.ndarray) -> bool:
+    """Move ``local.nbytes`` bytes between ``local`` and ``address`` in process
+    ``pid`` with ``fn`` (:data:`_readv`: into ``local``; :data:`_writev`: out
+    of it). Returns False when the kernel refuses (no permission, no support)."""
+    if fn is None:
         return False
-    want = out.nbytes
+    want = local.nbytes
     done = 0
-    base = out.ctypes.data
+    base = local.ctypes.data
     while done < want:
-        local = _IoVec(base + done, want - done)
-        remote = _IoVec(address + done, want - done)
-        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        mine = _IoVec(base + done, want - done)
+        theirs = _IoVec(address + done, want - done)
+        n = fn(pid, ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0)
         if n <= 0:
             return False
         done += n
     return True
+
+
+def _cma_read(pid: int, address: int, out: np.ndarray) -> bool:
+    """Copy ``out.nbytes`` bytes at ``address`` in process ``pid`` into ``out``."""
+    return _cma(_readv, pid, address, out)
+
+
+def _cma_write(pid: int, address: int, src: np.ndarray) -> bool:
+    """Copy ``src`` to ``address`` in process ``pid``."""
+    return _cma(_writev, pid, address, src)
 
 
 # --------------------------------------------------------------------------- window
@@ -349,8 +362,9 @@ class ShmWindow:
 
     @property
     def cma(self) -> bool:
-        """True when every rank may read every other rank's private memory
-        (:meth:`read`), so algorithms can copy straight from user buffers."""
+        """True when every rank may read and write every other rank's private
+        memory (:meth:`read`, :meth:`write`), so algorithms can copy straight
+        between user buffers."""
         return self._t.cma
 
     def read(self, rank: int, address: int, out: np.ndarray) -> None:
@@ -360,9 +374,21 @@ class ShmWindow:
             PeerLost: the read failed (the peer exited, or its memory is gone).
         """
         if out.nbytes and not _cma_read(self._pids[rank], address, out):
-            err = ctypes.get_errno()
-            raise PeerLost(f"rank {self._t.rank}: cannot read {out.nbytes} B from rank {rank}'s "
-                           f"memory ({os.strerror(err)})", rank)
+            self._lost("read", out.nbytes, "from", rank)
+
+    def write(self, rank: int, address: int, src: np.ndarray) -> None:
+        """Copy ``src`` to ``address`` in ``rank``'s private memory.
+
+        Raises:
+            PeerLost: the write failed (the peer exited, or its memory is gone).
+        """
+        if src.nbytes and not _cma_write(self._pids[rank], address, src):
+            self._lost("write", src.nbytes, "to", rank)
+
+    def _lost(self, what: str, nbytes: int, way: str, rank: int) -> None:
+        err = ctypes.get_errno()
+        raise PeerLost(f"rank {self._t.rank}: cannot {what} {nbytes} B {way} rank {rank}'s "
+                       f"memory ({os.strerror(err)})", rank)
 
     @property
     def epoch(self) -> int:
@@ -746,13 +772,14 @@ class SharedMemoryTransport(Transport):
         self._spin = SPIN_SECONDS if self.size <= self.cores else 0.0
 
     def _probe_cma(self, deadline: float) -> None:
-        """Agree whether every rank may read every other's private memory
-        (Linux cross-memory attach, process_vm_readv)."""
+        """Agree whether every rank may read and write every other's private
+        memory (Linux cross-memory attach, process_vm_readv and _writev)."""
         verdicts = [self._cma_wanted]
         for r, seg in enumerate(self._segs):
             if r != self.rank and self._cma_wanted:
-                got = np.zeros(1, np.uint64)
-                verdicts.append(_cma_read(int(seg.q[Q_PID]), int(seg.q[Q_PROBE]), got) and got[0] == MAGIC)
+                pid, probe, got = int(seg.q[Q_PID]), int(seg.q[Q_PROBE]), np.zeros(1, np.uint64)
+                # read the peer's probe word, then write the same value back
+                verdicts.append(_cma_read(pid, probe, got) and got[0] == MAGIC and _cma_write(pid, probe, got))
         own = self._segs[self.rank].q
         own[Q_CMA] = 1 if all(verdicts) else 2
         self._ring_all()

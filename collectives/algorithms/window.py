@@ -13,8 +13,9 @@ is rewritten only once every rank is done with its last use.
   fit a half: copy in, fence, each rank reduces 1/p of the piece straight
   from every region, fence, everyone copies the reduced blocks out. When
   every rank's buffer lives in the shared allocation pool
-  (``comm.alloc``), nothing is copied in: each rank reduces its 1/p straight
-  from the others' buffers and copies the others' reduced blocks.
+  (``comm.alloc``), or the window offers cross-memory attach, nothing is
+  copied in: each rank reduces its 1/p straight from the others' buffers
+  and writes the reduced pieces, still in the cache, into theirs.
 * ``reduce_scatter``: copy in, fence, each rank reduces its block into recvbuf.
 * ``allgather``: each rank copies its block in, fence, copies the others out.
 * ``bcast``: the root copies in, fence, the others copy out.
@@ -28,10 +29,10 @@ persistent plans (``prepare``) of repeated calls are the same plans.
 From a size per collective (:data:`DIRECT_FROM`, which depends on the
 ranks per core) on, when every rank's buffer can be read directly (it
 lives in the shared pool, or the window offers cross-memory attach,
-``window.cma`` and ``window.read``), the collectives publish their
-buffers' addresses (one fence) and copy straight from the other ranks'
-buffers: one copy instead of two, and a final fence so that no rank
-changes its buffer while another still reads it.
+``window.cma``, ``window.read`` and ``window.write``), the collectives
+publish their buffers' addresses (one fence) and copy straight between the
+ranks' buffers: one copy instead of two, and a final fence so that no rank
+changes its buffer while another still uses it.
 """
 
 from __future__ import annotations
@@ -404,42 +405,45 @@ def _allreduce_direct(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
 
 
 def _allreduce_from_pool(ctx, window, bufs: list[np.ndarray], buf: np.ndarray, op: Op) -> None:
-    counts = _blocks(buf.size, ctx.size)
-    displs = _displs(counts)
-    me = ctx.rank
-    lo, hi = displs[me], displs[me] + counts[me]
-    order = [me] + [r for r in range(ctx.size) if r != me]
-    step = max(1, ctx.segment_bytes // buf.itemsize)
-    for a in range(lo, hi, step):
-        b = min(a + step, hi)
-        _reduce(ctx, op, buf[a:b], [bufs[r][a:b] for r in order])
-    window.fence(ctx.deadline)
-    for r in range(ctx.size):
-        if r != me and counts[r]:
-            s = slice(displs[r], displs[r] + counts[r])
-            native.copy(buf[s], bufs[r][s])
-    window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+    """Each rank reduces its 1/p from every buffer piece by piece and copies
+    each reduced piece, still in the cache, into every other buffer: no rank
+    reads or writes another's 1/p, so one closing fence suffices."""
+    for a, b, others in _own_pieces(ctx, buf, ctx.segment_bytes):
+        _reduce(ctx, op, buf[a:b], [buf[a:b]] + [bufs[r][a:b] for r in others])
+        for r in others:
+            native.copy(bufs[r][a:b], buf[a:b])
+    window.fence(ctx.deadline)  # every buffer complete; nobody touches one while others use it
 
 
 def _allreduce_cma(ctx, window, addrs: list[int], buf: np.ndarray, op: Op) -> None:
-    p, me, item = ctx.size, ctx.rank, buf.itemsize
-    counts = _blocks(buf.size, p)
-    displs = _displs(counts)
-    lo, hi = displs[me], displs[me] + counts[me]
-    peers = [r for r in range(p) if r != me]
-    step = max(1, (ctx.segment_bytes if p <= 4 else ctx.segment_bytes // 4) // item)
-    scratch = [ctx.scratch(min(step, counts[me]), buf.dtype, slot=8 + i) for i in range(p - 1)]
-    for a in range(lo, hi, step):
-        b = min(a + step, hi)
+    """:func:`_allreduce_from_pool` through cross-memory attach: each piece of
+    this rank's 1/p is read from every peer into scratch, reduced into
+    ``buf``, and written back into every peer's buffer."""
+    item = buf.itemsize
+    seg = ctx.segment_bytes if ctx.size <= 4 else ctx.segment_bytes // 4
+    scratch = None
+    for a, b, others in _own_pieces(ctx, buf, seg):
+        if scratch is None:
+            scratch = [ctx.scratch(b - a, buf.dtype, slot=8 + i) for i in range(len(others))]
         parts = [s[:b - a] for s in scratch]
-        for r, part in zip(peers, parts):
+        for r, part in zip(others, parts):
             window.read(r, addrs[r] + a * item, part)
         _reduce(ctx, op, buf[a:b], [buf[a:b]] + parts)
-    window.fence(ctx.deadline)
-    for r in peers:
-        if counts[r]:
-            window.read(r, addrs[r] + displs[r] * item, buf[displs[r]:displs[r] + counts[r]])
-    window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+        for r in others:
+            window.write(r, addrs[r] + a * item, buf[a:b])
+    window.fence(ctx.deadline)  # every buffer complete; nobody touches one while others use it
+
+
+def _own_pieces(ctx, buf: np.ndarray, piece_bytes: int):
+    """(start, stop, other ranks) of each piece of at most ``piece_bytes`` of
+    this rank's 1/p of ``buf`` (in elements)."""
+    counts = _blocks(buf.size, ctx.size)
+    lo = _displs(counts)[ctx.rank]
+    hi = lo + counts[ctx.rank]
+    others = [r for r in range(ctx.size) if r != ctx.rank]
+    step = max(1, piece_bytes // buf.itemsize)
+    for a in range(lo, hi, step):
+        yield a, min(a + step, hi), others
 
 
 class _Readers:
