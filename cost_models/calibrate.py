@@ -512,6 +512,18 @@ def stretch_main(out: str, quick: bool) -> int:
     return 0
 
 
+def _ran(launch_job, p: int, out: str, tries: int) -> bool:
+    """Run a stretch job until it succeeds, at most ``tries`` times (one
+    failed start, such as a rendezvous that timed out, should not cost a
+    rank count its factors)."""
+    for attempt in range(tries):
+        if launch_job(p, out) == 0 and os.path.exists(out):
+            return True
+        if attempt + 1 < tries:
+            print(f"calibrate: the {p}-rank stretch job failed; trying again", file=sys.stderr)
+    return False
+
+
 def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
     """Measure the probes at each rank count of ``ranks`` (``launch_job(p,
     out) -> status`` runs one stretch job) and add the fitted factors to the
@@ -523,8 +535,9 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for p in ranks:
             out = os.path.join(tmp, f"probes-{p}.json")
-            if launch_job(p, out) != 0 or not os.path.exists(out):
-                print(f"calibrate: the {p}-rank stretch job failed; no factors for {p} ranks", file=sys.stderr)
+            if not _ran(launch_job, p, out, tries=2):
+                print(f"calibrate: the {p}-rank stretch job failed twice; no factors for {p} ranks",
+                      file=sys.stderr)
                 continue
             job = json.loads(Path(out).read_text())
             probes = [tuple(t) for t in job["probes"]]

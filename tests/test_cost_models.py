@@ -338,3 +338,21 @@ def test_exchange_steps_cost_the_exchange_factor() -> None:
     assert fit_exchange(sizes, measured, base) == pytest.approx(2.0)
     assert fit_exchange(sizes, [base.msg(m) * 0.5 for m in sizes], base) == 1.0  # never below one-way
     assert Params.from_dict(doubled.as_dict()).exchange == 2.0
+
+
+def test_a_failed_stretch_job_is_tried_once_more(tmp_path):
+    from collectives.cost_models.calibrate import _ran
+
+    calls = []
+
+    def flaky(p, out):
+        calls.append(p)
+        if len(calls) > 1:
+            (tmp_path / "probes.json").write_text("{}")
+            return 0
+        return 1
+
+    assert _ran(flaky, 3, str(tmp_path / "probes.json"), tries=2) and calls == [3, 3]
+    calls.clear()
+    assert not _ran(lambda p, out: calls.append(p) or 1, 4, str(tmp_path / "none.json"), tries=2)
+    assert calls == [4, 4]
