@@ -14,6 +14,8 @@ different kernels fall back to starting after a barrier.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import os
 import time
@@ -138,6 +140,25 @@ def timed_rounds(comm, calls: dict, repeats: int) -> dict:
     return times
 
 
+#: glibc's mallopt parameter M_MMAP_THRESHOLD.
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.lru_cache(maxsize=1)
+def _fresh_pages_for_large_buffers() -> None:
+    """Keep this process's large buffers on pages of their own (glibc's
+    default until the first large free): glibc raises its mmap threshold each
+    time a large buffer is freed, and later ones then come from the heap, on
+    other pages (no huge pages, other alignments), which can change a
+    direct read's time twofold. Measurements that free and allocate as they
+    go would otherwise measure the early points on one kind of memory and
+    the later ones on the other."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
 def collective_call(comm, collective: str, count: int, dtype: np.dtype) -> Callable[[str], object]:
     """``call(algorithm)`` running one ``collective`` on buffers made once.
 
@@ -145,7 +166,17 @@ def collective_call(comm, collective: str, count: int, dtype: np.dtype) -> Calla
     blocked collectives give each rank ``count // p``, at least 1).
     """
     p = comm.size
-    buf = np.zeros(count, dtype)  # made once (zeros: repeated sums never overflow)
+    _fresh_pages_for_large_buffers()
+
+    def zeros(n: int) -> np.ndarray:
+        # written, not np.zeros: untouched pages all map the kernel's one zero
+        # page, which a peer reading them directly finds in its cache
+        # (zeros: repeated sums never overflow)
+        out = np.empty(n, dtype)
+        out.fill(0)
+        return out
+
+    buf = zeros(count)  # made once
     if collective == "bcast":
         return lambda algo: comm.bcast(buf, 0, algorithm=algo)
     if collective == "reduce":
@@ -155,13 +186,13 @@ def collective_call(comm, collective: str, count: int, dtype: np.dtype) -> Calla
     if collective == "barrier":
         return lambda algo: comm.barrier(algorithm=algo)
     block = max(count // p, 1)
-    whole, part = np.zeros(block * p, dtype), np.zeros(block, dtype)
+    whole, part = zeros(block * p), zeros(block)
     if collective == "allgather":
         return lambda algo: comm.allgather(None, whole, algorithm=algo)
     if collective == "reduce_scatter":
         return lambda algo: comm.reduce_scatter(whole, part, algorithm=algo)
     if collective == "alltoall":
-        out = np.zeros(block * p, dtype)
+        out = zeros(block * p)
         return lambda algo: comm.alltoall(whole, out, algorithm=algo)
     if collective == "scatter":
         return lambda algo: comm.scatter(whole, part, 0, algorithm=algo)
