@@ -30,8 +30,8 @@ construction, the profile also records the host's cores (``cores``).
 Then the anchors (``anchors``): every algorithm the transport runs, timed
 at its smallest size (one float32 per rank), which fixes the algorithm's own
 fixed cost in :func:`~.model.predict`, at the pipeline segment (1 MiB: the
-largest message sent whole, where the formulas change shape) and at 4 MiB;
-between and beyond them the prediction scales what the formula adds with
+largest message sent whole, where the formulas change shape) and at 4 and
+16 MiB (:data:`LARGE_ANCHOR_BYTES`); between and beyond them the prediction scales what the formula adds with
 size to meet the measurements.
 
 Last, the stretch table (``stretch``): the same probes plus 1 MiB ones run
@@ -267,24 +267,28 @@ ANCHORED = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce", "r
             "barrier")
 
 
-#: The large size at which every algorithm is measured too (bytes per rank).
-LARGE_ANCHOR_BYTES = 4 << 20
+#: The large sizes at which every algorithm is measured too (bytes per
+#: rank): one where the shared window's largest collectives switch to
+#: reading peers' buffers directly, one past it, so that the scale beyond
+#: the last is the direct path's (and, over TCP, that of buffers that no
+#: longer fit the cache).
+LARGE_ANCHOR_BYTES = (4 << 20, 16 << 20)
 
 
-def anchor_sizes(p: int, large: int = LARGE_ANCHOR_BYTES) -> list[int]:
+def anchor_sizes(p: int, large: Sequence[int] = LARGE_ANCHOR_BYTES) -> list[int]:
     """Element counts (float32) at which every algorithm is measured: one
     element per rank; and, with ``large``, the pipeline segment (the largest
     message the point-to-point algorithms send whole: the formulas change
-    shape there) and ``large`` bytes."""
+    shape there) and the ``large`` sizes."""
     from collectives.context import SEGMENT_BYTES
 
     counts = [p]
-    for nbytes in ((SEGMENT_BYTES, large) if large else ()):
+    for nbytes in ((SEGMENT_BYTES, *large) if large else ()):
         counts.append(max(nbytes // 4 // p * p, p))
     return counts
 
 
-def measure_anchors(comm, repeats: int, large: int = LARGE_ANCHOR_BYTES) -> list[tuple[str, str, int, int, float]]:
+def measure_anchors(comm, repeats: int, large: Sequence[int] = LARGE_ANCHOR_BYTES) -> list[tuple[str, str, int, int, float]]:
     """``(collective, algorithm, p, bytes, seconds)`` of every algorithm the
     transport runs (``native`` aside) at :func:`anchor_sizes`, each the best
     of ``repeats`` at every size (the best of fewer tries would be slower
@@ -488,7 +492,7 @@ def rank_count_measurements(comm, quick: bool) -> tuple[list, list]:
     anchors, in two passes around the probes whose best counts (this
     machine's speed drifts, at times by half, over a few seconds).
     Returns (probes, anchors)."""
-    large = 0 if quick else LARGE_ANCHOR_BYTES
+    large = () if quick else LARGE_ANCHOR_BYTES
     first = measure_anchors(comm, 3 if quick else 5, large)
     windowed = measure_probes(comm, 3 if quick else 10, PROBE_BYTES, window_probes(comm))
     heavy = measure_probes(comm, 2 if quick else 5, STRETCH_BYTES, PROBES + window_probes(comm))
