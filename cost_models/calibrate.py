@@ -31,8 +31,8 @@ Then the anchors (``anchors``): every algorithm the transport runs, timed
 at its smallest size (one float32 per rank), which fixes the algorithm's own
 fixed cost in :func:`~.model.predict`, at the pipeline segment (1 MiB: the
 largest message sent whole, where the formulas change shape) and at 4 and
-16 MiB (:data:`LARGE_ANCHOR_BYTES`); between and beyond them the prediction scales what the formula adds with
-size to meet the measurements.
+16 MiB (:data:`LARGE_ANCHOR_BYTES`); between and beyond them the
+prediction scales what the formula adds with size to meet the measurements.
 
 Last, the stretch table (``stretch``): the same probes plus 1 MiB ones run
 (and the shared-window allreduce and bcast where the transport has a
@@ -288,7 +288,8 @@ def anchor_sizes(p: int, large: Sequence[int] = LARGE_ANCHOR_BYTES) -> list[int]
     return counts
 
 
-def measure_anchors(comm, repeats: int, large: Sequence[int] = LARGE_ANCHOR_BYTES) -> list[tuple[str, str, int, int, float]]:
+def measure_anchors(comm, repeats: int,
+                    large: Sequence[int] = LARGE_ANCHOR_BYTES) -> list[tuple[str, str, int, int, float]]:
     """``(collective, algorithm, p, bytes, seconds)`` of every algorithm the
     transport runs (``native`` aside) at :func:`anchor_sizes`, each the best
     of ``repeats`` at every size (the best of fewer tries would be slower

@@ -421,10 +421,9 @@ def _allreduce_cma(ctx, window, addrs: list[int], buf: np.ndarray, op: Op) -> No
     ``buf``, and written back into every peer's buffer."""
     item = buf.itemsize
     seg = ctx.segment_bytes if ctx.size <= 4 else ctx.segment_bytes // 4
-    scratch = None
+    longest = min(max(1, seg // item), -(-buf.size // ctx.size))  # no piece is longer
+    scratch = [ctx.scratch(longest, buf.dtype, slot=8 + i) for i in range(ctx.size - 1)]
     for a, b, others in _own_pieces(ctx, buf, seg):
-        if scratch is None:
-            scratch = [ctx.scratch(b - a, buf.dtype, slot=8 + i) for i in range(len(others))]
         parts = [s[:b - a] for s in scratch]
         for r, part in zip(others, parts):
             window.read(r, addrs[r] + a * item, part)
