@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveTimeout, MismatchedCollective, PeerLost
-from collectives.transports.shm import SHM_DIR, SharedMemoryTransport, segment_path
+from collectives.transports.shm import (BOUNCE_BYTES, PAGE, SHM_DIR, SharedMemoryTransport, segment_path,
+                                        skewed)
 from harness import run_ranks
 
 
@@ -186,6 +187,47 @@ def cross_memory(comm):
 def test_window_reads_and_writes_private_memory():
     for cma, written, read, refused in run_ranks(cross_memory, 3, timeout=60):
         assert cma and written and read and refused
+
+
+def _at_place(raw: np.ndarray, place: int, n: int) -> np.ndarray:
+    """``n`` bytes of ``raw`` starting ``place`` bytes into a page."""
+    skip = (place - raw.ctypes.data) % PAGE
+    return raw[skip:skip + n]
+
+
+def skewed_cross_memory(comm):
+    """Writes into the next rank's memory and reads back, with the destination
+    0, 1, 16, 31 and 32 bytes past the source's place in a page (1 to 31 go
+    through the bounce buffer), over more than two bounce buffers' worth."""
+    w, r, p = comm.transport.window, comm.rank, comm.size
+    nxt, prev = (r + 1) % p, (r - 1) % p
+    n = 2 * BOUNCE_BYTES + 1234
+    raw = np.zeros(n + 2 * PAGE, np.uint8)
+    addrs = np.zeros(p, np.int64)
+    addrs[r] = raw.ctypes.data
+    comm.allgather(None, addrs)
+    pattern = (np.arange(n) * 7 % 251).astype(np.uint8)
+    bad = []
+    for skew in (0, 1, 16, 31, 32):
+        src = _at_place(np.zeros(n + PAGE, np.uint8), 100, n)
+        src[:] = pattern + r
+        theirs = int(addrs[nxt]) + (100 + skew - int(addrs[nxt])) % PAGE
+        if skewed(src.ctypes.data, theirs) != (0 < skew < 32):
+            bad.append(f"skewed() wrong at {skew}")
+        w.write(nxt, theirs, src)
+        comm.barrier()
+        if not np.array_equal(_at_place(raw, 100 + skew, n), pattern + prev):
+            bad.append(f"write skewed {skew}")
+        got = _at_place(np.zeros(n + PAGE, np.uint8), 100 + 2 * skew, n)
+        w.read(nxt, theirs, got)
+        if not np.array_equal(got, pattern + r):
+            bad.append(f"read skewed {skew}")
+        comm.barrier()
+    return bad
+
+
+def test_window_moves_skewed_private_memory():
+    assert run_ranks(skewed_cross_memory, 3, timeout=60) == [[]] * 3
 
 
 def test_rendezvous_timeout_leaves_nothing():

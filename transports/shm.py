@@ -316,6 +316,22 @@ def _cma(fn, pid: int, address: int, local: np.ndarray) -> bool:
     return True
 
 
+#: The kernel's copy for cross-memory attach runs about 4.4 times slower when
+#: the destination starts 1 to 31 bytes past the source's place in a 4 KiB
+#: page (measured here: 1 MiB in 440 us against 100 us; 32 bytes and more,
+#: or any place before the source's, run at full speed). Heap buffers land
+#: at any 16-byte place, so two ranks' buffers meet that way often.
+SKEW_SLOW_BYTES = 32
+#: Such copies go through a bounce buffer placed like the source, this many
+#: bytes at a time (the extra copy is in user space, which handles the skew).
+BOUNCE_BYTES = 256 << 10
+
+
+def skewed(src: int, dst: int) -> bool:
+    """True when a kernel copy from address ``src`` to ``dst`` would be slow (see :data:`SKEW_SLOW_BYTES`)."""
+    return 0 < (dst - src) % PAGE < SKEW_SLOW_BYTES
+
+
 def _cma_read(pid: int, address: int, out: np.ndarray) -> bool:
     """Copy ``out.nbytes`` bytes at ``address`` in process ``pid`` into ``out``."""
     return _cma(_readv, pid, address, out)
@@ -352,6 +368,7 @@ class ShmWindow:
         self._peers = [r for r in range(t.size) if r != t.rank]
         self._pids = [int(s.q[Q_PID]) for s in t._segs]
         self._turn = 0
+        self._bounce: np.ndarray | None = None
         self._native = None
         ext = native.enabled()
         if ext is not None and all(s.q[Q_NATIVE] == 1 for s in t._segs):
@@ -373,7 +390,11 @@ class ShmWindow:
         Raises:
             PeerLost: the read failed (the peer exited, or its memory is gone).
         """
-        if out.nbytes and not _cma_read(self._pids[rank], address, out):
+        if not out.nbytes:
+            return
+        if skewed(address, out.ctypes.data):
+            self._bounced(True, rank, address, out)
+        elif not _cma_read(self._pids[rank], address, out):
             self._lost("read", out.nbytes, "from", rank)
 
     def write(self, rank: int, address: int, src: np.ndarray) -> None:
@@ -382,8 +403,34 @@ class ShmWindow:
         Raises:
             PeerLost: the write failed (the peer exited, or its memory is gone).
         """
-        if src.nbytes and not _cma_write(self._pids[rank], address, src):
+        if not src.nbytes:
+            return
+        if skewed(src.ctypes.data, address):
+            self._bounced(False, rank, address, src)
+        elif not _cma_write(self._pids[rank], address, src):
             self._lost("write", src.nbytes, "to", rank)
+
+    def _bounced(self, reading: bool, rank: int, address: int, local: np.ndarray) -> None:
+        """:meth:`read` (``reading``) or :meth:`write` through a bounce buffer
+        placed in its pages where ``address`` is, so the kernel copies unskewed."""
+        if self._bounce is None:
+            self._bounce = np.empty(BOUNCE_BYTES + PAGE, np.uint8)
+        skip = (address - self._bounce.ctypes.data) % PAGE
+        bounce = self._bounce[skip:skip + BOUNCE_BYTES]
+        data = local.reshape(-1).view(np.uint8)
+        pid = self._pids[rank]
+        for start in range(0, data.nbytes, BOUNCE_BYTES):
+            part = data[start:start + BOUNCE_BYTES]
+            via = bounce[:part.nbytes]
+            if reading:
+                moved = _cma_read(pid, address + start, via)
+                if moved:
+                    native.copy(part, via)
+            else:
+                native.copy(via, part)
+                moved = _cma_write(pid, address + start, via)
+            if not moved:
+                self._lost(*(("read", part.nbytes, "from") if reading else ("write", part.nbytes, "to")), rank)
 
     def _lost(self, what: str, nbytes: int, way: str, rank: int) -> None:
         err = ctypes.get_errno()

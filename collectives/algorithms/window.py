@@ -422,7 +422,10 @@ def _allreduce_cma(ctx, window, addrs: list[int], buf: np.ndarray, op: Op) -> No
     item = buf.itemsize
     seg = ctx.segment_bytes if ctx.size <= 4 else ctx.segment_bytes // 4
     longest = min(max(1, seg // item), -(-buf.size // ctx.size))  # no piece is longer
-    scratch = [ctx.scratch(longest, buf.dtype, slot=8 + i) for i in range(ctx.size - 1)]
+    mine = _displs(_blocks(buf.size, ctx.size))[ctx.rank] * item
+    peers = [r for r in range(ctx.size) if r != ctx.rank]
+    scratch = [_placed_scratch(ctx, longest * item, 8 + i, addrs[r] + mine).view(buf.dtype)
+               for i, r in enumerate(peers)]
     for a, b, others in _own_pieces(ctx, buf, seg):
         parts = [s[:b - a] for s in scratch]
         for r, part in zip(others, parts):
@@ -431,6 +434,14 @@ def _allreduce_cma(ctx, window, addrs: list[int], buf: np.ndarray, op: Op) -> No
         for r in others:
             window.write(r, addrs[r] + a * item, buf[a:b])
     window.fence(ctx.deadline)  # every buffer complete; nobody touches one while others use it
+
+
+def _placed_scratch(ctx, nbytes: int, slot: int, address: int) -> np.ndarray:
+    """``nbytes`` of scratch that start at ``address``'s place in a page: the
+    kernel copies from there at full speed (see ``transports.shm.skewed``)."""
+    raw = ctx.scratch(nbytes + _PAGE, np.uint8, slot=slot)
+    skip = (address - raw.ctypes.data) % _PAGE
+    return raw[skip:skip + nbytes]
 
 
 def _own_pieces(ctx, buf: np.ndarray, piece_bytes: int):
