@@ -7,7 +7,9 @@ collective's ``DIRECT_FROM`` (see
 :func:`collectives.algorithms.window.direct_from`) data goes through the
 window (copy in, fence, copy out); from it on, ranks publish their buffers
 (one fence) and read each other's directly (one copy), with a closing
-fence.
+fence. Where the algorithms read directly only from buffers in huge pages
+(``DIRECT_FROM``'s ``huge``), the models assume such buffers, as
+calibration's are; on 4 KiB pages the pieces run instead.
 
 * allreduce, n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma
   (every rank reduces all p vectors itself).

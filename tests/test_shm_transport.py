@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import signal
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveTimeout, MismatchedCollective, PeerLost
-from collectives.transports.shm import (BOUNCE_BYTES, PAGE, SHM_DIR, SharedMemoryTransport, segment_path,
-                                        skewed)
+from collectives.transports.shm import (BOUNCE_BYTES, HUGE_PAGE, PAGE, SHM_DIR, SharedMemoryTransport, huge_pages,
+                                        segment_path, skewed)
 from harness import run_ranks
 
 
@@ -228,6 +229,70 @@ def skewed_cross_memory(comm):
 
 def test_window_moves_skewed_private_memory():
     assert run_ranks(skewed_cross_memory, 3, timeout=60) == [[]] * 3
+
+
+def _private_buffer(nbytes: int, huge: bool) -> np.ndarray:
+    """A written private buffer that starts at a huge page's start, with or without huge pages."""
+    m = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    raw = np.frombuffer(m, np.uint8)
+    skip = (-raw.ctypes.data) % HUGE_PAGE
+    buf = raw[skip:skip + nbytes]
+    buf[:] = 1
+    return buf
+
+
+def _huge_pages_work() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            enabled = "[never]" not in f.read()
+    except OSError:
+        return False
+    probe = _private_buffer(2 * HUGE_PAGE, True)
+    return enabled and huge_pages(probe.ctypes.data, probe.nbytes) is not None
+
+
+def test_huge_pages_tells_buffers_apart():
+    small = _private_buffer(4 * HUGE_PAGE, False)
+    assert huge_pages(small.ctypes.data, small.nbytes) in (False, None)
+    assert huge_pages(small.ctypes.data, HUGE_PAGE - PAGE) is False  # no whole huge page inside
+    if not _huge_pages_work():
+        pytest.skip("no transparent huge pages, or a kernel without PAGEMAP_SCAN")
+    large = _private_buffer(4 * HUGE_PAGE, True)
+    assert huge_pages(large.ctypes.data, large.nbytes) is True
+    assert huge_pages(large.ctypes.data + 16, large.nbytes - 16) is True  # the interior counts
+
+
+def paths_by_page_size(comm):
+    """8 MiB allreduces, each rank's buffer with huge pages or not: the direct
+    path (reads through cross-memory attach) only when every buffer has them."""
+    window, r = comm.transport.window, comm.rank
+    reads = []
+    real_read = window.read
+
+    def counted_read(*args):
+        reads.append(1)
+        return real_read(*args)
+
+    window.read = counted_read
+    out = []
+    for huge in ((True, True), (True, False), (False, False)):
+        x = _private_buffer(8 << 20, huge[r]).view(np.float32)
+        x[:] = r + 1
+        del reads[:]
+        comm.allreduce(x, algorithm="shared_window")
+        out.append((bool(reads), bool(np.all(x == 3))))
+    window.read = real_read
+    return out
+
+
+def test_direct_allreduce_only_from_huge_pages(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_WINDOW_DIRECT_BYTES", raising=False)
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA", "1")
+    if not _huge_pages_work():
+        pytest.skip("no transparent huge pages, or a kernel without PAGEMAP_SCAN")
+    for got in run_ranks(paths_by_page_size, 2, timeout=60):
+        assert got == [(True, True), (False, True), (False, True)]
 
 
 def test_rendezvous_timeout_leaves_nothing():

@@ -67,24 +67,35 @@ META_BYTES = 4096
 DATA_OFFSET = META_BYTES + 2048
 _PAGE = 4096
 #: Where each collective reads peers' buffers directly (one copy, but through
-#: the kernel: a system call and page pinning per read, about 9 GB/s here
-#: against 23 GB/s for a copy that stays in the cache) rather than going
+#: the kernel: a system call and page pinning per read, about 10 GB/s here
+#: against 30 GB/s for a copy that stays in the cache) rather than going
 #: through the window in pieces (two copies): from ``bytes`` times the ranks
-#: per core to ``power``. Measured on 2 cores at 2 and 4 ranks, the two
-#: paths taking turns, as the benchmark times them (back-to-back calls, the
-#: median of each call's slowest rank). The window's copies run on every
-#: rank at once and stay in the cache, so most collectives keep them long;
-#: a scatter's root alone fills the window, which ranks that share its
-#: core must wait for.
-DIRECT_FROM: dict[str, tuple[int, int]] = {
-    "allreduce": (4 << 20, 1),        # 2 ranks: pieces 10% faster at 1-2 MiB, direct 30% at 16
-    "reduce_scatter": (2 << 20, 1),   # direct 25-45% faster from 2 MiB (2 ranks), 4 MiB (4 ranks)
-    "allgather": (1 << 20, 2),        # 2 ranks: direct 2-4x faster from 2 MiB; 4 ranks: even from 4
-    "bcast": (32 << 20, 0),           # 2 ranks: pieces 15-45% faster at 2-16 MiB; 4 ranks: even
-    "gather": (32 << 20, 0),          # pieces 10-70% faster up to 16 MiB
-    "alltoall": (32 << 20, 0),        # pieces faster at 16 MiB: 2x (2 ranks), 1.4x (4 ranks)
-    "scatter": (32 << 20, -3),        # 2 ranks: even at 16 MiB (direct 3x slower in a bench run);
-                                      # 4 ranks: direct 2x faster from 4 MiB
+#: per core to ``power``; with ``huge``, only when every buffer read or
+#: written through cross-memory attach lies in huge pages (from 4 KiB pages
+#: such copies run at half the speed, and lose to the pieces; buffers in the
+#: shared pool need no pages pinned). Measured on 2 cores at 2 and 4 ranks,
+#: the two paths in turns, in place, on buffers with huge pages and on
+#: buffers with 4 KiB pages, back-to-back calls, the median of each call's
+#: slowest rank. The window's copies run on every rank at once and stay in
+#: the cache, so most collectives keep them long; a scatter's root alone
+#: fills the window, which ranks that share its core must wait for.
+DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
+    # huge pages: direct 0.62-0.78 of the pieces' time at 2-32 MiB (2 ranks),
+    # 0.58-0.94 at 1-64 MiB (4 ranks); 4 KiB pages: 0.89-1.55
+    "allreduce": (4 << 20, 0, True),
+    # huge pages: direct 0.82-0.91 from 16 MiB (2 ranks), 1.12-1.24 at 4-64 MiB (4 ranks)
+    "reduce_scatter": (16 << 20, 2, True),
+    # huge pages: direct 0.42-0.81 from 2 MiB (2 ranks), 1.14-1.27 at 4-64 MiB (4 ranks)
+    "allgather": (2 << 20, 6, True),
+    # direct 0.90-1.8x the pieces' time at 1-64 MiB (2 and 4 ranks), either pages
+    "bcast": (256 << 20, 0, False),
+    # 2 ranks: pieces 1.1-2.4x faster up to 64 MiB; 4 ranks: direct 0.8-0.95 from 16 MiB
+    "gather": (32 << 20, 0, False),
+    # in turns: direct 0.58-0.96 from 2 MiB (2 ranks), 0.66-0.95 from 4 MiB (4 ranks),
+    # either pages; but in the benchmark's sweep (2 ranks) 1.1-1.8x slower at 1-16 MiB
+    "alltoall": (32 << 20, 0, False),
+    # 2 ranks: pieces 1.1-2.1x faster up to 64 MiB; 4 ranks: direct 0.52-0.78 from 4 MiB
+    "scatter": (32 << 20, -3, False),
 }
 #: Blocks from this size on are reduced by the native kernel when it is there.
 NATIVE_REDUCE_BYTES = 16 * 1024
@@ -101,7 +112,7 @@ def direct_from(collective: str, p: int, cores: int) -> int:
     forced = os.environ.get("COLLECTIVES_WINDOW_DIRECT_BYTES")
     if forced:
         return int(forced)
-    nbytes, power = DIRECT_FROM[collective]
+    nbytes, power, _ = DIRECT_FROM[collective]
     per_core = -(-p // cores) if cores else 1
     return nbytes * per_core ** power if power >= 0 else nbytes // per_core ** -power
 
@@ -109,6 +120,12 @@ def direct_from(collective: str, p: int, cores: int) -> int:
 def _direct_from(collective: str, window, p: int) -> int:
     """:func:`direct_from` on the cores the window's ranks share (``window.cores``)."""
     return direct_from(collective, p, getattr(window, "cores", 0))
+
+
+def _wants_huge_pages(collective: str) -> bool:
+    """Whether ``collective`` reads private buffers directly only when they lie
+    in huge pages (not when ``COLLECTIVES_WINDOW_DIRECT_BYTES`` forces the size)."""
+    return DIRECT_FROM[collective][2] and not os.environ.get("COLLECTIVES_WINDOW_DIRECT_BYTES")
 
 
 class _WindowState:
@@ -370,17 +387,25 @@ def _allreduce_small(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> 
         ufunc(buf, v, out=buf)
 
 
-def _publish(ctx, window, st: _WindowState, buf: np.ndarray) -> list[np.ndarray]:
-    """Tell every rank where ``buf`` is (pool offset if in the shared pool, and
-    its address) and learn the same of every rank; one fence."""
+def _publish(ctx, window, st: _WindowState, buf: np.ndarray, collective: str) -> list[np.ndarray]:
+    """Tell every rank where ``buf`` is (pool offset if in the shared pool, its
+    address, and whether ``collective`` may reach it through cross-memory
+    attach: see :data:`DIRECT_FROM`) and learn the same of every rank; one fence."""
     meta_off = ((window.step(ctx.deadline) - 1) & 1) * 32
     where = window.locate(buf) if hasattr(window, "locate") else None
-    meta = st.regions[ctx.rank][meta_off:meta_off + 24].view(np.int64)
+    meta = st.regions[ctx.rank][meta_off:meta_off + 32].view(np.int64)
     meta[0] = 1 if where is not None else 0
     meta[1] = where[1] if where is not None else 0
     meta[2] = buf.__array_interface__["data"][0]
+    meta[3] = (where is not None or not _wants_huge_pages(collective)
+               or not hasattr(window, "huge_pages") or window.huge_pages(buf))
     window.fence(ctx.deadline)
-    return [st.regions[r][meta_off:meta_off + 24].view(np.int64).copy() for r in range(ctx.size)]
+    return [st.regions[r][meta_off:meta_off + 32].view(np.int64).copy() for r in range(ctx.size)]
+
+
+def _reachable(metas: list[np.ndarray]) -> bool:
+    """Whether every published buffer may be read and written directly (:func:`_publish`)."""
+    return all(int(m[3]) for m in metas)
 
 
 def _allreduce_direct(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> bool:
@@ -392,13 +417,13 @@ def _allreduce_direct(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
     in_pool = pools is not None and hasattr(window, "locate")
     if not in_pool and not getattr(window, "cma", False):
         return False
-    metas = _publish(ctx, window, st, buf)
+    metas = _publish(ctx, window, st, buf, "allreduce")
     if pools is not None and all(int(m[0]) for m in metas):
         nbytes = buf.nbytes
         bufs = [pools(r)[int(m[1]):int(m[1]) + nbytes].view(buf.dtype) for r, m in enumerate(metas)]
         _allreduce_from_pool(ctx, window, bufs, buf, op)
         return True
-    if getattr(window, "cma", False):
+    if getattr(window, "cma", False) and _reachable(metas):
         _allreduce_cma(ctx, window, [int(m[2]) for m in metas], buf, op)
         return True
     return False
@@ -484,8 +509,8 @@ def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int, collect
     cma = bool(getattr(window, "cma", False))
     if nbytes < _direct_from(collective, window, ctx.size) or not (cma or hasattr(window, "allocation")):
         return None
-    metas = _publish(ctx, window, st, buf)
-    if cma or all(int(m[0]) for m in metas):
+    metas = _publish(ctx, window, st, buf, collective)
+    if all(int(m[0]) for m in metas) or (cma and _reachable(metas)):
         return _Readers(window, metas)
     return None
 
