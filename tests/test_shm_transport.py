@@ -304,6 +304,19 @@ def test_rendezvous_timeout_leaves_nothing():
     assert not os.path.exists(segment_path(job, 0))
 
 
+def test_window_halves_hold_half_the_window_bytes():
+    """A window of W bytes takes messages of W/2 in one step (its header is extra)."""
+    from collectives.algorithms.window import PIECE_BYTES, _WindowState
+
+    job = "halves" + secrets.token_hex(4)
+    t = SharedMemoryTransport.open(0, 1, job=job, timeout=5,
+                                   options={"shm_window_bytes": 2 * PIECE_BYTES, "shm_alloc_bytes": 1 << 20})
+    try:
+        assert _WindowState(t.window, 1).half >= PIECE_BYTES
+    finally:
+        t.close()
+
+
 def test_single_rank_open_close_is_idempotent():
     job = "solo" + secrets.token_hex(4)
     small = {"shm_window_bytes": 1 << 16, "shm_alloc_bytes": 1 << 20}

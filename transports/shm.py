@@ -39,7 +39,8 @@ when the answer is there.
 Sizes come from ``options`` or the environment (all ranks must agree):
 ``shm_ring_bytes`` / ``COLLECTIVES_SHM_RING_BYTES`` (per sender; default
 1 MiB for up to 4 ranks, less above), ``shm_window_bytes`` /
-``COLLECTIVES_SHM_WINDOW_BYTES`` (default 4 MiB per rank),
+``COLLECTIVES_SHM_WINDOW_BYTES`` (default 4 MiB of data per rank, plus
+:data:`WINDOW_HEADER_BYTES`),
 ``shm_alloc_bytes`` / ``COLLECTIVES_SHM_ALLOC_BYTES`` (sparse pool, default
 1 GiB of address space per rank), ``shm_cma`` / ``COLLECTIVES_SHM_CMA`` (0
 turns off reading and writing peers' private memory with process_vm_readv
@@ -148,6 +149,14 @@ def default_ring_bytes(size: int) -> int:
     budget = (16 * MiB) // max(size * size, 1)
     ring = 1 << max(budget.bit_length() - 1, 0)
     return max(64 * 1024, min(MiB, ring))
+
+
+#: Room ahead of a window's data for the algorithms' bookkeeping, so that a
+#: window of ``shm_window_bytes`` holds two halves of at least half that
+#: (a 2 MiB message then fits one half of the default window: with halves a
+#: page short of it, 2 MiB took two steps, the second of one page, and a
+#: 2-rank bcast of 2 MiB 1.3 to 1.9 times as long).
+WINDOW_HEADER_BYTES = 16 * 1024
 
 
 class _Layout:
@@ -775,7 +784,8 @@ class SharedMemoryTransport(Transport):
                               f"window {window} B (at least 64 KiB), pool {pool} B")
         cma = _env_int(options, "shm_cma", 1) != 0
         secret = int.from_bytes(hashlib.sha1(str(options.get("secret", job)).encode()).digest()[:8], "little")
-        return cls(rank, size, job, float(timeout), _Layout(size, ring, window, pool), secret, cma)
+        layout = _Layout(size, ring, window + WINDOW_HEADER_BYTES, pool)
+        return cls(rank, size, job, float(timeout), layout, secret, cma)
 
     def __init__(self, rank: int, size: int, job: str, timeout: float, layout: _Layout, secret: int,
                  cma: bool = True) -> None:
