@@ -290,16 +290,21 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _load_vm(name: str):
-    """libc's ``process_vm_readv`` or ``process_vm_writev``, or None."""
+def _libc(name: str, restype, argtypes: list):
+    """The C library's function ``name`` with its types, or None."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = restype
+    fn.argtypes = argtypes
     return fn
+
+
+def _load_vm(name: str):
+    """libc's ``process_vm_readv`` or ``process_vm_writev``, or None."""
+    return _libc(name, ctypes.c_ssize_t, [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                          ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong])
 
 
 _readv = _load_vm("process_vm_readv")
@@ -369,6 +374,7 @@ _PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_PmScanArg) << 16) | (ord("f") << 8) 
 _PAGE_IS_HUGE = 1 << 6
 HUGE_PAGE = 2 << 20
 _pagemap: list = [None, -1]  # [pid, fd]: a forked child must open its own
+_ioctl = _libc("ioctl", ctypes.c_int, [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p])
 
 
 def _pagemap_fd() -> int:
@@ -407,19 +413,6 @@ def huge_pages(address: int, nbytes: int) -> bool | None:
     if found < 0:
         return None
     return found == 0
-
-
-def _load_ioctl():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).ioctl
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-    return fn
-
-
-_ioctl = _load_ioctl()
 
 
 # --------------------------------------------------------------------------- window
