@@ -26,8 +26,9 @@
  *       nobody unless it laps a reader).
  *   Plan.run(arrays) -> None or (rank, kind, value); Plan.resume(arrays)
  *       the next step, as far as it goes; what to wait for before resuming.
- *   reduce_into(out, srcs, dtype, op): out = srcs[0] op srcs[1] op ...
- *       (buffers of one length; out may be srcs[0]).
+ *   reduce_into(out, srcs, dtype, op[, copies]): out = srcs[0] op srcs[1]
+ *       op ... (buffers of one length; out may be srcs[0]), and the result
+ *       also into each of copies, with stores that bypass the cache.
  *   copy(dst, src): dst = src (buffers of one length), as every copy here:
  *       see copy_bytes.
  *
@@ -45,6 +46,9 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 enum { DT_F32, DT_F64, DT_I8, DT_I16, DT_I32, DT_I64, DT_U8, DT_U16, DT_U32, DT_U64, DT_COUNT };
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_BAND, OP_BOR, OP_BXOR, OP_COUNT };
@@ -136,21 +140,59 @@ static binop_fn kernel(int dtype, int op) {
     return KERNELS[dtype][op];
 }
 
-/* out = srcs[0] op srcs[1] op ... op srcs[p-1], in that order (p >= 2).
+/* dst = src, with stores that bypass the cache where the processor has them
+ * (x86-64): for copies into memory this process will not read soon (another
+ * rank's buffer), they skip reading each destination line first and leave
+ * the cache to the data still in use. Call stream_done() before publishing. */
+static void stream_bytes(char *dst, const char *src, size_t n) {
+#if defined(__x86_64__)
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;  /* whole cache lines: partial ones are slow */
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src), b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32)), d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+static void stream_done(void) {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
+/* out = srcs[0] op srcs[1] op ... op srcs[p-1], in that order (p >= 2), and
+ * the result also into each of ``ncopies`` buffers (stream_bytes).
  * Chunk by chunk, so that the partial result stays in the L1 cache while the
  * sources stream past once: p reads and one write of memory per element
- * instead of the 2(p-1) reads and p-1 writes of whole-vector passes. Each
- * element sees the same operations in the same order, so the bits are those
- * of the passes (and of numpy's ufuncs). */
+ * instead of the 2(p-1) reads and p-1 writes of whole-vector passes, and the
+ * copies read the result from the cache. Each element sees the same
+ * operations in the same order, so the bits are those of the passes (and of
+ * numpy's ufuncs). */
 #define CHUNK_BYTES 8192
-static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize_t count, int itemsize) {
+static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize_t count, int itemsize,
+                       char *const *copies, int ncopies) {
     Py_ssize_t step = CHUNK_BYTES / itemsize;
-    for (Py_ssize_t lo = 0; lo < count; lo += step) {
-        Py_ssize_t n = count - lo < step ? count - lo : step;
+    /* chunks end on the first copy's cache lines: a line written half by
+     * one chunk's streaming stores and half by the next's would be read in */
+    size_t skew = ncopies ? (size_t)((uintptr_t)copies[0] & 63) : 0;
+    Py_ssize_t first = skew % (size_t)itemsize ? step : (Py_ssize_t)((CHUNK_BYTES - skew) / (size_t)itemsize);
+    for (Py_ssize_t lo = 0; lo < count; lo += (lo ? step : first)) {
+        Py_ssize_t len = lo ? step : first;
+        Py_ssize_t n = count - lo < len ? count - lo : len;
         Py_ssize_t off = lo * itemsize;
         f(out + off, srcs[0] + off, srcs[1] + off, n);
         for (int r = 2; r < p; r++) f(out + off, out + off, srcs[r] + off, n);
+        for (int c = 0; c < ncopies; c++) stream_bytes(copies[c] + off, out + off, (size_t)(n * itemsize));
     }
+    if (ncopies) stream_done();
 }
 
 /* --------------------------------------------------------------- waiting */
@@ -550,7 +592,7 @@ static void do_after(PlanObject *pl, char *const *bases, int half) {
     if (pl->f) {
         char *srcs[pl->nsrc];
         for (int i = 0; i < pl->nsrc; i++) srcs[i] = where(&pl->rsrc[i], bases, half);
-        reduce_all(pl->f, where(&pl->rdst, bases, half), srcs, pl->nsrc, pl->count, pl->itemsize);
+        reduce_all(pl->f, where(&pl->rdst, bases, half), srcs, pl->nsrc, pl->count, pl->itemsize, NULL, 0);
     }
 }
 /* The plan from its stage on: 1, wait until the half is free (when it
@@ -621,13 +663,14 @@ static PyObject *Plan_abandon(PlanObject *pl, PyObject *Py_UNUSED(ignored)) {
 
 /* ---------------------------------------------------------- module level */
 
-/* reduce_into(out, srcs, dtype, op): out = srcs[0] op srcs[1] op ...; every
- * one a C-contiguous buffer of out's length, out writable (it may be
- * srcs[0], no other). */
+/* reduce_into(out, srcs, dtype, op[, copies]): out = srcs[0] op srcs[1] op
+ * ..., and the result also into every buffer of ``copies`` (stream_bytes);
+ * every one a C-contiguous buffer of out's length, out and the copies
+ * writable (out may be srcs[0], no other; no copy overlaps anything). */
 static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *out_obj, *srcs;
+    PyObject *out_obj, *srcs, *copies = NULL;
     int dtype, op;
-    if (!PyArg_ParseTuple(args, "OOii", &out_obj, &srcs, &dtype, &op)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOii|O", &out_obj, &srcs, &dtype, &op, &copies)) return NULL;
     binop_fn f = kernel(dtype, op);
     if (!f) {
         PyErr_SetString(PyExc_ValueError, "no native kernel for this dtype and op");
@@ -635,46 +678,61 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
     }
     PyObject *fast = PySequence_Fast(srcs, "srcs must be a sequence");
     if (!fast) return NULL;
-    Py_ssize_t p = PySequence_Fast_GET_SIZE(fast);
-    if (p < 2 || p > 4096) {
+    PyObject *fast_copies = PySequence_Fast(copies ? copies : fast, "copies must be a sequence");
+    if (!fast_copies) {
         Py_DECREF(fast);
-        PyErr_SetString(PyExc_ValueError, "srcs: 2 to 4096 buffers");
+        return NULL;
+    }
+    Py_ssize_t p = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t nc = copies ? PySequence_Fast_GET_SIZE(fast_copies) : 0;
+    if (p < 2 || p > 4096 || nc > 4096) {
+        Py_DECREF(fast);
+        Py_DECREF(fast_copies);
+        PyErr_SetString(PyExc_ValueError, "srcs: 2 to 4096 buffers; copies: up to 4096");
         return NULL;
     }
     Py_buffer out;
-    Py_buffer *views = PyMem_Calloc((size_t)p, sizeof(Py_buffer));
-    char **bases = PyMem_Calloc((size_t)p, sizeof(char *));
+    Py_buffer *views = PyMem_Calloc((size_t)(p + nc), sizeof(Py_buffer));
+    char **bases = PyMem_Calloc((size_t)(p + nc), sizeof(char *));
     Py_ssize_t got = 0;
     if (!views || !bases) {
         PyMem_Free(views);
         PyMem_Free(bases);
         Py_DECREF(fast);
+        Py_DECREF(fast_copies);
         return PyErr_NoMemory();
     }
     if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyMem_Free(views);
         PyMem_Free(bases);
         Py_DECREF(fast);
+        Py_DECREF(fast_copies);
         return NULL;
     }
-    for (; got < p; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &views[got], PyBUF_C_CONTIGUOUS) < 0) break;
+    for (; got < p + nc; got++) {
+        PyObject *item = got < p ? PySequence_Fast_GET_ITEM(fast, got) : PySequence_Fast_GET_ITEM(fast_copies, got - p);
+        int flags = got < p ? PyBUF_C_CONTIGUOUS : PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(item, &views[got], flags) < 0) break;
         bases[got] = views[got].buf;
         if (views[got].len != out.len) {
-            PyErr_SetString(PyExc_ValueError, "every source must have the output's length");
+            PyErr_SetString(PyExc_ValueError, "every source and copy must have the output's length");
             got++;
             break;
         }
     }
     if (!PyErr_Occurred() && out.len % ITEMSIZE[dtype])
         PyErr_SetString(PyExc_ValueError, "the length is not a whole number of items");
-    if (!PyErr_Occurred())
-        reduce_all(f, out.buf, bases, (int)p, out.len / ITEMSIZE[dtype], ITEMSIZE[dtype]);
+    if (!PyErr_Occurred()) {
+        Py_BEGIN_ALLOW_THREADS
+        reduce_all(f, out.buf, bases, (int)p, out.len / ITEMSIZE[dtype], ITEMSIZE[dtype], bases + p, (int)nc);
+        Py_END_ALLOW_THREADS
+    }
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     PyBuffer_Release(&out);
     PyMem_Free(views);
     PyMem_Free(bases);
     Py_DECREF(fast);
+    Py_DECREF(fast_copies);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
@@ -747,7 +805,7 @@ static PyObject *native_copy(PyObject *Py_UNUSED(module), PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"copy", native_copy, METH_VARARGS, "copy(dst, src): dst = src (C-contiguous buffers of one length)."},
     {"reduce_into", native_reduce_into, METH_VARARGS,
-     "reduce_into(out, srcs, dtype, op): out = srcs[0] op srcs[1] op ... (buffers of one length)."},
+     "reduce_into(out, srcs, dtype, op[, copies]): out = srcs[0] op srcs[1] op ..., also into each of copies."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -61,11 +61,17 @@ def kernel_codes(dtype: np.dtype, op_name: str, ufunc: Any = None) -> tuple[int,
     return d, o
 
 
-def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, int]) -> None:
+def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, int],
+                copies: Sequence[np.ndarray] = ()) -> None:
     """``dst = srcs[0] op srcs[1] op ...`` natively (``codes`` from
-    :func:`kernel_codes`); every array C-contiguous with dst's size and
-    dtype, dst distinct from all but srcs[0]."""
-    native.reduce_into(dst, srcs, *codes)
+    :func:`kernel_codes`), and the result also into each of ``copies`` as it
+    is made, with stores that bypass the cache (for memory another process
+    reads next); every array C-contiguous with dst's size and dtype, dst
+    distinct from all but srcs[0], the copies from everything."""
+    if copies:
+        native.reduce_into(dst, srcs, *codes, copies)
+    else:
+        native.reduce_into(dst, srcs, *codes)
 
 
 _native_copy = native.copy if native is not None else None

@@ -243,3 +243,29 @@ def test_copy_handles_overlap_other_dtypes_and_mismatches():
     assert f.tolist() == list(range(10))
     with pytest.raises(ValueError):
         native.copy(np.zeros(3), np.zeros(4))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8"])
+def test_reduce_into_also_streams_the_result_into_copies(dtype):
+    """The copies get the result's bits at any place in a cache line, any
+    length (whole chunks, a partial first chunk, a tail), and one or two copies."""
+    codes = native.kernel_codes(np.dtype(dtype), "sum")
+    item = np.dtype(dtype).itemsize
+    rng = np.random.default_rng(7)
+    raw = [np.zeros(40000 * item + 256, np.uint8) for _ in range(5)]
+    for count in (1, 17, 2048, 8192 // item + 3, 39000):
+        for place in (0, 8, 16, 48):
+            a, b, c1, c2, out = (r[place:place + count * item].view(dtype) for r in raw)
+            a[:] = rng.integers(0, 100, count)
+            b[:] = rng.integers(0, 100, count)
+            want = a + b
+            for copies in ([c1], [c1, c2]):
+                for c in copies:
+                    c[:] = 0
+                native.reduce_into(out, [a, b], codes, copies)
+                assert np.array_equal(out, want)
+                for c in copies:
+                    assert np.array_equal(c, want), (count, place, len(copies))
+    with pytest.raises(ValueError):
+        native.reduce_into(out, [a, b], codes, [np.zeros(3, dtype)])

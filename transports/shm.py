@@ -45,7 +45,8 @@ Sizes come from ``options`` or the environment (all ranks must agree):
 1 GiB of address space per rank), ``shm_cma`` / ``COLLECTIVES_SHM_CMA`` (0
 turns off reading and writing peers' private memory with process_vm_readv
 and process_vm_writev; they are used only when every rank may reach every
-other).
+other), ``shm_adopt`` / ``COLLECTIVES_SHM_ADOPT`` (0 keeps the pages of
+buffers used again and again private: see :mod:`.pages`).
 """
 
 from __future__ import annotations
@@ -71,12 +72,12 @@ from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollec
 from collectives.transport import COMPLETED, Request, Transport
 from collectives import native
 from collectives.waiting import Backoff, futex_wait, futex_wake
+from collectives.transports.pages import HUGE_PAGE, PAGE, Adoptions, huge_pages, libc_function
 
 __all__ = ["SharedMemoryTransport", "ShmWindow"]
 
 SHM_DIR = "/dev/shm"
 MAGIC = 0x636F6C6C5F73686D  # "coll_shm"
-PAGE = 4096
 LINE = 64
 HEADER = struct.Struct("<qq")  # tag, payload length
 HEADER_BYTES = HEADER.size
@@ -290,20 +291,9 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _libc(name: str, restype, argtypes: list):
-    """The C library's function ``name`` with its types, or None."""
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.restype = restype
-    fn.argtypes = argtypes
-    return fn
-
-
 def _load_vm(name: str):
     """libc's ``process_vm_readv`` or ``process_vm_writev``, or None."""
-    return _libc(name, ctypes.c_ssize_t, [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+    return libc_function(name, ctypes.c_ssize_t, [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                                           ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong])
 
 
@@ -356,65 +346,6 @@ def _cma_write(pid: int, address: int, src: np.ndarray) -> bool:
     return _cma(_writev, pid, address, src)
 
 
-# --------------------------------------------------------------------------- page sizes
-
-
-class _PmScanArg(ctypes.Structure):
-    """``struct pm_scan_arg`` of <linux/fs.h> (Linux 6.7 on)."""
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
-        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
-
-
-class _PageRegion(ctypes.Structure):
-    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
-
-
-_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_PmScanArg) << 16) | (ord("f") << 8) | 16  # _IOWR('f', 16, ...)
-_PAGE_IS_HUGE = 1 << 6
-HUGE_PAGE = 2 << 20
-_pagemap: list = [None, -1]  # [pid, fd]: a forked child must open its own
-_ioctl = _libc("ioctl", ctypes.c_int, [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p])
-
-
-def _pagemap_fd() -> int:
-    """This process's /proc/self/pagemap (opened once per process), or -1."""
-    pid = os.getpid()
-    if _pagemap[0] != pid:
-        _pagemap[0] = pid
-        try:
-            _pagemap[1] = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            _pagemap[1] = -1
-    return _pagemap[1]
-
-
-def huge_pages(address: int, nbytes: int) -> bool | None:
-    """Whether the memory at ``address`` is backed by huge pages: True when
-    every page of the 2 MiB-aligned interior of the ``nbytes`` there is huge,
-    False when one is not (or there is no such interior), None when the
-    kernel cannot tell (its PAGEMAP_SCAN query arrived in Linux 6.7).
-
-    Cross-memory copies pin every page they touch; from 4 KiB pages they run
-    at about half the speed (see :data:`~collectives.algorithms.window.DIRECT_FROM`).
-    One query stops at the first small page: a few microseconds.
-    """
-    lo = -(-address // HUGE_PAGE) * HUGE_PAGE
-    hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return False
-    fd = _pagemap_fd()
-    if fd < 0 or _ioctl is None:
-        return None
-    small = _PageRegion()
-    arg = _PmScanArg(ctypes.sizeof(_PmScanArg), 0, lo, hi, 0, ctypes.addressof(small), 1, 1,
-                     _PAGE_IS_HUGE, _PAGE_IS_HUGE, 0, _PAGE_IS_HUGE)  # the first page that is not huge
-    found = _ioctl(fd, _PAGEMAP_SCAN, ctypes.byref(arg))
-    if found < 0:
-        return None
-    return found == 0
-
-
 # --------------------------------------------------------------------------- window
 
 
@@ -428,7 +359,7 @@ class ShmWindow:
     its owner.
     """
 
-    def __init__(self, transport: "SharedMemoryTransport") -> None:
+    def __init__(self, transport: "SharedMemoryTransport", adopt: bool = True) -> None:
         t = self._t = transport
         lay = t._layout
         self.capacity = lay.window
@@ -436,6 +367,7 @@ class ShmWindow:
         self._regions = [np.frombuffer(s.mm, np.uint8, lay.window, lay.window_off) for s in t._segs]
         self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]
         self._pool_base = self._pools[t.rank].ctypes.data
+        self._adoptions = Adoptions(self._pools[t.rank], self._take, t._pool.give) if adopt else None
         self._epoch = 0
         self._peer_q = [s.q for s in t._segs]
         self._peers = [r for r in range(t.size) if r != t.rank]
@@ -537,6 +469,23 @@ class ShmWindow:
             return self._t.rank, off
         return None
 
+    def shared_part(self, arr: np.ndarray, adopt: bool = False) -> tuple[int, int, int] | None:
+        """Where ``arr``'s bytes are in this rank's pool: (offset of its byte 0,
+        first byte, end byte of the part that lies in the pool), or None.
+        Arrays from :meth:`SharedMemoryTransport.alloc` lie there whole; with
+        ``adopt``, a private buffer seen again is moved there in place, all
+        but its first and last partial pages (see :class:`~.pages.Adoptions`)."""
+        where = self.locate(arr)
+        if where is not None:
+            return where[1], 0, arr.nbytes
+        if self._adoptions is None or not self._peer_q:
+            return None
+        return self._adoptions.find(arr.__array_interface__["data"][0], arr.nbytes, adopt)
+
+    def _take(self, nbytes: int) -> int | None:
+        """A block of the pool for an adopted buffer, while /dev/shm has room."""
+        return self._t._pool.take(nbytes) if nbytes <= shm_free_bytes() // 2 else None
+
     def fence(self, deadline: float) -> None:
         """Barrier: every rank's writes before its fence are visible after it."""
         qs = self._peer_q
@@ -615,6 +564,9 @@ class ShmWindow:
             raise
 
     def release(self) -> None:
+        if self._adoptions is not None:
+            self._adoptions.close()
+            self._adoptions = None
         self._regions = self._pools = self._peer_q = []
         self._native = None
 
@@ -776,12 +728,13 @@ class SharedMemoryTransport(Transport):
             raise BadArgument(f"shared-memory sizes too small: ring {ring} B (at least {PAGE}), "
                               f"window {window} B (at least 64 KiB), pool {pool} B")
         cma = _env_int(options, "shm_cma", 1) != 0
+        adopt = _env_int(options, "shm_adopt", 1) != 0
         secret = int.from_bytes(hashlib.sha1(str(options.get("secret", job)).encode()).digest()[:8], "little")
         layout = _Layout(size, ring, window + WINDOW_HEADER_BYTES, pool)
-        return cls(rank, size, job, float(timeout), layout, secret, cma)
+        return cls(rank, size, job, float(timeout), layout, secret, cma, adopt)
 
     def __init__(self, rank: int, size: int, job: str, timeout: float, layout: _Layout, secret: int,
-                 cma: bool = True) -> None:
+                 cma: bool = True, adopt: bool = True) -> None:
         self.rank, self.size, self.timeout = rank, size, timeout
         self._layout = layout
         self._job = job
@@ -807,7 +760,7 @@ class SharedMemoryTransport(Transport):
             raise
         self._setup_rings()
         self._pool = _Pool(layout.pool)
-        self._window = ShmWindow(self)
+        self._window = ShmWindow(self, adopt)
 
     def _create_own(self) -> _Segment:
         path = segment_path(self._job, self.rank)

@@ -175,16 +175,20 @@ def _low_precision(dtype: np.dtype) -> bool:
     return dtype in _LOW
 
 
-def _reduce(ctx, op: Op, dst: np.ndarray, srcs: list[np.ndarray]) -> None:
-    """``dst = srcs[0] op srcs[1] ...`` (dst may be srcs[0]); float32 scratch for
-    half floats; natively (one pass over the sources) for large blocks."""
+def _reduce(ctx, op: Op, dst: np.ndarray, srcs: list[np.ndarray], copies: list[np.ndarray] = ()) -> None:
+    """``dst = srcs[0] op srcs[1] ...`` (dst may be srcs[0]), then the result
+    into each of ``copies`` too; float32 scratch for half floats; natively
+    (one pass over the sources, the copies made as the result is) for large
+    blocks."""
     if dst.nbytes >= NATIVE_REDUCE_BYTES and len(srcs) > 1 and native.enabled() is not None:
         codes = native.kernel_codes(dst.dtype, op.name, op.ufunc)
         if codes is not None and all(a.flags.c_contiguous for a in srcs) and dst.flags.c_contiguous:
-            native.reduce_into(dst, srcs, codes)
+            native.reduce_into(dst, srcs, codes, copies)
             return
     scratch = ctx.scratch(dst.size, np.float32, slot=7) if _low_precision(dst.dtype) else None
     op.reduce_many(dst, srcs, scratch)
+    for c in copies:
+        native.copy(c, dst)
 
 
 def _as_bytes(arr: np.ndarray) -> np.ndarray:
@@ -387,78 +391,64 @@ def _allreduce_small(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> 
         ufunc(buf, v, out=buf)
 
 
-def _publish(ctx, window, st: _WindowState, buf: np.ndarray, collective: str) -> list[np.ndarray]:
-    """Tell every rank where ``buf`` is (pool offset if in the shared pool, its
-    address, and whether ``collective`` may reach it through cross-memory
-    attach: see :data:`DIRECT_FROM`) and learn the same of every rank; one fence."""
-    meta_off = ((window.step(ctx.deadline) - 1) & 1) * 32
+#: Bytes per rank and half of the metadata block that :func:`_publish` writes.
+_META_BYTES = 64
+
+
+def _shared_part(window, buf: np.ndarray) -> tuple[int, int, int] | None:
+    """(pool offset of ``buf``'s byte 0, first, end byte of the part in this
+    rank's shared pool), or None; the window may move a buffer used again
+    into its pool now (``window.shared_part``)."""
+    if hasattr(window, "shared_part"):
+        return window.shared_part(buf, adopt=True)
     where = window.locate(buf) if hasattr(window, "locate") else None
-    meta = st.regions[ctx.rank][meta_off:meta_off + 32].view(np.int64)
-    meta[0] = 1 if where is not None else 0
-    meta[1] = where[1] if where is not None else 0
+    return None if where is None else (where[1], 0, buf.nbytes)
+
+
+def _publish(ctx, window, st: _WindowState, buf: np.ndarray, collective: str) -> list[np.ndarray]:
+    """Tell every rank where ``buf`` is and learn the same of every rank; one
+    fence. Each rank's description: [part in the shared pool (0/1), pool
+    offset of byte 0, address, reachable, first and end byte in the pool,
+    size]; reachable: ``collective`` may read and write the buffer through
+    cross-memory attach (see :data:`DIRECT_FROM`)."""
+    meta_off = ((window.step(ctx.deadline) - 1) & 1) * _META_BYTES
+    part = _shared_part(window, buf)
+    meta = st.regions[ctx.rank][meta_off:meta_off + _META_BYTES].view(np.int64)
+    meta[0] = part is not None
+    meta[1], meta[4], meta[5] = part if part is not None else (0, 0, 0)
     meta[2] = buf.__array_interface__["data"][0]
-    meta[3] = (where is not None or not _wants_huge_pages(collective)
+    meta[3] = (part is not None or not _wants_huge_pages(collective)
                or not hasattr(window, "huge_pages") or window.huge_pages(buf))
+    meta[6] = buf.nbytes
     window.fence(ctx.deadline)
-    return [st.regions[r][meta_off:meta_off + 32].view(np.int64).copy() for r in range(ctx.size)]
-
-
-def _reachable(metas: list[np.ndarray]) -> bool:
-    """Whether every published buffer may be read and written directly (:func:`_publish`)."""
-    return all(int(m[3]) for m in metas)
+    return [st.regions[r][meta_off:meta_off + _META_BYTES].view(np.int64).copy() for r in range(ctx.size)]
 
 
 def _allreduce_direct(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) -> bool:
-    """Single-copy paths straight from the other ranks' buffers: from the shared
-    pool when every buffer lives there (``comm.alloc``), else through
-    cross-memory attach when the window offers it. Returns False (every rank
-    alike) when neither applies."""
-    pools = getattr(window, "allocation", None)
-    in_pool = pools is not None and hasattr(window, "locate")
-    if not in_pool and not getattr(window, "cma", False):
+    """Single-copy path straight from the other ranks' buffers (:func:`_direct`).
+    Each rank reduces its 1/p piece by piece and writes each reduced piece
+    into every other buffer as it is made (in the shared pool) or while it
+    is still in the cache (through cross-memory attach): no rank reads or writes
+    another's 1/p, so one closing fence suffices. Returns False (every rank
+    alike) when some buffer cannot be reached."""
+    peers = _direct(ctx, window, st, buf, buf.nbytes, "allreduce")
+    if peers is None:
         return False
-    metas = _publish(ctx, window, st, buf, "allreduce")
-    if pools is not None and all(int(m[0]) for m in metas):
-        nbytes = buf.nbytes
-        bufs = [pools(r)[int(m[1]):int(m[1]) + nbytes].view(buf.dtype) for r, m in enumerate(metas)]
-        _allreduce_from_pool(ctx, window, bufs, buf, op)
-        return True
-    if getattr(window, "cma", False) and _reachable(metas):
-        _allreduce_cma(ctx, window, [int(m[2]) for m in metas], buf, op)
-        return True
-    return False
-
-
-def _allreduce_from_pool(ctx, window, bufs: list[np.ndarray], buf: np.ndarray, op: Op) -> None:
-    """Each rank reduces its 1/p from every buffer piece by piece and copies
-    each reduced piece, still in the cache, into every other buffer: no rank
-    reads or writes another's 1/p, so one closing fence suffices."""
-    for a, b, others in _own_pieces(ctx, buf, ctx.segment_bytes):
-        _reduce(ctx, op, buf[a:b], [buf[a:b]] + [bufs[r][a:b] for r in others])
-        for r in others:
-            native.copy(bufs[r][a:b], buf[a:b])
-    window.fence(ctx.deadline)  # every buffer complete; nobody touches one while others use it
-
-
-def _allreduce_cma(ctx, window, addrs: list[int], buf: np.ndarray, op: Op) -> None:
-    """:func:`_allreduce_from_pool` through cross-memory attach: each piece of
-    this rank's 1/p is read from every peer into scratch, reduced into
-    ``buf``, and written back into every peer's buffer."""
     item = buf.itemsize
     seg = ctx.segment_bytes if ctx.size <= 4 else ctx.segment_bytes // 4
     longest = min(max(1, seg // item), -(-buf.size // ctx.size))  # no piece is longer
     mine = _displs(_blocks(buf.size, ctx.size))[ctx.rank] * item
-    peers = [r for r in range(ctx.size) if r != ctx.rank]
-    scratch = [_placed_scratch(ctx, longest * item, 8 + i, addrs[r] + mine).view(buf.dtype)
-               for i, r in enumerate(peers)]
-    for a, b, others in _own_pieces(ctx, buf, seg):
-        parts = [s[:b - a] for s in scratch]
-        for r, part in zip(others, parts):
-            window.read(r, addrs[r] + a * item, part)
-        _reduce(ctx, op, buf[a:b], [buf[a:b]] + parts)
-        for r in others:
-            window.write(r, addrs[r] + a * item, buf[a:b])
+    scratch = {r: _placed_scratch(ctx, longest * item, 8 + i, peers.address(r) + mine).view(buf.dtype)
+               for i, r in enumerate(r for r in range(ctx.size) if r != ctx.rank)}
+    for a, b, others in _own_pieces(ctx, buf, seg, peers.pool_bounds(item)):
+        pooled = [peers.pooled(r, a * item, b * item) for r in others]
+        _reduce(ctx, op, buf[a:b], [buf[a:b]] + [peers.fetch(r, a * item, scratch[r][:b - a]) for r in others],
+                [v.view(buf.dtype) for v in pooled if v is not None])
+        for r, v in zip(others, pooled):
+            if v is None:
+                peers.write(r, a * item, buf[a:b])
     window.fence(ctx.deadline)  # every buffer complete; nobody touches one while others use it
+    return True
 
 
 def _placed_scratch(ctx, nbytes: int, slot: int, address: int) -> np.ndarray:
@@ -469,48 +459,100 @@ def _placed_scratch(ctx, nbytes: int, slot: int, address: int) -> np.ndarray:
     return raw[skip:skip + nbytes]
 
 
-def _own_pieces(ctx, buf: np.ndarray, piece_bytes: int):
+def _own_pieces(ctx, buf: np.ndarray, piece_bytes: int, cuts: tuple[int, ...] = ()):
     """(start, stop, other ranks) of each piece of at most ``piece_bytes`` of
-    this rank's 1/p of ``buf`` (in elements)."""
+    this rank's 1/p of ``buf`` (in elements), also cut at ``cuts``."""
     counts = _blocks(buf.size, ctx.size)
     lo = _displs(counts)[ctx.rank]
     hi = lo + counts[ctx.rank]
     others = [r for r in range(ctx.size) if r != ctx.rank]
     step = max(1, piece_bytes // buf.itemsize)
-    for a in range(lo, hi, step):
-        yield a, min(a + step, hi), others
+    ends = sorted({c for c in cuts if lo < c < hi} | set(range(lo + step, hi, step)) | {hi})
+    for a, b in zip([lo] + ends, ends):
+        yield a, b, others
 
 
 class _Readers:
-    """Reads from every rank's published buffer: straight from the shared pool
-    when it lives there, else through cross-memory attach."""
+    """Every rank's published buffer (:func:`_publish`), read and written
+    straight in the shared pool where it lies there, else through
+    cross-memory attach."""
 
     def __init__(self, window, metas: list[np.ndarray]) -> None:
         self.window = window
         self.metas = metas
         self.pools = getattr(window, "allocation", None)
 
+    def address(self, rank: int) -> int:
+        """Where ``rank``'s buffer is in its own address space."""
+        return int(self.metas[rank][2])
+
+    def pool_bounds(self, itemsize: int) -> tuple[int, ...]:
+        """Element indices where some rank's buffer enters or leaves its pool
+        (pieces cut there are either wholly in a rank's pool or wholly out)."""
+        return tuple(sorted({-(-int(m[4]) // itemsize) for m in self.metas if int(m[0])}
+                            | {int(m[5]) // itemsize for m in self.metas if int(m[0])}))
+
+    def pooled(self, rank: int, start: int, stop: int) -> np.ndarray | None:
+        """Bytes [start, stop) of ``rank``'s buffer in its pool, if they all lie there."""
+        m = self.metas[rank]
+        if not int(m[0]) or self.pools is None or start < int(m[4]) or stop > int(m[5]):
+            return None
+        return self.pools(rank)[int(m[1]) + start:int(m[1]) + stop]
+
+    def _split(self, rank: int, start: int, stop: int):
+        """[start, stop) as (start, stop, pool bytes or None): the part in
+        ``rank``'s pool and the parts before and after it."""
+        m = self.metas[rank]
+        lo, hi = (int(m[4]), int(m[5])) if int(m[0]) and self.pools is not None else (stop, stop)
+        cuts = sorted({start, stop, min(max(lo, start), stop), min(max(hi, start), stop)})
+        for a, b in zip(cuts, cuts[1:]):
+            yield a, b, self.pooled(rank, a, b)
+
     def read(self, rank: int, byte_offset: int, out: np.ndarray) -> None:
         """Copy ``out.nbytes`` bytes at ``byte_offset`` of ``rank``'s buffer into ``out``."""
-        if not out.nbytes:
-            return
-        m = self.metas[rank]
-        if int(m[0]) and self.pools is not None:
-            start = int(m[1]) + byte_offset
-            native.copy(out.view(np.uint8), self.pools(rank)[start:start + out.nbytes])
-        else:
-            self.window.read(rank, int(m[2]) + byte_offset, out)
+        dst = out.reshape(-1).view(np.uint8)
+        for a, b, pooled in self._split(rank, byte_offset, byte_offset + dst.nbytes):
+            part = dst[a - byte_offset:b - byte_offset]
+            if pooled is not None:
+                native.copy(part, pooled)
+            else:
+                self.window.read(rank, self.address(rank) + a, part)
+
+    def write(self, rank: int, byte_offset: int, src: np.ndarray) -> None:
+        """Copy ``src`` to ``byte_offset`` of ``rank``'s buffer."""
+        data = src.reshape(-1).view(np.uint8)
+        for a, b, pooled in self._split(rank, byte_offset, byte_offset + data.nbytes):
+            part = data[a - byte_offset:b - byte_offset]
+            if pooled is not None:
+                native.copy(pooled, part)
+            else:
+                self.window.write(rank, self.address(rank) + a, part)
+
+    def fetch(self, rank: int, byte_offset: int, scratch: np.ndarray) -> np.ndarray:
+        """``scratch.nbytes`` bytes at ``byte_offset`` of ``rank``'s buffer as
+        ``scratch``'s dtype: a view of its pool where they all lie there
+        (nothing copied), else read into ``scratch``."""
+        pooled = self.pooled(rank, byte_offset, byte_offset + scratch.nbytes)
+        if pooled is not None:
+            return pooled.view(scratch.dtype)
+        self.read(rank, byte_offset, scratch)
+        return scratch
+
+
+def _whole(m: np.ndarray) -> bool:
+    """Whether a published buffer lies wholly in its rank's shared pool."""
+    return bool(int(m[0])) and int(m[4]) == 0 and int(m[5]) >= int(m[6])
 
 
 def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int, collective: str) -> _Readers | None:
     """Publish ``buf`` and return readers of every rank's buffer, or None (every
-    rank alike) when some rank's buffer cannot be read directly. Only for
+    rank alike) when some rank's buffer cannot be reached directly. Only for
     ``nbytes`` (the same on every rank) from ``collective``'s :func:`direct_from` on."""
     cma = bool(getattr(window, "cma", False))
     if nbytes < _direct_from(collective, window, ctx.size) or not (cma or hasattr(window, "allocation")):
         return None
     metas = _publish(ctx, window, st, buf, collective)
-    if all(int(m[0]) for m in metas) or (cma and _reachable(metas)):
+    if all(_whole(m) for m in metas) or (cma and all(int(m[3]) for m in metas)):
         return _Readers(window, metas)
     return None
 
@@ -617,9 +659,7 @@ def _reduce_scatter_direct(ctx, window, readers: _Readers, sendbuf: np.ndarray, 
     scratch = [ctx.scratch(min(step, counts[me]), sendbuf.dtype, slot=8 + i) for i in range(p - 1)]
     for a in range(0, counts[me], step):
         b = min(a + step, counts[me])
-        parts = [s[:b - a] for s in scratch]
-        for r, part in zip(peers, parts):
-            readers.read(r, (lo + a) * item, part)
+        parts = [readers.fetch(r, (lo + a) * item, s[:b - a]) for r, s in zip(peers, scratch)]
         _reduce(ctx, op, recvbuf[a:b], [sendbuf[lo + a:lo + b]] + parts)
     window.fence(ctx.deadline)  # every rank has read the others' sendbuf
 
