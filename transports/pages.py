@@ -125,19 +125,24 @@ def _mappings() -> list[tuple[int, int, str, int, str, int, str]]:
     return out
 
 
-def _private_anonymous(lo: int, hi: int, maps: list) -> bool:
-    """Whether [lo, hi) lies wholly in private, anonymous, writable mappings
-    (the heap or malloc's own mappings)."""
+def _covered(lo: int, hi: int, maps: list, fits: Callable[[tuple], bool]) -> bool:
+    """Whether [lo, hi) lies wholly in mappings for which ``fits(mapping)``."""
     want = lo
-    for start, end, perms, _, _, inode, name in maps:
-        if end <= want:
+    for m in maps:
+        if m[1] <= want:
             continue
-        if start > want or perms != "rw-p" or inode or (name and not name.startswith(("[heap", "[anon"))):
+        if m[0] > want or not fits(m):
             return False
-        want = end
+        want = m[1]
         if want >= hi:
             return True
     return False
+
+
+def _private_anonymous(m: tuple) -> bool:
+    """Whether a mapping is private, anonymous and writable (the heap, or malloc's own)."""
+    _, _, perms, _, _, inode, name = m
+    return perms == "rw-p" and not inode and (not name or name.startswith(("[heap", "[anon")))
 
 
 def _mapped_file(lo: int, hi: int) -> str | None:
@@ -246,8 +251,9 @@ class Adoptions:
             if b > a:
                 if _mapped_file(lo, hi) == self._file[0]:
                     return off + (address - lo), a - address, b - address
-                del self._entries[key]  # the owner's memory is elsewhere now
-                self._refused.add(key)
+                del self._entries[key]  # freed, and something else is there now
+                if _covered(lo, hi, _mappings(), _private_anonymous):
+                    self._refused.add(key)  # fresh private memory: made anew for every call?
                 break
         key = (address, nbytes)
         if not adopt or not self.works or nbytes < self.MIN_BYTES or key in self._refused:
@@ -264,25 +270,33 @@ class Adoptions:
         lo = -(-address // PAGE) * PAGE
         hi = (address + nbytes) // PAGE * PAGE
         maps = _mappings()
-        self._return_unused(maps)
-        if hi - lo < self.MIN_BYTES // 2 or not _private_anonymous(lo, hi, maps):
+        if hi - lo < self.MIN_BYTES // 2 or not _covered(lo, hi, maps, self._replaceable):
             self._refused.add(key)
             return None
-        off = self._take(hi - lo)
+        off = self._take(hi - lo + PAGE)  # a page apart from other blocks: their mappings never merge
         if off is None:
             return None
+        for k, (a, b, _) in list(self._entries.items()):
+            if a < hi and lo < b:
+                del self._entries[k]  # their memory, freed and handed out again, is in this buffer
         block = self._pool[off:off + hi - lo]
         _madvise(block.ctypes.data, block.nbytes, _MADV_POPULATE_WRITE)  # faster than a fault per page
         np.copyto(block, _bytes_at(lo, hi - lo))
-        if not _map_again(block.ctypes.data, hi - lo, lo):
-            self._release(off, hi - lo)
+        moved = _map_again(block.ctypes.data, hi - lo, lo)
+        self._blocks[off] = hi - lo + PAGE
+        self._return_unused(_mappings())
+        if not moved:
             self._refused.add(key)
             return None
         _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)  # its page tables too, now rather than page by page
-        self._blocks[off] = hi - lo
         self._entries[key] = (lo, hi, off)
         self._seen.discard(key)
         return off - (lo - address), lo - address, hi - address
+
+    def _replaceable(self, m: tuple) -> bool:
+        """Whether adoption may map the pool over this mapping: private memory,
+        or another mapping of the pool's file (an adopted buffer's, freed)."""
+        return _private_anonymous(m) or (m[4:6] == self._file[4:6] and m[0:2] != self._file[1:3])
 
     def _others(self, maps: list) -> list[tuple[int, int, int]]:
         """(start, end, file offset) of every mapping of the pool's file but the pool's own."""
