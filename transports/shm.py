@@ -72,7 +72,7 @@ from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollec
 from collectives.transport import COMPLETED, Request, Transport
 from collectives import native
 from collectives.waiting import Backoff, futex_wait, futex_wake
-from collectives.transports.pages import HUGE_PAGE, PAGE, Adoptions, huge_pages, libc_function
+from collectives.transports.pages import HUGE_PAGE, PAGE, Adoptions, huge_pages, libc_function, populate
 
 __all__ = ["SharedMemoryTransport", "ShmWindow"]
 
@@ -368,6 +368,7 @@ class ShmWindow:
         self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]
         self._pool_base = self._pools[t.rank].ctypes.data
         self._adoptions = Adoptions(self._pools[t.rank], self._take, t._pool.give) if adopt else None
+        self._mapped_in: set[tuple[int, int, int]] = set()
         self._epoch = 0
         self._peer_q = [s.q for s in t._segs]
         self._peers = [r for r in range(t.size) if r != t.rank]
@@ -481,6 +482,17 @@ class ShmWindow:
         if self._adoptions is None or not self._peer_q:
             return None
         return self._adoptions.find(arr.__array_interface__["data"][0], arr.nbytes, adopt)
+
+    def map_in(self, rank: int, offset: int, nbytes: int) -> None:
+        """Map the bytes [offset, offset + nbytes) of ``rank``'s pool into this
+        process now, in one call, the first time (a buffer a peer adopted or
+        allocated there), rather than a page fault per page in the collective."""
+        key = (rank, offset, nbytes)
+        if key not in self._mapped_in and 0 <= offset and offset + nbytes <= len(self._pools[rank]):
+            if len(self._mapped_in) > 4096:
+                self._mapped_in.clear()
+            self._mapped_in.add(key)
+            populate(self._pools[rank].ctypes.data + offset, nbytes)
 
     def _take(self, nbytes: int) -> int | None:
         """A block of the pool for an adopted buffer, while /dev/shm has room."""

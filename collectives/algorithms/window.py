@@ -553,6 +553,10 @@ def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int, collect
         return None
     metas = _publish(ctx, window, st, buf, collective)
     if all(_whole(m) for m in metas) or (cma and all(int(m[3]) for m in metas)):
+        if hasattr(window, "map_in"):
+            for r, m in enumerate(metas):
+                if int(m[0]) and r != ctx.rank:
+                    window.map_in(r, int(m[1]) + int(m[4]), int(m[5]) - int(m[4]))
         return _Readers(window, metas)
     return None
 
