@@ -110,6 +110,23 @@ def test_freed_memory_is_noticed_and_blocks_return_once_unmapped():
         t.close()
 
 
+def test_a_new_buffer_where_a_long_used_one_was_is_adopted_again():
+    t = _solo()
+    try:
+        w = t.window
+        x = _mapped(2 << 20)
+        for _ in range(2 + 4):  # adopted, then used in 4 more calls
+            w.shared_part(x, adopt=True)
+        base = x.ctypes.data - 16
+        y = _mapped(2 << 20, at=base)  # the next phase's buffer, in the same place
+        y[:] = 9
+        assert w.shared_part(y, adopt=True) is None  # seen once
+        assert w.shared_part(y, adopt=True) is not None and np.all(y == 9)
+        _libc.munmap(base, (2 << 20) + PAGE)
+    finally:
+        t.close()
+
+
 def test_a_forked_child_gets_private_copies():
     t = _solo()
     try:

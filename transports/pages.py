@@ -207,8 +207,9 @@ class Adoptions:
     :meth:`find` checks that exactly that range still maps the pool's file
     (one ``readlink`` in /proc/self/map_files, a few microseconds). When it
     does not (the owner freed the buffer and something else is there now),
-    the entry is dropped and that address and size are never adopted again:
-    a buffer made anew for every call would pay the copy every time.
+    the entry is dropped; if it served fewer than :data:`MIN_USES` calls,
+    that address and size are never adopted again (a buffer made anew for
+    every call, often at the same address, would pay the copy every time).
 
     A freed buffer's pages may stay mapped (malloc keeps heap memory and
     hands it out again); they are still the pool's, and still right. A
@@ -227,6 +228,9 @@ class Adoptions:
 
     #: Buffers smaller than this are never adopted.
     MIN_BYTES = 1 << 20
+    #: An address and size whose adopted buffer served fewer calls than this
+    #: before it was freed is not adopted again.
+    MIN_USES = 4
     _SEEN_MAX = 1024
 
     def __init__(self, pool: np.ndarray, take: Callable[[int], int | None],
@@ -234,7 +238,7 @@ class Adoptions:
         self._pool = pool
         self._base = pool.ctypes.data
         self._take, self._give = take, give
-        self._entries: dict[tuple[int, int], tuple[int, int, int]] = {}  # key -> (lo, hi, pool offset)
+        self._entries: dict[tuple[int, int], tuple[int, int, int, int]] = {}  # key -> (lo, hi, pool offset, uses)
         self._blocks: dict[int, int] = {}  # pool offset -> bytes, of every block adopted and not yet returned
         self._seen: set[tuple[int, int]] = set()
         self._refused: set[tuple[int, int]] = set()
@@ -256,17 +260,19 @@ class Adoptions:
         byte of the part that does lie there), or None. With ``adopt``, the
         buffer may be adopted now (see the class)."""
         part = None
-        for key, (lo, hi, off) in list(self._entries.items()):
+        for key, (lo, hi, off, uses) in list(self._entries.items()):
             a, b = max(lo, address), min(hi, address + nbytes)
             if b > a:
                 if _mapped_file(lo, hi) == self._file[0]:
                     part = off + (address - lo), a - address, b - address
                     if lo <= address + PAGE and address + nbytes <= hi + PAGE:
+                        self._entries[key] = (lo, hi, off, uses + 1)
                         return part  # every whole page of the buffer
                     break  # a part of it: an earlier buffer's, freed and handed out again
                 del self._entries[key]  # freed, and something else is there now
-                if _covered(lo, hi, _mappings(), _private_anonymous):
-                    self._refused.add(key)  # fresh private memory: made anew for every call?
+                self._seen.discard(key)
+                if uses < self.MIN_USES:
+                    self._refused.add(key)  # made anew for every call, it seems: not worth a copy each time
                 break
         key = (address, nbytes)
         if not adopt or not self.works or nbytes < self.MIN_BYTES or key in self._refused:
@@ -289,7 +295,7 @@ class Adoptions:
         off = self._take(hi - lo + PAGE)  # a page apart from other blocks: their mappings never merge
         if off is None:
             return None
-        for k, (a, b, _) in list(self._entries.items()):
+        for k, (a, b, _, _) in list(self._entries.items()):
             if a < hi and lo < b:
                 del self._entries[k]  # their memory, freed and handed out again, is in this buffer
         block = self._pool[off:off + hi - lo]
@@ -302,7 +308,7 @@ class Adoptions:
             self._refused.add(key)
             return None
         populate(lo, hi - lo)
-        self._entries[key] = (lo, hi, off)
+        self._entries[key] = (lo, hi, off, 0)
         self._seen.discard(key)
         return off - (lo - address), lo - address, hi - address
 
@@ -320,7 +326,7 @@ class Adoptions:
         """Return the blocks that no mapping uses any more to the pool."""
         _, start, _, offset, _, _ = self._file
         used = [(o, o + e - s) for s, e, o in self._others(maps)]
-        held = {off for _, _, off in self._entries.values()}
+        held = {off for _, _, off, _ in self._entries.values()}
         for off, n in list(self._blocks.items()):
             at = offset + (self._base - start) + off  # the block's place in the file
             if off not in held and not any(a < at + n and at < b for a, b in used):
