@@ -15,7 +15,8 @@ What changes for the buffer's owner: its pages are 4 KiB pages of shared
 memory (the pool has no huge pages), and stay so after the buffer is freed
 (malloc may hand the memory out again: it is still right, only shared with
 the ranks) until the transport closes, which makes them private again; a
-child made with ``os.fork`` gets private copies first thing.
+child made with ``os.fork`` gets private copies first thing (a fork made
+in C, which runs no Python hook, would share them).
 ``shm_adopt=0`` / ``COLLECTIVES_SHM_ADOPT=0`` turns it off.
 """
 

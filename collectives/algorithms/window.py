@@ -510,21 +510,21 @@ class _Readers:
 
     def read(self, rank: int, byte_offset: int, out: np.ndarray) -> None:
         """Copy ``out.nbytes`` bytes at ``byte_offset`` of ``rank``'s buffer into ``out``."""
-        dst = out.reshape(-1).view(np.uint8)
-        for a, b, pooled in self._split(rank, byte_offset, byte_offset + dst.nbytes):
-            part = dst[a - byte_offset:b - byte_offset]
-            if pooled is not None:
-                native.copy(part, pooled)
-            else:
-                self.window.read(rank, self.address(rank) + a, part)
+        self._move(rank, byte_offset, out, True)
 
     def write(self, rank: int, byte_offset: int, src: np.ndarray) -> None:
         """Copy ``src`` to ``byte_offset`` of ``rank``'s buffer."""
-        data = src.reshape(-1).view(np.uint8)
+        self._move(rank, byte_offset, src, False)
+
+    def _move(self, rank: int, byte_offset: int, local: np.ndarray, reading: bool) -> None:
+        """:meth:`read` into ``local`` or :meth:`write` it, part by part (:meth:`_split`)."""
+        data = local.reshape(-1).view(np.uint8)
         for a, b, pooled in self._split(rank, byte_offset, byte_offset + data.nbytes):
             part = data[a - byte_offset:b - byte_offset]
             if pooled is not None:
-                native.copy(pooled, part)
+                native.copy(*((part, pooled) if reading else (pooled, part)))
+            elif reading:
+                self.window.read(rank, self.address(rank) + a, part)
             else:
                 self.window.write(rank, self.address(rank) + a, part)
 
