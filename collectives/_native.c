@@ -183,9 +183,8 @@ static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize
     /* chunks end on the first copy's cache lines: a line written half by
      * one chunk's streaming stores and half by the next's would be read in */
     size_t skew = ncopies ? (size_t)((uintptr_t)copies[0] & 63) : 0;
-    Py_ssize_t first = skew % (size_t)itemsize ? step : (Py_ssize_t)((CHUNK_BYTES - skew) / (size_t)itemsize);
-    for (Py_ssize_t lo = 0; lo < count; lo += (lo ? step : first)) {
-        Py_ssize_t len = lo ? step : first;
+    Py_ssize_t len = skew % (size_t)itemsize ? step : (Py_ssize_t)((CHUNK_BYTES - skew) / (size_t)itemsize);
+    for (Py_ssize_t lo = 0; lo < count; lo += len, len = step) {
         Py_ssize_t n = count - lo < len ? count - lo : len;
         Py_ssize_t off = lo * itemsize;
         f(out + off, srcs[0] + off, srcs[1] + off, n);
@@ -677,38 +676,25 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     PyObject *fast = PySequence_Fast(srcs, "srcs must be a sequence");
-    if (!fast) return NULL;
-    PyObject *fast_copies = PySequence_Fast(copies ? copies : fast, "copies must be a sequence");
-    if (!fast_copies) {
-        Py_DECREF(fast);
-        return NULL;
-    }
-    Py_ssize_t p = PySequence_Fast_GET_SIZE(fast);
-    Py_ssize_t nc = copies ? PySequence_Fast_GET_SIZE(fast_copies) : 0;
+    PyObject *fast_copies = copies ? PySequence_Fast(copies, "copies must be a sequence") : PyTuple_New(0);
+    Py_buffer out = {0};
+    Py_buffer *views = NULL;
+    char **bases = NULL;
+    Py_ssize_t p = 0, nc = 0, got = 0;
+    if (!fast || !fast_copies) goto done;
+    p = PySequence_Fast_GET_SIZE(fast);
+    nc = PySequence_Fast_GET_SIZE(fast_copies);
     if (p < 2 || p > 4096 || nc > 4096) {
-        Py_DECREF(fast);
-        Py_DECREF(fast_copies);
         PyErr_SetString(PyExc_ValueError, "srcs: 2 to 4096 buffers; copies: up to 4096");
-        return NULL;
+        goto done;
     }
-    Py_buffer out;
-    Py_buffer *views = PyMem_Calloc((size_t)(p + nc), sizeof(Py_buffer));
-    char **bases = PyMem_Calloc((size_t)(p + nc), sizeof(char *));
-    Py_ssize_t got = 0;
+    views = PyMem_Calloc((size_t)(p + nc), sizeof(Py_buffer));
+    bases = PyMem_Calloc((size_t)(p + nc), sizeof(char *));
     if (!views || !bases) {
-        PyMem_Free(views);
-        PyMem_Free(bases);
-        Py_DECREF(fast);
-        Py_DECREF(fast_copies);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto done;
     }
-    if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        PyMem_Free(views);
-        PyMem_Free(bases);
-        Py_DECREF(fast);
-        Py_DECREF(fast_copies);
-        return NULL;
-    }
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
     for (; got < p + nc; got++) {
         PyObject *item = got < p ? PySequence_Fast_GET_ITEM(fast, got) : PySequence_Fast_GET_ITEM(fast_copies, got - p);
         int flags = got < p ? PyBUF_C_CONTIGUOUS : PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS;
@@ -727,12 +713,13 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
         reduce_all(f, out.buf, bases, (int)p, out.len / ITEMSIZE[dtype], ITEMSIZE[dtype], bases + p, (int)nc);
         Py_END_ALLOW_THREADS
     }
+done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
-    PyBuffer_Release(&out);
+    if (out.obj) PyBuffer_Release(&out);
     PyMem_Free(views);
     PyMem_Free(bases);
-    Py_DECREF(fast);
-    Py_DECREF(fast_copies);
+    Py_XDECREF(fast);
+    Py_XDECREF(fast_copies);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }

@@ -68,10 +68,7 @@ def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, i
     is made, with stores that bypass the cache (for memory another process
     reads next); every array C-contiguous with dst's size and dtype, dst
     distinct from all but srcs[0], the copies from everything."""
-    if copies:
-        native.reduce_into(dst, srcs, *codes, copies)
-    else:
-        native.reduce_into(dst, srcs, *codes)
+    native.reduce_into(dst, srcs, *codes, copies)
 
 
 _native_copy = native.copy if native is not None else None

@@ -78,17 +78,16 @@ def _pagemap_fd() -> int:
     return _pagemap[1]
 
 
-def _some_page(lo: int, hi: int, category: int, has: bool) -> bool | None:
-    """Whether some page in [lo, hi) has (``has``) or lacks ``category``; None
-    when the kernel cannot tell (its PAGEMAP_SCAN query arrived in Linux 6.7).
-    Addresses that nothing maps are never counted. One query, stopping at the
-    first such page: a few microseconds."""
+def _some_page_lacks(lo: int, hi: int, category: int) -> bool | None:
+    """Whether some page in [lo, hi) lacks ``category``; None when the kernel
+    cannot tell (its PAGEMAP_SCAN query arrived in Linux 6.7). One query,
+    stopping at the first such page: a few microseconds."""
     fd = _pagemap_fd()
     if fd < 0 or _ioctl is None:
         return None
     found = _PageRegion()
     arg = _PmScanArg(ctypes.sizeof(_PmScanArg), 0, lo, hi, 0, ctypes.addressof(found), 1, 1,
-                     0 if has else category, category, 0, category)
+                     category, category, 0, category)
     n = _ioctl(fd, _PAGEMAP_SCAN, ctypes.byref(arg))
     return None if n < 0 else n > 0
 
@@ -106,7 +105,7 @@ def huge_pages(address: int, nbytes: int) -> bool | None:
     hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     if hi <= lo:
         return False
-    small = _some_page(lo, hi, _PAGE_IS_HUGE, False)
+    small = _some_page_lacks(lo, hi, _PAGE_IS_HUGE)
     return None if small is None else not small
 
 
@@ -244,15 +243,16 @@ class Adoptions:
         self._seen: set[tuple[int, int]] = set()
         self._refused: set[tuple[int, int]] = set()
         self._file = self._pool_file()
-        self.works = (None not in (_mremap, _mmap, _madvise) and self._file is not None
-                      and _mapped_file(*self._file[1:3]) == self._file[0])
+        self.works = None not in (_mremap, _mmap, _madvise) and self._file is not None
         _open.add(self)
 
     def _pool_file(self) -> tuple[str, int, int, int, str, int] | None:
-        """(name, start, end, file offset, device, inode) of the mapping the pool is in."""
-        for start, end, _, offset, dev, inode, name in _mappings():
+        """(name, start, end, file offset, device, inode) of the mapping the pool
+        is in; None where /proc/self/map_files cannot name it."""
+        for start, end, _, offset, dev, inode, _ in _mappings():
             if start <= self._base < end:
-                return _mapped_file(start, end) or name, start, end, offset, dev, inode
+                name = _mapped_file(start, end)
+                return None if name is None else (name, start, end, offset, dev, inode)
         return None
 
     def find(self, address: int, nbytes: int, adopt: bool) -> tuple[int, int, int] | None:

@@ -367,7 +367,7 @@ class ShmWindow:
         self._regions = [np.frombuffer(s.mm, np.uint8, lay.window, lay.window_off) for s in t._segs]
         self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]
         self._pool_base = self._pools[t.rank].ctypes.data
-        self._adoptions = Adoptions(self._pools[t.rank], self._take, t._pool.give) if adopt else None
+        self._adoptions = Adoptions(self._pools[t.rank], t._pool_block, t._pool.give) if adopt else None
         self._mapped_in: set[tuple[int, int, int]] = set()
         self._epoch = 0
         self._peer_q = [s.q for s in t._segs]
@@ -493,10 +493,6 @@ class ShmWindow:
                 self._mapped_in.clear()
             self._mapped_in.add(key)
             populate(self._pools[rank].ctypes.data + offset, nbytes)
-
-    def _take(self, nbytes: int) -> int | None:
-        """A block of the pool for an adopted buffer, while /dev/shm has room."""
-        return self._t._pool.take(nbytes) if nbytes <= shm_free_bytes() // 2 else None
 
     def fence(self, deadline: float) -> None:
         """Barrier: every rank's writes before its fence are visible after it."""
@@ -1382,6 +1378,13 @@ class SharedMemoryTransport(Transport):
         """The shared window (every rank's region and allocation pool)."""
         return self._window
 
+    def _pool_block(self, nbytes: int) -> int | None:
+        """Offset of a free block of ``nbytes`` in this rank's pool, while
+        /dev/shm has room for it (for :meth:`alloc` and adopted buffers)."""
+        if self._closed or nbytes > shm_free_bytes() // 2:
+            return None
+        return self._pool.take(nbytes)
+
     def alloc(self, nbytes: int) -> np.ndarray:
         """``nbytes`` bytes from this rank's shared pool (private memory when the
         pool or /dev/shm is too full for them).
@@ -1390,9 +1393,7 @@ class SharedMemoryTransport(Transport):
             A 64-byte aligned uint8 array; the block returns to the pool when
             the array and all its views are garbage collected.
         """
-        off = None
-        if not self._closed and nbytes <= shm_free_bytes() // 2:
-            off = self._pool.take(nbytes)
+        off = self._pool_block(nbytes)
         if off is None:
             return super().alloc(nbytes)
         lay = self._layout

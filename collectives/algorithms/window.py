@@ -441,10 +441,14 @@ def _allreduce_direct(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
     scratch = {r: _placed_scratch(ctx, longest * item, 8 + i, peers.address(r) + mine).view(buf.dtype)
                for i, r in enumerate(r for r in range(ctx.size) if r != ctx.rank)}
     for a, b, others in _own_pieces(ctx, buf, seg, peers.pool_bounds(item)):
-        pooled = [peers.pooled(r, a * item, b * item) for r in others]
-        _reduce(ctx, op, buf[a:b], [buf[a:b]] + [peers.fetch(r, a * item, scratch[r][:b - a]) for r in others],
-                [v.view(buf.dtype) for v in pooled if v is not None])
-        for r, v in zip(others, pooled):
+        pooled = {r: peers.pooled(r, a * item, b * item) for r in others}
+        srcs = [buf[a:b]]
+        for r, v in pooled.items():
+            if v is None:
+                peers.read(r, a * item, scratch[r][:b - a])
+            srcs.append(scratch[r][:b - a] if v is None else v.view(buf.dtype))
+        _reduce(ctx, op, buf[a:b], srcs, [v.view(buf.dtype) for v in pooled.values() if v is not None])
+        for r, v in pooled.items():
             if v is None:
                 peers.write(r, a * item, buf[a:b])
     window.fence(ctx.deadline)  # every buffer complete; nobody touches one while others use it
