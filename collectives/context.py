@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import CollectiveTimeout
+from .signature import NO_SIG, Sig
 from .transport import Request, Transport
 
 __all__ = ["CallContext", "SEGMENT_BYTES"]
@@ -29,18 +30,21 @@ class CallContext:
         transport: the transport the call runs on.
         rank, size: this rank and the number of ranks.
         tag: the tag every message of this call carries.
+        sig: the call's signature (sequence number included), carried by
+            every message and every shared-window post of the call.
         deadline: ``time.monotonic()`` past which waits raise CollectiveTimeout.
         segment_bytes: pipeline segment size for large messages.
     """
 
-    __slots__ = ("transport", "rank", "size", "tag", "deadline", "segment_bytes", "_scratch")
+    __slots__ = ("transport", "rank", "size", "tag", "sig", "deadline", "segment_bytes", "_scratch")
 
     def __init__(self, transport: Transport, tag: int, deadline: float,
-                 segment_bytes: int = SEGMENT_BYTES, scratch: dict | None = None) -> None:
+                 segment_bytes: int = SEGMENT_BYTES, scratch: dict | None = None, sig: Sig = NO_SIG) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
         self.tag = tag
+        self.sig = sig
         self.deadline = deadline
         self.segment_bytes = segment_bytes
         self._scratch = scratch if scratch is not None else {}
@@ -49,32 +53,32 @@ class CallContext:
         """Seconds left before the deadline; raises CollectiveTimeout if none."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise CollectiveTimeout(f"rank {self.rank}: collective (tag {self.tag}) timed out")
+            raise CollectiveTimeout(f"rank {self.rank}: timed out (the call's deadline passed)")
         return left
 
     def isend(self, arr: np.ndarray, peer: int) -> Request:
-        return self.transport.isend(arr, peer, self.tag)
+        return self.transport.isend(arr, peer, self.tag, self.sig)
 
     def irecv(self, arr: np.ndarray, peer: int) -> Request:
-        return self.transport.irecv(arr, peer, self.tag)
+        return self.transport.irecv(arr, peer, self.tag, self.sig)
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, op, tmp: np.ndarray) -> Request:
         """Receive from ``peer`` and set ``out = mine (op) received`` (see
         :meth:`~collectives.transport.Transport.irecv_reduce`; ``tmp`` is scratch
         of ``out``'s size)."""
-        return self.transport.irecv_reduce(out, mine, peer, self.tag, op, tmp)
+        return self.transport.irecv_reduce(out, mine, peer, self.tag, op, tmp, self.sig)
 
     def send(self, arr: np.ndarray, peer: int) -> None:
-        self.transport.isend(arr, peer, self.tag).wait(self.remaining())
+        self.transport.isend(arr, peer, self.tag, self.sig).wait(self.remaining())
 
     def recv(self, arr: np.ndarray, peer: int) -> None:
-        self.transport.irecv(arr, peer, self.tag).wait(self.remaining())
+        self.transport.irecv(arr, peer, self.tag, self.sig).wait(self.remaining())
 
     def sendrecv(self, sendarr: np.ndarray, dst: int, recvarr: np.ndarray, src: int) -> None:
         """Send to ``dst`` and receive from ``src`` at the same time (the send
         first: the peer's message may then already be there to take)."""
-        s = self.transport.isend(sendarr, dst, self.tag)
-        r = self.transport.irecv(recvarr, src, self.tag)
+        s = self.transport.isend(sendarr, dst, self.tag, self.sig)
+        r = self.transport.irecv(recvarr, src, self.tag, self.sig)
         self.transport.waitall((r, s), self.remaining())
 
     def waitall(self, requests: Sequence[Request]) -> None:

@@ -4,11 +4,20 @@ A transport moves contiguous byte buffers between ranks. It is kept small:
 
 * ``rank``, ``size``, ``isend(buf, peer, tag)``, ``irecv(buf, peer, tag)``,
   ``Request.wait(timeout)``, ``Request.test()``, ``abort(reason)``, ``close()``.
-* Messages between a pair of ranks with the same tag are delivered in the
-  order they were sent (MPI's non-overtaking rule), so one tag per
-  collective call is enough. A receive whose posted size differs from the
-  arriving message raises :class:`~collectives.errors.MismatchedCollective`.
-  Zero-byte messages are legal and are delivered like any other.
+* Messages between a pair of ranks are delivered in the order they were
+  sent, so one tag per collective call is enough (collective calls use odd
+  tags ``2 * seq + 1``, point-to-point messages even ones). A receive whose
+  posted size differs from the arriving message raises
+  :class:`~collectives.errors.MismatchedCollective`. Zero-byte messages are
+  legal and are delivered like any other.
+* Every message carries the call's signature ``sig`` (three integers, see
+  :mod:`collectives.signature`; ``NO_SIG`` for point-to-point): the
+  receiver compares it with its receive's through
+  :func:`~collectives.signature.check_message` and fails the receive with
+  the error it returns. A collective message (odd tag) from a peer for
+  another call than the one a pending receive from that peer waits for
+  fails that receive too (:func:`~collectives.signature.out_of_step`): the
+  peer has moved past the call without sending what it waits for.
 * Optional capabilities are declared in ``capabilities``, never guessed:
   ``"window"`` (the transport offers :attr:`Transport.window`, a
   :class:`SharedWindow`), ``"native"`` (the transport runs its own
@@ -24,6 +33,8 @@ import abc
 from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
+
+from .signature import NO_SIG, Sig
 
 __all__ = ["Request", "Transport", "SharedWindow", "CompletedRequest"]
 
@@ -163,17 +174,25 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
-        """Start sending the bytes of the C-contiguous array ``buf`` to ``peer``.
+    def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
+        """Start sending the bytes of the C-contiguous array ``buf`` to ``peer``,
+        with the call's signature ``sig`` in the message's header.
         The caller must not modify ``buf`` until the request completes."""
 
     @abc.abstractmethod
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         """Start receiving a message from ``peer`` with ``tag`` into the
-        C-contiguous writable array ``buf`` (exactly ``buf.nbytes`` bytes)."""
+        C-contiguous writable array ``buf`` (exactly ``buf.nbytes`` bytes); the
+        request fails when the message's signature differs from ``sig``."""
+
+    def begin_call(self, seq: int, sig: Sig) -> None:
+        """A collective call with signature ``sig`` (its sequence number
+        included) starts on this rank: a transport that lets peers see what
+        each rank is doing (the shared window, a timeout's diagnosis)
+        publishes it here. Default: nothing."""
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
-                     tmp: np.ndarray) -> Request:
+                     tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:
         """Start receiving ``out.nbytes`` bytes from ``peer`` with ``tag`` and
         setting ``out = mine (op) received`` (``out`` may alias ``mine``).
 
@@ -183,7 +202,7 @@ class Transport(abc.ABC):
         overrides this and saves a copy; it may then reduce before ``wait``,
         so ``out`` and ``mine`` must not change while the request is pending.
         """
-        return _ReduceOnCompletion(self.irecv(tmp, peer, tag), out, mine, tmp, op)
+        return _ReduceOnCompletion(self.irecv(tmp, peer, tag, sig), out, mine, tmp, op)
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request (transports may override with a faster path)."""

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from collectives.errors import BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost, TransportUnavailable
+from collectives.signature import NO_SIG, Sig
 from collectives.transport import Request, Transport
 
 __all__ = ["MpiTransport"]
@@ -203,11 +204,11 @@ class MpiTransport(Transport):
                 f"MPI world has {t.size} ranks but {size} were asked for; launch with mpiexec -n {size}")
         return t
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         req = self.comm.Isend([buf, buf.nbytes, self._MPI.BYTE], dest=peer, tag=tag % self.tag_bound)
         return _MpiRequest(req, self, None, peer)
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         req = self.comm.Irecv([buf, buf.nbytes, self._MPI.BYTE], source=peer, tag=tag % self.tag_bound)
         return _MpiRequest(req, self, buf.nbytes, peer)
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchedCollective, PeerLost, TransportUnavailable
+from ..signature import NO_SIG, Sig
 from ..transport import Request, Transport
 from ..waiting import Backoff
 from . import verbs
@@ -170,7 +171,7 @@ class RdmaTransport(Transport):
 
     # ------------------------------------------------------------ requests
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         self._check_peer(peer)
         req = _Send(self, buf.reshape(-1).view(np.uint8), peer, tag)
         if peer == self.rank:
@@ -180,7 +181,7 @@ class RdmaTransport(Transport):
             self._pump(peer)
         return req
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         self._check_peer(peer)
         req = _Recv(self, buf.reshape(-1).view(np.uint8), peer, tag)
         waiting = self._unexpected.get((peer, tag))

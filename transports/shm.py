@@ -69,6 +69,7 @@ import numpy as np
 
 from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost,
                                 TransportUnavailable)
+from collectives.signature import NO_SIG, Sig
 from collectives.transport import COMPLETED, Request, Transport
 from collectives import native
 from collectives.waiting import Backoff, futex_wait, futex_wake
@@ -1049,7 +1050,7 @@ class SharedMemoryTransport(Transport):
 
     # --------------------------------------------------------- point to point
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         """Start sending ``buf``'s bytes to ``peer``; completes once they are in the ring."""
         mv = _bytes_view(buf)
         with self._lock:
@@ -1117,7 +1118,7 @@ class SharedMemoryTransport(Transport):
             self._ring(src)  # it may wait for room
         self._moved += HEADER_BYTES + _align(nbytes, 16)
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         """Start receiving exactly ``buf.nbytes`` bytes from ``peer`` with ``tag``."""
         mv = _bytes_view(buf)
         with self._lock:
@@ -1145,7 +1146,7 @@ class SharedMemoryTransport(Transport):
         return req
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
-                     tmp: np.ndarray) -> Request:
+                     tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:
         """Reduce straight from the ring when the whole message is already there
         in one piece; otherwise receive into ``tmp`` and reduce on completion."""
         n = out.nbytes
@@ -1158,7 +1159,7 @@ class SharedMemoryTransport(Transport):
                     op.reduce_into(out, mine, np.frombuffer(received, out.dtype).reshape(out.shape))
                     self._consume(peer, n)
                     return COMPLETED
-        return super().irecv_reduce(out, mine, peer, tag, op, tmp)
+        return super().irecv_reduce(out, mine, peer, tag, op, tmp, sig)
 
     def _take_unexpected(self, req: _RecvRequest, entry: _Unexpected) -> None:
         """Hand an early message to ``req``: copy it, or redirect the rest of it."""

@@ -49,6 +49,7 @@ from collectives.context import SEGMENT_BYTES, CallContext
 from collectives.errors import BadArgument, MismatchedCollective, PeerLost
 from collectives.ops import Op, get_op
 from collectives.registry import algorithm as lookup_algorithm
+from collectives.signature import NO_SIG, Sig
 from collectives.transport import Request, Transport
 
 __all__ = ["SimTransport", "SimParams", "SimWorld", "simulate", "SimResult", "charged_op", "TOPOLOGIES"]
@@ -392,11 +393,11 @@ class SimTransport(Transport):
         """This rank's virtual clock, seconds."""
         return self.world.clock[self.rank]
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         self._ready()
         return self.world.isend(self.rank, buf, peer, tag)
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         self._ready()
         return self.world.irecv(self.rank, buf, peer, tag)
 

@@ -67,6 +67,7 @@ import numpy as np
 import zmq
 
 from collectives.errors import BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost
+from collectives.signature import NO_SIG, Sig
 from collectives.transport import COMPLETED, Request, Transport
 
 from .lanes import Lanes, LaneSend
@@ -408,7 +409,7 @@ class ZmqTransport(Transport):
 
     # -- sending -------------------------------------------------------------
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         self._check_peer(peer)
         data = _bytes_view(buf)
         if peer == self.rank:
@@ -446,14 +447,14 @@ class ZmqTransport(Transport):
 
     # -- receiving -----------------------------------------------------------
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Request:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         return self._post_recv(_bytes_view(buf, writable=True), peer, tag, None)
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
-                     tmp: np.ndarray) -> Request:
+                     tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:
         """Receive and reduce each segment straight from its frame: no copy into ``tmp``."""
         if peer == self.rank or not out.size or self.segment_bytes % out.itemsize:
-            return super().irecv_reduce(out, mine, peer, tag, op, tmp)
+            return super().irecv_reduce(out, mine, peer, tag, op, tmp, sig)
         return self._post_recv(_bytes_view(out, writable=True), peer, tag, (out, mine, op))
 
     def _post_recv(self, data: np.ndarray, peer: int, tag: int, reduce: tuple | None) -> Request:
