@@ -185,11 +185,14 @@ class Transport(abc.ABC):
         C-contiguous writable array ``buf`` (exactly ``buf.nbytes`` bytes); the
         request fails when the message's signature differs from ``sig``."""
 
-    def begin_call(self, seq: int, sig: Sig) -> None:
+    def begin_call(self, seq: int, sig: Sig, refusal: str | None = None) -> None:
         """A collective call with signature ``sig`` (its sequence number
         included) starts on this rank: a transport that lets peers see what
         each rank is doing (the shared window, a timeout's diagnosis)
-        publishes it here. Default: nothing."""
+        publishes it here. ``refusal``: why this rank, the call's root,
+        refuses its own arguments (``sig`` is then marked refused, see
+        :func:`~collectives.signature.refused`), for the peers' errors.
+        Default: nothing."""
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:
