@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shutil
 import sys
 from typing import Sequence
 
@@ -16,7 +17,7 @@ __all__ = ["main"]
 
 #: subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS = {
-    "run": ("collectives.cli", "start N local ranks of a script (like torchrun --standalone)"),
+    "run": ("collectives.cli", "start N local ranks of a script or program (like torchrun --standalone, mpiexec -n)"),
     "bench": ("collectives.bench.cli", "OSU / nccl-tests style microbenchmarks"),
     "calibrate": ("collectives.cost_models.calibrate", "measure alpha, beta, gamma and memory bandwidth of a transport"),
     "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice"),
@@ -24,11 +25,56 @@ SUBCOMMANDS = {
 }
 
 
+RUN_FORMS = """\
+what every rank runs (as mpiexec takes it):
+  collectives run -n 4 train.py ARGS             a .py file: run by this Python
+  collectives run -n 4 -m package.module ARGS    a module: run by this Python (python -m)
+  collectives run -n 4 ./tool ARGS               an executable file: run as given
+  collectives run -n 4 python train.py ARGS      a program on PATH: run as given
+  collectives run -n 4 python -m package.module
+  collectives run -n 4 /bin/echo hi
+Any other file (a script without .py, a .pyz) runs under this Python, and so
+does a directory with __main__.py that is not a program on PATH. A file of
+that name here comes before a program on PATH. Options after the program or
+script are its own.
+
+exit status: 0 if every rank succeeded; else the first failing rank's status
+(128 + N if signal N killed it), 128 + N if the launcher got signal N
+(SIGTERM, SIGINT, SIGHUP), 124 on --timeout, 127 if the program is not found,
+126 if it cannot be run. No rank outlives the launcher, even one killed with
+SIGKILL.
+"""
+
+
+def rank_command(program: str, args: Sequence[str], module: str | None = None) -> list[str]:
+    """The argv every rank runs for ``collectives run [-m module] program args``
+    (see :data:`RUN_FORMS`). Raises FileNotFoundError naming ``program`` when
+    it is neither a file, a directory nor a program on PATH."""
+    if module:
+        return [sys.executable, "-m", module, *([program] if program else []), *args]
+    if program.endswith(".py"):
+        if not os.path.exists(program):
+            raise FileNotFoundError(f"{program}: no such file")
+        return [sys.executable, program, *args]
+    if os.path.isfile(program):
+        if os.access(program, os.X_OK):  # as a path, not a name to look up on PATH
+            return [program if os.sep in program else os.path.join(os.curdir, program), *args]
+        return [sys.executable, program, *args]
+    if shutil.which(program):
+        return [program, *args]
+    if os.path.exists(program):
+        return [sys.executable, program, *args]
+    where = "no such file" if os.sep in program else "no such file, and no program of that name on PATH"
+    raise FileNotFoundError(f"{program}: {where}")
+
+
 def run_main(argv: Sequence[str]) -> int:
-    """``collectives run -n N [--transport NAME] script.py args...``"""
+    """``collectives run -n N [options] (script.py | -m module | program) args...``"""
     from .launcher import launch
 
-    ap = argparse.ArgumentParser(prog="collectives run", description=run_main.__doc__)
+    ap = argparse.ArgumentParser(prog="collectives run", epilog=RUN_FORMS,
+                                 description="start N local ranks of a script or program",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--nprocs", type=int, default=os.cpu_count() or 1, help="number of ranks")
     ap.add_argument("--transport", default=None, help="transport name (default: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
@@ -36,16 +82,17 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument("--bind", choices=("auto", "core", "none"), default=None,
                     help="bind rank i to core i (round robin): auto (default, COLLECTIVES_BIND) when the "
                          "ranks outnumber the cores, core always, none never")
-    ap.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
-    ap.add_argument("script", nargs="?", help="the Python script every rank runs")
-    ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    ap.add_argument("-m", dest="module", default=None, help="run a module under this Python (like python -m)")
+    ap.add_argument("script", nargs="?", help="a .py script, or the program every rank runs (see below)")
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script or program")
     ns = ap.parse_args(argv)
-    if ns.module:
-        cmd = [sys.executable, "-m", ns.module] + ([ns.script] if ns.script else []) + ns.args
-    elif ns.script:
-        cmd = [sys.executable, ns.script] + ns.args
-    else:
-        ap.error("a script or -m module is required")
+    if not ns.script and not ns.module:
+        ap.error("a script, a program or -m module is required")
+    try:
+        cmd = rank_command(ns.script, ns.args, ns.module)
+    except FileNotFoundError as exc:
+        print(f"collectives run: {exc}", file=sys.stderr)
+        return 127
     return launch(cmd, ns.nprocs, transport=ns.transport, prefix=not ns.no_prefix, timeout=ns.timeout,
                   bind=ns.bind)
 

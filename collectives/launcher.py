@@ -5,7 +5,34 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so torch scripts run unchanged);
 with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set (as torchrun
 does; OpenBLAS and torch follow it).
 Output is streamed with a rank prefix. If one rank fails, the others are
-stopped and the launcher exits with that rank's status.
+stopped and the launcher exits with that rank's status, as a shell reports
+it: 128 + N for a rank killed by signal N. SIGTERM, SIGINT or SIGHUP to the
+launcher stops every rank and the launcher exits with 128 + that signal; a
+timeout exits with 124; a program that cannot be started, with 127 (not
+found) or 126 (not executable).
+
+No rank outlives the launcher:
+
+* Each rank runs in a session (and process group) of its own, so a signal
+  meant for the launcher's terminal reaches the launcher alone; when the job
+  ends, however it ends, the launcher stops every process left in the
+  ranks' groups (SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`).
+* If the launcher dies without stopping them (SIGKILL, a crash), each rank
+  gets SIGKILL from the kernel (Linux ``PR_SET_PDEATHSIG``, set in the rank
+  between fork and exec; it fires when the thread that started the rank
+  exits, and :func:`launch` returns only after its ranks have ended). A
+  watchdog process, which the launcher starts first and which reads a pipe
+  from it, then sees the pipe close and stops every process left in the
+  ranks' groups: the processes the ranks started.
+
+Not covered: a process a rank started that left the rank's group or session
+(``setsid``, ``setpgid``, a daemon) when the launcher dies without stopping
+it; a rank that runs a set-user-ID program (the kernel clears the
+death signal then) while the watchdog is gone too; and, off Linux, the
+death signal itself (only the watchdog acts there).
+
+This module imports only the standard library: it is also the watchdog's
+script (``python -I -S launcher.py --watch PID``).
 
 Binding (``bind``, or ``COLLECTIVES_BIND``): with ``auto`` (the default),
 when the ranks outnumber the cores this process may use, rank i is bound to
@@ -17,6 +44,8 @@ that way always, ``none`` never.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import secrets
 import signal
@@ -25,12 +54,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Callable, Iterable, Sequence
 
-__all__ = ["launch", "rank_environment", "free_port", "rank_cpus"]
+__all__ = ["launch", "rank_environment", "free_port", "rank_cpus", "shell_status"]
 
 GRACE_SECONDS = 3.0
 BIND_CHOICES = ("auto", "core", "none")
+#: signals that stop the launcher and every rank (it exits with 128 + signal)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+POLL_SECONDS = 0.02
+_PR_SET_PDEATHSIG = 1
+_WATCH_FLAG = "--watch"
+_DONE = b"done\n"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,6 +91,24 @@ def rank_environment(rank: int, size: int, *, job: str, secret: str, master_port
     if size > 1:  # as torchrun does: ranks sharing a host do not each start a thread per core
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def shell_status(returncode: int) -> int:
+    """A Popen return code as a shell reports it: 128 + N for killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _describe_end(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by {_signal_name(-returncode)}"
+    return f"exited with status {returncode}"
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
@@ -88,18 +141,176 @@ def _bind(proc: subprocess.Popen, cpus: set[int]) -> None:
         pass
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM every live rank's process group, then SIGKILL after a grace period."""
+# -- process groups ------------------------------------------------------------
+
+def _live_groups(pgids: Iterable[int]) -> set[int]:
+    """Those of ``pgids`` that hold a process that has not exited (zombies,
+    which keep a group's id taken until reaped, do not count)."""
+    wanted = set(pgids)
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return {g for g in wanted if _group_exists(g)}
+    live = set()
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # it exited while we looked
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()  # the name may hold spaces and parentheses
+        if int(fields[2]) in wanted and fields[0] not in (b"Z", b"X"):
+            live.add(int(fields[2]))
+    return live
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_until(done: Callable[[], bool], seconds: float) -> bool:
+    """Poll ``done`` until it holds or ``seconds`` pass; returns its last value."""
+    end = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+def _stop_groups(pgids: Iterable[int]) -> None:
+    """SIGTERM every live process in the groups ``pgids``, then SIGKILL those
+    left after :data:`GRACE_SECONDS`; returns after at most twice that."""
+    pgids = set(pgids)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        live = [p for p in procs if p.poll() is None]
-        for p in live:
+        live = _live_groups(pgids)
+        if not live:
+            return
+        for pgid in live:
             try:
-                os.killpg(p.pid, sig)
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _wait_until(lambda: not _live_groups(live), GRACE_SECONDS)
+
+
+# -- the ranks -----------------------------------------------------------------
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up before any fork (None off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def _die_with(parent: int, prctl: Callable[..., int] | None) -> Callable[[], None]:
+    """The function a rank runs between fork and exec: SIGKILL the rank when
+    the thread that started it, in the launcher ``parent``, ends (the
+    launcher dies), or at once if the launcher died already."""
+    def setup() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the death signal was set
+            os.kill(os.getpid(), signal.SIGKILL)
+    return setup
+
+
+def _returncode(proc: subprocess.Popen) -> int | None:
+    """The rank's return code as Popen gives it (-N: killed by signal N), or
+    None while it runs. The rank is left unreaped, so that its group's id
+    stays taken until :func:`_stop` has signalled the group."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): Popen knows what is known
+        return proc.poll()
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Stop every process left in the ranks' groups, then kill any rank that
+    left its group, and reap them all (each wait bounded)."""
+    _stop_groups(p.pid for p in procs)
+    for p in procs:
+        if _returncode(p) is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        end = time.monotonic() + GRACE_SECONDS
-        while any(p.poll() is None for p in live) and time.monotonic() < end:
-            time.sleep(0.02)
+        try:
+            p.wait(timeout=GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _spawn(command: Sequence[str], nprocs: int, envs: Sequence[dict[str, str]],
+           cpus: list[set[int]] | None, watchdog: "_Watchdog",
+           procs: list[subprocess.Popen]) -> None:
+    """Start the ranks, appending each to ``procs`` as soon as it exists."""
+    setup = _die_with(os.getpid(), _prctl())
+    for r in range(nprocs):
+        p = subprocess.Popen(list(command), env=envs[r], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup)
+        procs.append(p)
+        watchdog.watch(p.pid)
+        if cpus is not None:
+            _bind(p, cpus[r])
+
+
+def _start_pumps(procs: Sequence[subprocess.Popen], prefix: bool) -> list[threading.Thread]:
+    out, lock = sys.stdout.buffer, threading.Lock()
+    pumps = []
+    for r, p in enumerate(procs):
+        t = threading.Thread(target=_pump, daemon=True,
+                             args=(p.stdout, f"[rank {r}] ".encode() if prefix else b"", out, lock))
+        t.start()
+        pumps.append(t)
+    return pumps
+
+
+def _supervise(procs: Sequence[subprocess.Popen], timeout: float | None, received: list[int]) -> int:
+    """Wait until every rank succeeded, one failed, the timeout passed or the
+    launcher got a stop signal; returns the job's exit status."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if received:
+            _say(f"{_signal_name(received[0])}; stopping every rank")
+            return 128 + received[0]
+        codes = [_returncode(p) for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            r, code = failed[0]
+            rest = "; stopping the other ranks" if None in codes else ""
+            _say(f"rank {r} {_describe_end(code)}{rest}")
+            return shell_status(code)
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            _say(f"timeout after {timeout}s; stopping every rank")
+            return 124
+        time.sleep(POLL_SECONDS)
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"collectives run: {message}\n")
+    sys.stderr.flush()
 
 
 def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
@@ -115,78 +326,128 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
         bind: ``auto``, ``core`` or ``none`` (see the module docstring).
 
     Returns:
-        0 if every rank succeeded, else the first failing rank's status.
+        0 if every rank succeeded, else the first failing rank's status as a
+        shell reports it (128 + N if signal N killed it); 128 + N if the
+        launcher got signal N (SIGTERM, SIGINT, SIGHUP); 124 on timeout; 127
+        or 126 if ``command`` could not be started.
     """
     if nprocs < 1:
         raise ValueError("nprocs must be >= 1")
     cpus = rank_cpus(nprocs, bind)
     job, secret, port = secrets.token_hex(6), secrets.token_hex(16), free_port()
-    out = sys.stdout.buffer
-    lock = threading.Lock()
+    envs = [rank_environment(r, nprocs, job=job, secret=secret, master_port=port, transport=transport)
+            for r in range(nprocs)]
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    status = 0
-    restore = _stop_on_signals()
+    received, restore = _record_stop_signals()
+    watchdog = _Watchdog()
     try:
-        for r in range(nprocs):
-            env = rank_environment(r, nprocs, job=job, secret=secret, master_port=port, transport=transport)
-            p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-            procs.append(p)
-            if cpus is not None:
-                _bind(p, cpus[r])
-            t = threading.Thread(target=_pump, daemon=True,
-                                 args=(p.stdout, f"[rank {r}] ".encode() if prefix else b"", out, lock))
-            t.start()
-            pumps.append(t)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                r, status = failed[0]
-                if any(c is None for c in codes):
-                    sys.stderr.write(f"collectives run: rank {r} exited with status {status}; "
-                                     "stopping the other ranks\n")
-                break
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                sys.stderr.write(f"collectives run: timeout after {timeout}s; stopping every rank\n")
-                status = 124
-                break
-            time.sleep(0.02)
-    except KeyboardInterrupt:
-        status = 130
-    except _Terminated as exc:
-        sys.stderr.write(f"collectives run: {signal.Signals(exc.signum).name}; stopping every rank\n")
-        status = 128 + exc.signum
+        try:
+            _spawn(command, nprocs, envs, cpus, watchdog, procs)
+        except OSError as exc:
+            _say(f"cannot start rank {len(procs)}: {command[0]}: {exc.strerror or exc}")
+            return 127 if exc.errno == errno.ENOENT else 126
+        pumps = _start_pumps(procs, prefix)  # after the forks: no thread of ours runs across one
+        return _supervise(procs, timeout, received)
     finally:
         _stop(procs)
+        watchdog.release()
         restore()
         for t in pumps:
             t.join(timeout=1.0)
-    return status
 
 
-class _Terminated(Exception):
-    """The launcher was told to stop (SIGTERM, SIGHUP)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop_on_signals():
-    """Turn SIGTERM and SIGHUP into :class:`_Terminated` while ranks run (the
-    ranks sit in sessions of their own, so a signal to the launcher alone
-    would leave them behind). Returns the function that restores the old
-    handlers; a no-op off the main thread, where handlers cannot be set."""
+def _record_stop_signals() -> tuple[list[int], Callable[[], None]]:
+    """While ranks run, a stop signal (:data:`STOP_SIGNALS`) is appended to the
+    returned list instead of acting (the ranks sit in sessions of their own,
+    so the launcher must stop them itself). Returns the list and the function
+    that restores the old handlers; off the main thread, where handlers
+    cannot be set, the list stays empty."""
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+        return received, lambda: None
+    old = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in STOP_SIGNALS}
+    return received, lambda: [signal.signal(sig, handler) for sig, handler in old.items()]
 
-    def raise_terminated(signum, frame):
-        raise _Terminated(signum)
 
-    old = {sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]
+# -- the watchdog ----------------------------------------------------------------
+
+class _Watchdog:
+    """A process that stops the ranks' groups if the launcher dies first.
+
+    The launcher writes each rank's group id to the watchdog's stdin and,
+    once it has stopped the ranks itself, ``done``; a pipe that closes before
+    ``done`` means the launcher died, and the watchdog stops every process
+    left in those groups. Best effort: without it (it could not start), the
+    ranks themselves still die with the launcher.
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        if not sys.executable:
+            return
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), _WATCH_FLAG, str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        except OSError:
+            self.proc = None
+
+    def watch(self, pgid: int) -> None:
+        """Add the process group ``pgid`` to those stopped if the launcher dies."""
+        self._send(f"{pgid}\n".encode())
+
+    def release(self) -> None:
+        """Tell the watchdog the ranks are stopped, and let it exit."""
+        if self.proc is None:
+            return
+        self._send(_DONE)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=GRACE_SECONDS)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: not worth failing the job for
+                pass
+
+    def _send(self, data: bytes) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except OSError:  # it died: the ranks still die with the launcher
+            pass
+
+
+def _read_groups(fd: int) -> tuple[list[int], bool]:
+    """The group ids the launcher sent on ``fd``, and whether it said ``done``
+    (False: the pipe closed first, so the launcher died)."""
+    data = b""
+    while not data.endswith(_DONE):
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    done = data.endswith(_DONE)
+    lines = data.split(b"\n")
+    return [int(w) for w in lines if w.strip().isdigit()], done
+
+
+def _watch_main(argv: Sequence[str]) -> int:
+    """The watchdog: ``launcher.py --watch LAUNCHER_PID`` (the pid only names it)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's signals are the launcher's to act on
+        signal.signal(sig, signal.SIG_IGN)
+    pgids, done = _read_groups(sys.stdin.fileno())
+    if not done:
+        _stop_groups(pgids)
+    return 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == [_WATCH_FLAG]:
+    sys.exit(_watch_main(sys.argv[2:]))

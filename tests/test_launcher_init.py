@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -81,32 +80,6 @@ def test_run_binds_ranks_that_share_cores(tmp_path):
         print("cpus", os.environ["COLLECTIVES_RANK"], len(os.sched_getaffinity(0)))
     """, tmp_path)
     assert f"cpus 0 {len(cores)}" in res.stdout
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
-    path = tmp_path / "job.py"
-    path.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "collectives.cli", "run", "-n", "2", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
-        proc.send_signal(sig)
-        assert proc.wait(timeout=20) == 128 + sig
-    finally:
-        proc.kill()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in pids), "ranks outlived their launcher"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_failing_rank_turns_into_errors_on_the_others(tmp_path):
