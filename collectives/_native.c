@@ -9,8 +9,9 @@
  * out, the caller blocks in Python, where timeouts and lost peers are
  * handled, and resumes.
  *
- *   Window(epochs, posts, dones, sleeps, rank, spin_ns, yield_ns)
- *       addresses of every rank's counters and sleep word, in shared memory.
+ *   Window(epochs, posts, dones, sleeps, rank, spin_ns, yield_ns, inbox)
+ *       addresses of every rank's counters and sleep word, in shared memory,
+ *       and of this rank's abort inbox (peers that abort write rank + 1).
  *   Window.epoch, Window.turn
  *       fences passed, and steps taken through the halves.
  *   Window.fence() -> bool
@@ -18,14 +19,31 @@
  *   Window.step() -> None or (rank, kind, value)
  *       the next step of an algorithm that writes its half and fences: the
  *       half is free once every peer is done with the step before the last.
+ *   Window.arrive(seq) -> None or (rank, kind, value)
+ *       the first synchronisation of call ``seq`` on a path that fences:
+ *       post the current step, wait (bounded) for every rank's post of it,
+ *       verify every rank's signature record.
+ *   Window.verify(seq) -> int
+ *       -1 when every rank's signature record of call ``seq`` equals this
+ *       rank's (or the rank has passed the call), else the first that does
+ *       not (or that refused).
  *   Window.plan(narrays, before, after, reduce, sources) -> Plan
  *       a collective's small case as data: copies before posting, then,
- *       once the sources posted, copies and one reduction, between the
- *       call's arrays and the window's halves. Unlike a fence, a plan waits
- *       only for the ranks it reads from (a broadcast's root waits for
- *       nobody unless it laps a reader).
- *   Plan.run(arrays) -> None or (rank, kind, value); Plan.resume(arrays)
- *       the next step, as far as it goes; what to wait for before resuming.
+ *       once every rank posted (and every signature record agrees), copies
+ *       and one reduction, between the call's arrays and the window's
+ *       halves (reading only the sources' regions).
+ *   Plan.run(arrays, seq, sig) -> None or (rank, kind, value); Plan.resume(arrays)
+ *       the next step of call ``seq`` whose signature is ``sig`` (three
+ *       words, without the sequence number), as far as it goes; what to wait
+ *       for before resuming. A kind of K_VERDICT says the signatures
+ *       disagree (at that rank), K_ABORTED that that rank aborted: the run
+ *       is over then, nothing read from any peer.
+ *
+ * Signature records: beside its post counter (the same cache line, so a
+ * peer reading the post reads them for free) every rank keeps the
+ * signatures of its last two calls, in slots by the call number's parity:
+ * three words each, the first holding the sequence number (see
+ * collectives.signature).
  *   reduce_into(out, srcs, dtype, op[, copies]): out = srcs[0] op srcs[1]
  *       op ... (buffers of one length; out may be srcs[0]), and the result
  *       also into each of copies, with stores that bypass the cache.
@@ -217,6 +235,14 @@ static inline void cpu_relax(void) {
  * the last step whose data this rank has posted and the last step it has
  * done reading. */
 enum { K_EPOCH = 0, K_POST = 1, K_DONE = 2, K_COUNT = 3 };
+/* Not counters: what a run reports when it stops for good. */
+enum { K_VERDICT = -1, K_ABORTED = -2 };
+
+/* Signature words (collectives.signature): the refused bit and the call
+ * number's field in word 0. */
+#define SIG_REFUSED (1ULL << 63)
+#define SIG_SEQ_SHIFT 40
+#define SIG_SEQ_MASK ((1ULL << 23) - 1)
 
 typedef struct {
     PyObject_HEAD
@@ -226,7 +252,65 @@ typedef struct {
     int64_t spin_ns, yield_ns;
     uint64_t **counters[K_COUNT];  /* every rank's counter of each kind */
     uint64_t **sleeps;             /* every rank's sleep word (a futex on its low 32 bits) */
+    uint64_t *inbox;               /* this rank's abort inbox: rank + 1 of a peer that aborted */
 } WindowObject;
+
+/* rank r's signature record of call seq: three words after its post counter */
+static inline uint64_t *record(WindowObject *w, int r, uint64_t seq) {
+    return w->counters[K_POST][r] + 1 + 3 * (seq & 1);
+}
+
+/* A record is written word 0 cleared first and word 0 set last, so that a
+ * reader that sees the same nonzero word 0 before and after reading the
+ * other two read one record whole (see read_record). */
+static inline void write_record(WindowObject *w, uint64_t seq, uint64_t w0, uint64_t w1, uint64_t w2) {
+    uint64_t *rec = record(w, w->rank, seq);
+    __atomic_store_n(&rec[0], 0, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&rec[1], w1, __ATOMIC_RELAXED);
+    __atomic_store_n(&rec[2], w2, __ATOMIC_RELAXED);
+    __atomic_store_n(&rec[0], (w0 & ~(SIG_SEQ_MASK << SIG_SEQ_SHIFT)) | ((seq & SIG_SEQ_MASK) << SIG_SEQ_SHIFT),
+                     __ATOMIC_RELEASE);
+}
+
+/* rank r's record in the slot of call seq into out; 0 when it was being
+ * rewritten meanwhile (the rank has moved on to a later call). */
+static inline int read_record(WindowObject *w, int r, uint64_t seq, uint64_t *out) {
+    const uint64_t *rec = record(w, r, seq);
+    uint64_t a = __atomic_load_n(&rec[0], __ATOMIC_ACQUIRE);
+    out[1] = __atomic_load_n(&rec[1], __ATOMIC_ACQUIRE);
+    out[2] = __atomic_load_n(&rec[2], __ATOMIC_ACQUIRE);
+    uint64_t b = __atomic_load_n(&rec[0], __ATOMIC_ACQUIRE);
+    out[0] = a;
+    return a != 0 && a == b;
+}
+
+/* -1 when every peer's record of call seq equals this rank's (a peer whose
+ * record is of a later call has passed this one, which it verified), else
+ * the first peer whose record differs or is of an earlier call, or this
+ * rank or a peer when one refused. Call after every peer posted. */
+static int verify(WindowObject *w, uint64_t seq) {
+    const uint64_t *mine = record(w, w->rank, seq);
+    uint64_t m0 = mine[0], m1 = mine[1], m2 = mine[2];
+    uint64_t s = seq & SIG_SEQ_MASK, rec[3];
+    if (m0 & SIG_REFUSED) return w->rank;
+    for (int r = 0; r < w->size; r++) {
+        if (r == w->rank) continue;
+        if (!read_record(w, r, seq, rec)) continue;  /* rewritten: it has moved on, past this call */
+        uint64_t rs = (rec[0] >> SIG_SEQ_SHIFT) & SIG_SEQ_MASK;
+        if (rs == s) {
+            if (rec[0] != m0 || rec[1] != m1 || rec[2] != m2) return r;
+        } else if (((rs - s) & SIG_SEQ_MASK) >= (1ULL << 22)) {
+            return r;  /* an earlier call: it never posted this one's record */
+        }
+    }
+    return -1;
+}
+
+/* rank + 1 of a peer that aborted this rank's communicator, or 0 */
+static inline int aborted_by(WindowObject *w) {
+    return w->inbox ? (int)__atomic_load_n(w->inbox, __ATOMIC_ACQUIRE) : 0;
+}
 
 static void wake(WindowObject *w, int r) {
     __atomic_store_n(w->sleeps[r], 0, __ATOMIC_RELEASE);
@@ -303,6 +387,10 @@ static int fill_addresses(PyObject *seq, int size, uint64_t ***out, const char *
     return 0;
 }
 
+static PyObject *stopped(int r, int kind) {
+    return Py_BuildValue("(iiK)", r, kind, 0ULL);
+}
+
 static void Window_dealloc(WindowObject *w) {
     for (int k = 0; k < K_COUNT; k++) PyMem_Free(w->counters[k]);
     PyMem_Free(w->sleeps);
@@ -310,12 +398,17 @@ static void Window_dealloc(WindowObject *w) {
 }
 
 static int Window_init(WindowObject *w, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"epochs", "posts", "dones", "sleeps", "rank", "spin_ns", "yield_ns", NULL};
-    PyObject *lists[K_COUNT], *sleeps;
+    static char *kwlist[] = {"epochs", "posts", "dones", "sleeps", "rank", "spin_ns", "yield_ns", "inbox", NULL};
+    PyObject *lists[K_COUNT], *sleeps, *inbox = Py_None;
     long long spin_ns, yield_ns;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOiLL", kwlist, &lists[K_EPOCH], &lists[K_POST],
-                                     &lists[K_DONE], &sleeps, &w->rank, &spin_ns, &yield_ns))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOiLL|O", kwlist, &lists[K_EPOCH], &lists[K_POST],
+                                     &lists[K_DONE], &sleeps, &w->rank, &spin_ns, &yield_ns, &inbox))
         return -1;
+    w->inbox = NULL;
+    if (inbox != Py_None) {
+        w->inbox = (uint64_t *)PyLong_AsVoidPtr(inbox);
+        if (PyErr_Occurred()) return -1;
+    }
     PyObject *epochs = lists[K_EPOCH];
     Py_ssize_t n = PySequence_Size(epochs);
     if (n < 1 || n > INT_MAX) {
@@ -340,6 +433,29 @@ static int Window_init(WindowObject *w, PyObject *args, PyObject *kwds) {
     w->sleeps = NULL;
     if (fill_addresses(sleeps, w->size, &w->sleeps, "sleeps") < 0) return -1;
     return 0;
+}
+
+/* .arrive(seq): post the current step with this call's record (written
+ * already), wait for every rank's post of it, verify the records. */
+static PyObject *Window_arrive(WindowObject *w, PyObject *arg) {
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(arg);
+    if (PyErr_Occurred()) return NULL;
+    uint64_t k = w->turn;
+    int a = aborted_by(w);
+    if (a) return stopped(a - 1, K_ABORTED);
+    publish(w, K_POST, k);
+    int r = wait_for(w, K_POST, k, NULL);
+    if (r < w->size) return late(r, K_POST, k);
+    r = verify(w, seq);
+    if (r >= 0) return stopped(r, K_VERDICT);
+    Py_RETURN_NONE;
+}
+
+/* .verify(seq) -> int (see verify) */
+static PyObject *Window_verify(WindowObject *w, PyObject *arg) {
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(arg);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(verify(w, seq));
 }
 
 static PyObject *Window_fence(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
@@ -387,6 +503,7 @@ typedef struct {
     int half;                     /* the half of the step in progress */
     uint64_t step;                /* the step in progress */
     int writes_window;            /* some copy before the post lands in the window */
+    uint64_t seq, sig[3];         /* the call in progress and its signature */
     unsigned char *sources;       /* the ranks whose regions it reads */
     Py_ssize_t need[MAX_ARRAYS];  /* bytes each array must hold; -1: unused (may be None) */
     int writes[MAX_ARRAYS];
@@ -595,9 +712,11 @@ static void do_after(PlanObject *pl, char *const *bases, int half) {
     }
 }
 /* The plan from its stage on: 1, wait until the half is free (when it
- * writes into the window), copy before, post; 2, wait for the sources'
- * posts, copy after and reduce, done. Returns None when complete, else what
- * to wait for before resuming (the stage is kept). */
+ * writes into the window), copy before, post with this call's signature
+ * record; 2, wait for every rank's post, verify every record, copy after
+ * and reduce, done. Returns None when complete, else what to wait for
+ * before resuming (the stage is kept), or why it stopped for good (a
+ * disagreement or an abort: the run is over, nothing read from a peer). */
 static PyObject *advance(PlanObject *pl, char *const *bases) {
     WindowObject *w = pl->window;
     uint64_t k = pl->step;
@@ -608,29 +727,45 @@ static PyObject *advance(PlanObject *pl, char *const *bases) {
             if (r < w->size) return late(r, K_DONE, v);
         }
         do_copies(pl->before, pl->nbefore, bases, pl->half);
+        write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
         publish(w, K_POST, k);
         pl->stage = 2;
     }
-    int r = wait_for(w, K_POST, k, pl->sources);
+    int r = wait_for(w, K_POST, k, NULL);
     if (r < w->size) return late(r, K_POST, k);
+    pl->stage = 0;
+    r = verify(w, pl->seq);
+    if (r >= 0) return stopped(r, K_VERDICT);
+    int a = aborted_by(w);
+    if (a) return stopped(a - 1, K_ABORTED);
     do_after(pl, bases, pl->half);
     publish(w, K_DONE, k);
-    pl->stage = 0;
     Py_RETURN_NONE;
 }
 
-/* .run(arrays) -> None or (rank, kind, value): take the next step; this
- * rank is done with every earlier one; then as far as it can go (see
- * advance). When it returns what to wait for, wait, then .resume(arrays). */
-static PyObject *Plan_run(PlanObject *pl, PyObject *arrays) {
+/* .run(arrays, seq, sig) -> None or (rank, kind, value): take the next step
+ * of call seq (signature sig: three words); this rank is done with every
+ * earlier one; then as far as it can go (see advance). When it returns what
+ * to wait for, wait, then .resume(arrays). */
+static PyObject *Plan_run(PlanObject *pl, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer views[MAX_ARRAYS];
     char *bases[MAX_ARRAYS];
+    if (nargs != 3 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 3) {
+        PyErr_SetString(PyExc_TypeError, "run(arrays, seq, sig): sig is a tuple of three ints");
+        return NULL;
+    }
     if (pl->stage != 0) {
         PyErr_SetString(PyExc_RuntimeError, "the plan's previous run is not finished");
         return NULL;
     }
-    if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
+    pl->seq = PyLong_AsUnsignedLongLongMask(args[1]);
+    for (int i = 0; i < 3; i++) pl->sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(args[2], i));
+    if (PyErr_Occurred()) return NULL;
     WindowObject *w = pl->window;
+    int a = aborted_by(w);
+    if (a) return stopped(a - 1, K_ABORTED);
+    PyObject *arrays = args[0];
+    if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
     uint64_t k = pl->step = ++w->turn;
     pl->half = (int)((k - 1) & 1);
     publish(w, K_DONE, k - 1);
@@ -729,6 +864,10 @@ static PyMethodDef Window_methods[] = {
      "fence() -> bool: publish the next epoch, wake sleeping peers, wait (bounded) for all."},
     {"step", (PyCFunction)Window_step, METH_NOARGS,
      "step() -> None or (rank, kind, value): the next step through the halves, once its half is free."},
+    {"arrive", (PyCFunction)Window_arrive, METH_O,
+     "arrive(seq) -> None or (rank, kind, value): post the current step, wait for all, verify records."},
+    {"verify", (PyCFunction)Window_verify, METH_O,
+     "verify(seq) -> int: -1 when every rank's signature record of call seq agrees, else a rank."},
     {"plan", (PyCFunction)Window_plan, METH_VARARGS,
      "plan(narrays, before, after, reduce, sources) -> Plan: copies, post, wait, copies, a reduction."},
     {NULL, NULL, 0, NULL},
@@ -754,8 +893,8 @@ static PyTypeObject WindowType = {
 };
 
 static PyMethodDef Plan_methods[] = {
-    {"run", (PyCFunction)Plan_run, METH_O,
-     "run(arrays) -> None or (rank, kind, value): the next step; what to wait for before resume."},
+    {"run", (PyCFunction)(void (*)(void))Plan_run, METH_FASTCALL,
+     "run(arrays, seq, sig) -> None or (rank, kind, value): the next step; what to wait for before resume."},
     {"resume", (PyCFunction)Plan_resume, METH_O, "resume(arrays): go on after the wait run asked for."},
     {"abandon", (PyCFunction)Plan_abandon, METH_NOARGS, "abandon(): forget a run that failed while it waited."},
     {NULL, NULL, 0, NULL},
@@ -820,5 +959,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "K_EPOCH", K_EPOCH);
     PyModule_AddIntConstant(m, "K_POST", K_POST);
     PyModule_AddIntConstant(m, "K_DONE", K_DONE);
+    PyModule_AddIntConstant(m, "K_VERDICT", K_VERDICT);
+    PyModule_AddIntConstant(m, "K_ABORTED", K_ABORTED);
     return m;
 }

@@ -86,6 +86,9 @@ def as_array(buf: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
     Raises:
         BadArgument: not a buffer, not contiguous, read-only, or unsupported dtype.
     """
+    if writable and isinstance(buf, np.generic):
+        raise BadArgument(f"{what} is a numpy scalar ({buf.dtype}), which cannot hold the result; "
+                          "pass an array, e.g. np.array([x])")
     arr = _view(buf)
     if not arr.flags.c_contiguous:
         raise BadArgument(f"{what} is not contiguous (shape {arr.shape}, strides {arr.strides}); "

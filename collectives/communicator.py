@@ -1,35 +1,53 @@
 """The Communicator: rank, size and the collectives over one transport.
 
-Each collective validates its arguments (nothing is sent when they are
-wrong), picks the algorithm (by name, or the selector's choice for
-``"auto"``), takes the next tag and runs the algorithm on flat numpy views of
-the user's buffers. ``iX`` forms return a :class:`~collectives.handles.Handle`.
+Each collective is planned (:mod:`.planning`: validated, its algorithm
+chosen, its signature made), takes the next sequence number and runs the
+algorithm on flat numpy views of the user's buffers; ``iX`` forms return a
+:class:`~collectives.handles.Handle`. Repeated blocking calls run as
+prepared calls (:mod:`.prepared`).
+
+Failures (the contract, in full in docs/failures.md):
+
+* Every call carries its signature; ranks that disagree raise
+  :class:`~collectives.errors.MismatchedCollective` before touching each
+  other's data, and the communicator is aborted.
+* A rank whose own arguments are wrong once the algorithm is known refuses
+  the call: on a shared window (and for a root's arguments everywhere)
+  every rank raises :class:`~collectives.errors.BadArgument` in that same
+  call and the communicator stays usable; over messages a non-root's
+  refusal aborts the communicator, so that the others raise at once.
+* Any other error during a call (a timeout, a lost peer, a mismatch) aborts
+  the communicator on every rank: later calls raise at once with the
+  original reason. :meth:`Communicator.abort` does the same on demand.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
+import os
 import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import native
+from . import native, signature
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES, CallContext
-from .errors import BadArgument, CollectiveError, PeerLost
+from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
 from .handles import Handle, Lane, RequestHandle
-from .ops import Op, get_op
-from .registry import Algorithm, algorithm as lookup_algorithm
+from .planning import ROOTED, Plan, Planner
+from .prepared import PreparedCalls, apart, flat_array, rooted_key
 from .selection import RuleSelector, Selector
+from .signature import NO_SIG, REFUSED
 from .transport import Transport
 
-__all__ = ["Communicator", "live_communicators"]
+__all__ = ["Communicator", "live_communicators", "VERDICT_BYTES"]
 
 _TAG_SPACE = 1 << 27
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+#: Bytes of a root's verdict on a rooted call over messages: a status byte, a reason.
+VERDICT_BYTES = 256
 
 
 def live_communicators() -> list["Communicator"]:
@@ -37,53 +55,19 @@ def live_communicators() -> list["Communicator"]:
     return list(_live)
 
 
-class _Plan:
-    """A validated call: the algorithm, its arguments, the result and a finalizer."""
-
-    __slots__ = ("algo", "args", "result", "finalize", "write_backs")
-
-    def __init__(self, algo: Algorithm, args: tuple, result: Any,
-                 finalize: Callable[[], None] | None = None) -> None:
-        self.algo, self.args, self.result, self.finalize = algo, args, result, finalize
-        self.write_backs: list[Callable[[], None]] = []
+def signature_checks() -> bool:
+    """Whether calls carry signatures (``COLLECTIVES_SIGNATURE_CHECKS=0``
+    turns them off, to measure what they cost; never for real work)."""
+    return os.environ.get("COLLECTIVES_SIGNATURE_CHECKS", "1") != "0"
 
 
-class _Prepared:
-    """A blocking call validated once for its signature (collective, algorithm,
-    root, op, and each buffer's dtype and size): repeated calls with the same
-    signature skip validation and selection and run at once, as MPI's
-    persistent collectives do.
+class _Refused(Exception):
+    """A refusal the peers learn only through an abort (a non-root's own
+    arguments, over messages)."""
 
-    Attributes:
-        algo: the algorithm.
-        writes: per array of the call, whether it is written (checked writable).
-        args: ``args(arrays)``, the algorithm's arguments for this call's arrays.
-        func: the algorithm's own persistent plan for this signature (see
-            :class:`~collectives.registry.Algorithm`), else its function.
-        ctx: the call context, reused (its tag and deadline set per call).
-        check: an extra per-call check ``check(arrays) -> bool`` (False: full path).
-        direct: the persistent plan's ``on_arrays``, ``(go, settle)``: it runs
-            from the call's arrays, ``go(arrays)``, and when that returns what
-            to wait for, ``settle(arrays, late, deadline)``; None if it has none.
-    """
-
-    __slots__ = ("algo", "writes", "args", "func", "ctx", "check", "direct")
-
-    def __init__(self, algo: Algorithm, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
-                 func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None,
-                 direct: tuple | None = None) -> None:
-        self.algo, self.writes, self.args, self.func, self.ctx, self.check = algo, writes, args, func, ctx, check
-        self.direct = direct
-
-
-def _flat_array(buf: Any) -> bool:
-    """Whether ``buf`` can take a prepared call: a 1-D numpy array."""
-    return type(buf) is np.ndarray and buf.ndim == 1
-
-
-def _apart(arrays: tuple) -> bool:
-    """Whether two contiguous arrays' memory does not overlap (alltoall's sendbuf and recvbuf)."""
-    return not np.may_share_memory(arrays[0], arrays[1])
+    def __init__(self, error: BadArgument) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Communicator:
@@ -97,7 +81,8 @@ class Communicator:
         segment_bytes: pipeline segment size of large messages.
 
     A communicator is used from one thread at a time. Every rank must call
-    the collectives in the same order with matching arguments.
+    the collectives in the same order with matching arguments; ranks that do
+    not get :class:`~collectives.errors.MismatchedCollective`.
     """
 
     def __init__(self, transport: Transport, *, timeout: float = 60.0,
@@ -106,20 +91,18 @@ class Communicator:
         self.rank: int = transport.rank
         self.size: int = transport.size
         self.timeout = float(timeout)
-        self._prepared: dict[tuple, _Prepared | None] = {}
+        self._prepared = PreparedCalls()
+        self._capabilities = frozenset(transport.capabilities)
         self.selector = selector if selector is not None else RuleSelector()
         self.segment_bytes = segment_bytes
-        self._capabilities = frozenset(transport.capabilities)
+        self._planner = Planner(self.rank, self.size, transport, self._choose)
+        self._signed = signature_checks()
         self._seq = 0
         self._scratch: dict = {}
         self._lane = Lane(f"collectives-rank{self.rank}")
         self._broken: CollectiveError | None = None
         self._closed = False
-        self._stages: list[Callable[[], None]] = []
-        self._ok_dtypes: set[np.dtype] = set()
-        self._algorithms: dict[tuple[str, str], Algorithm] = {}
         self._eager = False
-        self._ops: dict[tuple[str, np.dtype], Op] = {}
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -133,6 +116,9 @@ class Communicator:
     def selector(self, selector: Selector) -> None:
         self._selector = selector
         self._prepared.clear()  # prepared calls follow the old choices
+
+    def _choose(self, collective: str, nbytes: int, dtype: np.dtype) -> str:
+        return self._selector.choose(collective, nbytes, self.size, dtype, self._capabilities)
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, transport={self.transport.name!r})"
@@ -156,10 +142,20 @@ class Communicator:
             self.transport.close()
             _live.discard(self)
 
-    def abort(self, reason: str) -> None:
-        """Make every peer's pending and future operations raise PeerLost(reason)."""
-        self._broken = self._broken or PeerLost(f"rank {self.rank} aborted: {reason}", self.rank)
-        self.transport.abort(f"rank {self.rank}: {reason}")
+    @property
+    def aborted(self) -> CollectiveError | None:
+        """The error that aborted this communicator, or None while it works."""
+        return self._broken
+
+    def abort(self, reason: str = "aborted by the application") -> None:
+        """Abort the communicator on every rank, without waiting for anyone:
+        every peer's pending and later calls raise PeerLost(reason), and so
+        do this rank's."""
+        err = PeerLost(f"rank {self.rank}: {reason}", self.rank)
+        err.origin = self.rank
+        if self._broken is None:
+            self._broken = err
+        self.transport.abort(abort_reason(PeerLost(reason, self.rank)))
 
     def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
         """An uninitialized array in the transport's shared memory (when it has
@@ -180,45 +176,38 @@ class Communicator:
 
     # ------------------------------------------------------------- machinery
 
-    def _flat(self, buf: Any, *, writable: bool, what: str) -> np.ndarray:
-        """A flat host view of ``buf``; device arrays are staged (see buffers.flat)."""
-        if type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype in self._ok_dtypes:
-            flags = buf.flags  # the hot path: a contiguous 1-D numpy array
-            if flags.c_contiguous and (flags.writeable or not writable):
-                return buf
-        arr = flat(buf, writable=writable, what=what, stages=self._stages)
-        self._ok_dtypes.add(arr.dtype)
-        return arr
+    def _check_open(self) -> None:
+        self._planner.stages = []
+        if self._broken is not None:
+            raise self._again()
+        if self._closed:
+            raise BadArgument(f"rank {self.rank}: the communicator is closed")
 
-    def _take_stages(self, plan: _Plan) -> _Plan:
-        plan.write_backs, self._stages = self._stages, []
+    def _again(self) -> CollectiveError:
+        """The error every call raises once the communicator is aborted."""
+        b = self._broken
+        said = str(b).removeprefix(f"rank {self.rank}: ")
+        text = f"rank {self.rank}: the communicator was aborted by an earlier error: {said}"
+        err = PeerLost(text, b.peer) if isinstance(b, PeerLost) else type(b)(text)
+        err.origin, err.collective, err.seq = b.origin, b.collective, b.seq
+        return err
+
+    def _plan(self, make: Callable[..., Plan], *args: Any) -> Plan:
+        """``make(*args)`` on an open communicator, with the staged device buffers' write-backs."""
+        self._check_open()
+        try:
+            plan = make(*args)
+        except BadArgument as exc:
+            what = make.__name__.removesuffix("v")
+            if not str(exc).startswith("rank "):
+                exc.args = (f"rank {self.rank}, {what}: {exc}",)
+            raise
+        plan.write_backs, self._planner.stages = self._planner.stages, []
         return plan
 
-    def _check_open(self) -> None:
-        self._stages = []
-        if self._broken is not None:
-            raise self._broken
-        if self._closed:
-            raise BadArgument("communicator is closed")
-
-    def _check_rank(self, r: int, what: str) -> int:
-        if not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
-            raise BadArgument(f"{what} {r!r} out of range for {self.size} ranks")
-        return int(r)
-
-    def _pick(self, collective: str, name: str, nbytes: int, dtype: np.dtype) -> Algorithm:
-        if name == "auto":
-            name = self.selector.choose(collective, nbytes, self.size, dtype, self._capabilities)
-        algo = self._algorithms.get((collective, name))
-        if algo is not None:
-            return algo
-        algo = lookup_algorithm(collective, name)
-        if not algo.needs <= self._capabilities:
-            raise BadArgument(
-                f"{collective} algorithm {name!r} needs {', '.join(sorted(algo.needs))}, "
-                f"which transport {self.transport.name!r} does not offer")
-        self._algorithms[(collective, name)] = algo
-        return algo
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) % _TAG_SPACE
+        return self._seq
 
     def _run_prepared(self, key: tuple, arrays: tuple, timeout: float | None) -> bool:
         """Run the prepared call of ``key``; False (nothing done) when there is
@@ -236,114 +225,137 @@ class Communicator:
                 return False
             if entry.check is not None and not entry.check(arrays):
                 return False
-        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        start = time.monotonic()
+        limit = self.timeout if timeout is None else float(timeout)
         self._seq = seq = (self._seq + 1) % _TAG_SPACE  # tags in step with the full path: ranks may mix both
         try:
             direct = entry.direct
             if direct is not None:  # a native plan on the call's arrays as they are
-                late = direct[0](arrays)
+                late = direct[0](arrays, seq, entry.sig)
                 if late is not None:
-                    direct[1](arrays, late, deadline)
+                    direct[1](arrays, late, start + limit)
             else:
                 ctx = entry.ctx
-                ctx.tag, ctx.deadline = 2 * seq + 1, deadline
+                ctx.tag, ctx.deadline = 2 * seq + 1, start + limit
+                ctx.sig = signature.with_seq(entry.sig, seq)
+                self.transport.begin_call(seq, ctx.sig)
                 entry.func(ctx, *entry.args(arrays))
-        except BadArgument:
-            raise  # every rank detects it alike, before sending
         except BaseException as exc:
-            self._fail(entry.algo, exc)
-            raise
+            raise self._failed(entry.collective, entry.algo.name, seq, exc, start, limit) from None
         return True
 
-    def _rooted_key(self, collective: str, algorithm: str, root: Any, everywhere: Any,
-                    on_root: Any) -> tuple[tuple | None, Any]:
-        """Key of a prepared gather or scatter, whose ``everywhere`` buffer every
-        rank passes and ``on_root`` only the root, with that buffer as this
-        rank takes it (None off the root); (None, None) where the call cannot
-        be prepared."""
-        if not (_flat_array(everywhere) and type(root) is int):
-            return None, None
-        mine = on_root if root == self.rank else None
-        if mine is not None and not _flat_array(mine):
-            return None, None
-        return (collective, algorithm, root, everywhere.dtype, everywhere.size,
-                None if mine is None else (mine.dtype, mine.size)), mine
-
-    def _remember(self, key: tuple, plan: _Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
+    def _remember(self, key: tuple, plan: Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                   check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
-        """Keep ``plan`` (just validated by the full path) for repeated calls of
-        ``key``, with the algorithm's own persistent plan where it offers one.
-        ``as_is``: the call's arrays are the algorithm's array arguments, in
-        order (so a persistent plan's ``on_arrays`` may take them directly).
-        Plans with a finalizer (``avg``) or staged device buffers are not kept."""
-        if key in self._prepared:
-            return
-        entry = None
-        if plan.finalize is None and not self._stages:
-            func = plan.algo.func
-            if plan.algo.prepare is not None:
-                func = plan.algo.prepare(self.transport, *plan.args) or func
-            ctx = CallContext(self.transport, 0, 0.0, self.segment_bytes, self._scratch)
-            entry = _Prepared(plan.algo, writes, args, func, ctx, check,
-                              getattr(func, "on_arrays", None) if as_is else None)
-        if len(self._prepared) >= 256:
-            self._prepared.clear()
-        self._prepared[key] = entry
+        self._prepared.remember(key, plan, self.transport, self.segment_bytes, self._scratch, writes, args,
+                                bool(plan.write_backs), check, as_is)
 
-    def _next_tag(self) -> int:
-        self._seq = (self._seq + 1) % _TAG_SPACE
-        return 2 * self._seq + 1
-
-    def _execute(self, plan: _Plan, tag: int, timeout: float) -> Any:
-        ctx = CallContext(self.transport, tag, time.monotonic() + timeout,
-                          self.segment_bytes, self._scratch)
+    def _execute(self, plan: Plan, seq: int, timeout: float) -> Any:
+        start = time.monotonic()
+        sig = signature.with_seq(plan.sig, seq) if self._signed else NO_SIG
+        ctx = CallContext(self.transport, 2 * seq + 1, start + timeout, self.segment_bytes, self._scratch, sig)
         try:
+            self.transport.begin_call(seq, sig, plan.refusal)
+            if plan.refusal is not None:
+                self._refuse(ctx, plan)
+            if plan.root is not None and plan.collective in ROOTED and self.size > 1 and not plan.algo.needs:
+                self._root_verdict(ctx, plan)
             plan.algo.func(ctx, *plan.args)
-        except BadArgument:
-            raise  # every rank detects it alike, before sending
         except BaseException as exc:
-            self._fail(plan.algo, exc)
-            raise
+            raise self._failed(plan.collective, plan.algo.name, seq, exc, start, timeout, plan.refusal) from None
         if plan.finalize is not None:
             plan.finalize()
         for write_back in plan.write_backs:
             write_back()
         return plan.result
 
-    def _fail(self, algo: Algorithm, exc: BaseException) -> None:
-        """A failure mid-collective breaks the communicator and aborts the peers."""
-        if isinstance(exc, PeerLost):
-            self._broken = exc
-        reason = f"{algo.collective}/{algo.name} failed: {type(exc).__name__}: {exc}"
+    def _refuse(self, ctx: CallContext, plan: Plan) -> None:
+        """Take part in a call this rank refuses, so that every rank raises
+        BadArgument in it (see the module docstring); always raises."""
+        own = BadArgument(f"rank {self.rank}: {plan.refusal}")
+        if self.size == 1:
+            raise own
+        if "window" in plan.algo.needs:  # every rank's first step through the window: the verdict
+            try:
+                self.transport.window.arrive(ctx.tag >> 1, ctx.deadline)
+            except BadArgument:
+                raise own from None
+            raise own
+        if plan.collective in ROOTED and plan.root == self.rank and not plan.algo.needs:
+            self._root_verdict(ctx, plan)
+        raise _Refused(own)
+
+    def _root_verdict(self, ctx: CallContext, plan: Plan) -> None:
+        """A rooted call over messages starts with the root's verdict on its
+        own arguments, sent to every other rank before any data: a refusal
+        then reaches every rank before anything is sent."""
+        buf = np.zeros(VERDICT_BYTES, np.uint8)
+        sig = (ctx.sig[0] & ~REFUSED, ctx.sig[1], ctx.sig[2])
+        root, t = plan.root, self.transport
+        if self.rank == root:
+            if plan.refusal is not None:
+                text = plan.refusal.encode("utf-8", "replace")[:VERDICT_BYTES - 1]
+                buf[0], buf[1:1 + len(text)] = 1, np.frombuffer(text, np.uint8)
+            ctx.waitall([t.isend(buf, r, ctx.tag, sig) for r in range(self.size) if r != root])
+            if plan.refusal is not None:
+                raise BadArgument(f"rank {self.rank}: {plan.refusal}")
+            return
+        t.irecv(buf, root, ctx.tag, sig).wait(ctx.remaining())
+        if buf[0]:
+            why = bytes(buf[1:]).rstrip(b"\0").decode("utf-8", "replace")
+            raise BadArgument(f"rank {self.rank}: {signature.describe(sig)} was refused by its root, "
+                              f"rank {root}: {why}")
+
+    def _failed(self, collective: str, algorithm: str, seq: int, exc: BaseException, start: float,
+                timeout: float, refusal: str | None = None) -> BaseException:
+        """The error to raise for ``exc`` from call ``seq``: named, and, unless
+        the call was refused alike everywhere, the communicator aborted on
+        every rank (``exc`` itself when it is no error of the library's)."""
+        refused_alone = isinstance(exc, _Refused)
+        if refused_alone:
+            exc = exc.error
+        if not isinstance(exc, CollectiveError):
+            self._abort_after(PeerLost(f"rank {self.rank}, {collective} #{seq}: {type(exc).__name__}: {exc}",
+                                       self.rank))
+            return exc
+        if isinstance(exc, CollectiveTimeout) and exc.collective is None:
+            elapsed = time.monotonic() - start
+            exc.args = (f"{exc.args[0] if exc.args else ''} (timed out after {elapsed:.3g} s; "
+                        f"the timeout is {timeout:.3g} s)",)
+        annotate(exc, self.rank, collective, seq, algorithm)
+        if isinstance(exc, BadArgument) and not refused_alone and self._broken is None:
+            return exc  # refused alike on every rank in this call: the communicator goes on
+        self._abort_after(exc)
+        return exc
+
+    def _abort_after(self, exc: CollectiveError) -> None:
+        """Abort the communicator after ``exc`` (the first reason stays)."""
         if self._broken is None:
-            self._broken = PeerLost(f"rank {self.rank}: {reason}", self.rank)
+            self._broken = exc
         try:
-            self.transport.abort(f"rank {self.rank}: {reason}")
+            self.transport.abort(abort_reason(exc))
         except Exception:
             pass
 
-    def _call(self, plan: _Plan, timeout: float | None) -> Any:
+    def _call(self, plan: Plan, timeout: float | None) -> Any:
         timeout = self.timeout if timeout is None else float(timeout)
-        self._take_stages(plan)
-        tag = self._next_tag()
+        seq = self._next_seq()
         if not self._lane.idle:
             self._lane.drain(timeout)
-        return self._execute(plan, tag, timeout)
+        return self._execute(plan, seq, timeout)
 
-    def _post(self, plan: _Plan, timeout: float | None) -> Handle:
+    def _post(self, plan: Plan, timeout: float | None) -> Handle:
         timeout = self.timeout if timeout is None else float(timeout)
-        self._take_stages(plan)
-        tag = self._next_tag()
+        seq = self._next_seq()
         handle = Handle(timeout)
         if self._eager and self._lane.idle:
             try:
-                result = self._execute(plan, tag, timeout)
+                result = self._execute(plan, seq, timeout)
             except BaseException as exc:  # delivered to the waiter, as from the worker
                 handle._finish(error=exc)
             else:
                 handle._finish(result=result)
             return handle
-        return self._lane.submit(lambda: self._execute(plan, tag, timeout), handle)
+        return self._lane.submit(lambda: self._execute(plan, seq, timeout), handle)
 
     @contextlib.contextmanager
     def eager(self) -> Iterator["Communicator"]:
@@ -358,158 +370,11 @@ class Communicator:
         finally:
             self._eager = previous
 
-    def _op(self, op: Any, dtype: np.dtype) -> Op:
-        key = (op, dtype) if isinstance(op, str) else None
-        o = self._ops.get(key) if key is not None else None
-        if o is None:
-            o = get_op(op)
-            o.check(dtype)
-            wrap = getattr(self.transport, "wrap_op", None)  # e.g. the sim charges reductions
-            if wrap is not None:
-                o = wrap(o)
-            if key is not None:
-                self._ops[key] = o
-        return o
-
-    @staticmethod
-    def _same_dtype(a: np.ndarray, b: np.ndarray, what: str) -> None:
-        if a.dtype != b.dtype:
-            raise BadArgument(f"{what}: sendbuf has dtype {a.dtype}, recvbuf has {b.dtype}")
-
     def _counts(self, counts: Sequence[int]) -> tuple[list[int], list[int]]:
-        counts = [int(c) for c in counts]
-        if len(counts) != self.size or any(c < 0 for c in counts):
-            raise BadArgument(f"counts must be {self.size} non-negative integers, got {counts}")
-        displs = [0] * self.size
-        for i in range(1, self.size):
-            displs[i] = displs[i - 1] + counts[i - 1]
-        return counts, displs
-
-    # ------------------------------------------------------------- planners
-
-    def _plan_bcast(self, buf, root, algorithm) -> _Plan:
-        self._check_open()
-        root = self._check_rank(root, "root")
-        arr = self._flat(buf, writable=True, what="buf")
-        algo = self._pick("bcast", algorithm, arr.nbytes, arr.dtype)
-        return _Plan(algo, (arr, root), buf)
-
-    def _plan_reduce(self, buf, root, op, algorithm) -> _Plan:
-        self._check_open()
-        root = self._check_rank(root, "root")
-        arr = self._flat(buf, writable=self.rank == root, what="buf")
-        o = self._op(op, arr.dtype)
-        algo = self._pick("reduce", algorithm, arr.nbytes, arr.dtype)
-        fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" and self.rank == root else None
-        return _Plan(algo, (arr, root, o), buf, fin)
-
-    def _plan_allreduce(self, buf, op, algorithm, out) -> _Plan:
-        self._check_open()
-        if out is not None:
-            src = self._flat(buf, writable=False, what="buf")
-            arr = self._flat(out, writable=True, what="out")
-            if src.shape != arr.shape or src.dtype != arr.dtype:
-                raise BadArgument(f"out has {arr.size} x {arr.dtype}, buf {src.size} x {src.dtype}")
-            result = out
-        else:
-            arr = src = self._flat(buf, writable=True, what="buf")
-            result = buf
-        o = self._op(op, arr.dtype)
-        algo = self._pick("allreduce", algorithm, arr.nbytes, arr.dtype)
-        if src is not arr:
-            native.copy(arr, src)
-        fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" else None
-        return _Plan(algo, (arr, o), result, fin)
-
-    def _plan_scatterv(self, sendbuf, recvbuf, counts, root, algorithm) -> _Plan:
-        self._check_open()
-        root = self._check_rank(root, "root")
-        counts, _ = self._counts(counts)
-        recv = self._flat(recvbuf, writable=True, what="recvbuf")
-        if recv.size != counts[self.rank]:
-            raise BadArgument(f"recvbuf holds {recv.size} elements, counts[{self.rank}] is {counts[self.rank]}")
-        send = None
-        if self.rank == root:
-            send = self._flat(sendbuf, writable=False, what="sendbuf")
-            self._same_dtype(send, recv, "scatter")
-            if send.size != sum(counts):
-                raise BadArgument(f"sendbuf on the root holds {send.size} elements, expected {sum(counts)}")
-        algo = self._pick("scatter", algorithm, sum(counts) * recv.itemsize, recv.dtype)
-        return _Plan(algo, (send, recv, root, counts), recvbuf)
-
-    def _plan_gatherv(self, sendbuf, recvbuf, counts, root, algorithm) -> _Plan:
-        self._check_open()
-        root = self._check_rank(root, "root")
-        counts, _ = self._counts(counts)
-        send = self._flat(sendbuf, writable=False, what="sendbuf")
-        if send.size != counts[self.rank]:
-            raise BadArgument(f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
-        recv = None
-        if self.rank == root:
-            recv = self._flat(recvbuf, writable=True, what="recvbuf")
-            self._same_dtype(send, recv, "gather")
-            if recv.size != sum(counts):
-                raise BadArgument(f"recvbuf on the root holds {recv.size} elements, expected {sum(counts)}")
-        algo = self._pick("gather", algorithm, sum(counts) * send.itemsize, send.dtype)
-        return _Plan(algo, (send, recv, root, counts), recvbuf if self.rank == root else None)
-
-    def _plan_allgatherv(self, sendbuf, recvbuf, counts, algorithm) -> _Plan:
-        self._check_open()
-        counts, displs = self._counts(counts)
-        recv = self._flat(recvbuf, writable=True, what="recvbuf")
-        if recv.size != sum(counts):
-            raise BadArgument(f"recvbuf holds {recv.size} elements, expected {sum(counts)}")
-        mine = recv[displs[self.rank]:displs[self.rank] + counts[self.rank]]
-        if sendbuf is not None:
-            send = self._flat(sendbuf, writable=False, what="sendbuf")
-            self._same_dtype(send, recv, "allgather")
-            if send.size != counts[self.rank]:
-                raise BadArgument(f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
-        else:
-            send = mine
-        algo = self._pick("allgather", algorithm, recv.nbytes, recv.dtype)
-        if send is not mine and send.size:
-            native.copy(mine, send)  # a no-op copy when sendbuf already is this rank's block
-        return _Plan(algo, (recv, counts), recvbuf)
+        return self._planner.counts(counts)
 
     def _even_counts(self, total: int, what: str) -> list[int]:
-        if total % self.size:
-            raise BadArgument(f"{what} holds {total} elements, not a multiple of {self.size} ranks")
-        return [total // self.size] * self.size
-
-    def _plan_reduce_scatter(self, sendbuf, recvbuf, op, algorithm, counts=None) -> _Plan:
-        self._check_open()
-        send = self._flat(sendbuf, writable=False, what="sendbuf")
-        recv = self._flat(recvbuf, writable=True, what="recvbuf")
-        self._same_dtype(send, recv, "reduce_scatter")
-        if counts is None:
-            if send.size != recv.size * self.size:
-                raise BadArgument(f"sendbuf holds {send.size} elements, expected {self.size} x {recv.size}")
-            counts = [recv.size] * self.size
-        counts, _ = self._counts(counts)
-        if send.size != sum(counts) or recv.size != counts[self.rank]:
-            raise BadArgument(f"sendbuf/recvbuf sizes {send.size}/{recv.size} do not match counts {counts}")
-        o = self._op(op, send.dtype)
-        algo = self._pick("reduce_scatter", algorithm, send.nbytes, send.dtype)
-        fin = (lambda: o.finalize(recv, self.size)) if o.name == "avg" else None
-        return _Plan(algo, (send, recv, counts, o), recvbuf, fin)
-
-    def _plan_alltoall(self, sendbuf, recvbuf, algorithm) -> _Plan:
-        self._check_open()
-        send = self._flat(sendbuf, writable=False, what="sendbuf")
-        recv = self._flat(recvbuf, writable=True, what="recvbuf")
-        self._same_dtype(send, recv, "alltoall")
-        if send.size != recv.size:
-            raise BadArgument(f"sendbuf holds {send.size} elements, recvbuf {recv.size}")
-        self._even_counts(send.size, "sendbuf")
-        if np.shares_memory(send, recv):
-            raise BadArgument("alltoall: sendbuf and recvbuf overlap")
-        algo = self._pick("alltoall", algorithm, send.nbytes, send.dtype)
-        return _Plan(algo, (send, recv), recvbuf)
-
-    def _plan_barrier(self, algorithm) -> _Plan:
-        self._check_open()
-        return _Plan(self._pick("barrier", algorithm, 0, np.dtype(np.uint8)), (), None)
+        return self._planner.even_counts(total, what)
 
     # ----------------------------------------------------------- collectives
 
@@ -526,10 +391,10 @@ class Communicator:
         Returns:
             ``buf``.
         """
-        key = ("bcast", algorithm, root, buf.dtype, buf.size) if _flat_array(buf) and type(root) is int else None
+        key = ("bcast", algorithm, root, buf.dtype, buf.size) if flat_array(buf) and type(root) is int else None
         if key is not None and self._run_prepared(key, (buf,), timeout):
             return buf
-        plan = self._plan_bcast(buf, root, algorithm)
+        plan = self._plan(self._planner.bcast, buf, root, algorithm)
         if key is not None:
             self._remember(key, plan, (True,), lambda a: (a[0], root))
         return self._call(plan, timeout)
@@ -537,7 +402,7 @@ class Communicator:
     def ibcast(self, buf: Any, root: int = 0, *, algorithm: str = "auto",
                timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`bcast`."""
-        return self._post(self._plan_bcast(buf, root, algorithm), timeout)
+        return self._post(self._plan(self._planner.bcast, buf, root, algorithm), timeout)
 
     def reduce(self, buf: Any, root: int = 0, op: Any = "sum", *, algorithm: str = "auto",
                timeout: float | None = None) -> Any:
@@ -546,11 +411,11 @@ class Communicator:
         Other ranks' ``buf`` is left unchanged. Returns ``buf``.
         """
         key = (("reduce", algorithm, root, op, buf.dtype, buf.size)
-               if _flat_array(buf) and type(root) is int and type(op) is str else None)
+               if flat_array(buf) and type(root) is int and type(op) is str else None)
         if key is not None and self._run_prepared(key, (buf,), timeout):
             return buf
-        plan = self._plan_reduce(buf, root, op, algorithm)
-        if key is not None:
+        plan = self._plan(self._planner.reduce, buf, root, op, algorithm)
+        if key is not None and plan.args is not None:
             o = plan.args[2]
             self._remember(key, plan, (self.rank == root,), lambda a: (a[0], root, o))
         return self._call(plan, timeout)
@@ -558,7 +423,7 @@ class Communicator:
     def ireduce(self, buf: Any, root: int = 0, op: Any = "sum", *, algorithm: str = "auto",
                 timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`reduce`."""
-        return self._post(self._plan_reduce(buf, root, op, algorithm), timeout)
+        return self._post(self._plan(self._planner.reduce, buf, root, op, algorithm), timeout)
 
     def allreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
                   timeout: float | None = None, out: Any = None) -> Any:
@@ -577,8 +442,8 @@ class Communicator:
                if out is None and type(buf) is np.ndarray and buf.ndim == 1 and type(op) is str else None)
         if key is not None and self._run_prepared(key, (buf,), timeout):
             return buf
-        plan = self._plan_allreduce(buf, op, algorithm, out)
-        if key is not None:
+        plan = self._plan(self._planner.allreduce, buf, op, algorithm, out)
+        if key is not None and plan.args is not None:
             o = plan.args[1]
             self._remember(key, plan, (True,), lambda a: (a[0], o))
         return self._call(plan, timeout)
@@ -586,7 +451,7 @@ class Communicator:
     def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
                    timeout: float | None = None, out: Any = None) -> Handle:
         """Nonblocking :meth:`allreduce`."""
-        return self._post(self._plan_allreduce(buf, op, algorithm, out), timeout)
+        return self._post(self._plan(self._planner.allreduce, buf, op, algorithm, out), timeout)
 
     def scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, *, algorithm: str = "auto",
                 timeout: float | None = None) -> Any:
@@ -595,12 +460,11 @@ class Communicator:
         ``sendbuf`` (p times ``recvbuf``'s size) matters only on the root.
         Returns ``recvbuf``.
         """
-        key, send = self._rooted_key("scatter", algorithm, root, recvbuf, sendbuf)
+        key, send = rooted_key("scatter", algorithm, root, recvbuf, sendbuf, self.rank)
         if key is not None and self._run_prepared(key, (send, recvbuf), timeout):
             return recvbuf
-        recv_count = element_count(recvbuf)
-        counts = [recv_count] * self.size
-        plan = self._plan_scatterv(sendbuf, recvbuf, counts, root, algorithm)
+        counts = [element_count(recvbuf)] * self.size
+        plan = self._plan(self._planner.scatterv, sendbuf, recvbuf, counts, root, algorithm, False)
         if key is not None:
             self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
         return self._call(plan, timeout)
@@ -608,18 +472,19 @@ class Communicator:
     def iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, *, algorithm: str = "auto",
                  timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`scatter`."""
-        recv_count = element_count(recvbuf)
-        return self._post(self._plan_scatterv(sendbuf, recvbuf, [recv_count] * self.size, root, algorithm), timeout)
+        counts = [element_count(recvbuf)] * self.size
+        return self._post(self._plan(self._planner.scatterv, sendbuf, recvbuf, counts, root, algorithm, False),
+                          timeout)
 
     def scatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
                  algorithm: str = "auto", timeout: float | None = None) -> Any:
         """Scatter with ``counts[i]`` elements for rank i (same counts on every rank)."""
-        return self._call(self._plan_scatterv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+        return self._call(self._plan(self._planner.scatterv, sendbuf, recvbuf, counts, root, algorithm), timeout)
 
     def iscatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
                   algorithm: str = "auto", timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`scatterv`."""
-        return self._post(self._plan_scatterv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+        return self._post(self._plan(self._planner.scatterv, sendbuf, recvbuf, counts, root, algorithm), timeout)
 
     def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *, algorithm: str = "auto",
                timeout: float | None = None) -> Any:
@@ -628,12 +493,11 @@ class Communicator:
         ``recvbuf`` (p times ``sendbuf``'s size) matters only on the root.
         Returns ``recvbuf`` on the root, None elsewhere.
         """
-        key, recv = self._rooted_key("gather", algorithm, root, sendbuf, recvbuf)
+        key, recv = rooted_key("gather", algorithm, root, sendbuf, recvbuf, self.rank)
         if key is not None and self._run_prepared(key, (sendbuf, recv), timeout):
             return recv
-        send_count = element_count(sendbuf)
-        counts = [send_count] * self.size
-        plan = self._plan_gatherv(sendbuf, recvbuf, counts, root, algorithm)
+        counts = [element_count(sendbuf)] * self.size
+        plan = self._plan(self._planner.gatherv, sendbuf, recvbuf, counts, root, algorithm, False)
         if key is not None:
             self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
         return self._call(plan, timeout)
@@ -641,18 +505,19 @@ class Communicator:
     def igather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *, algorithm: str = "auto",
                 timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`gather`."""
-        send_count = element_count(sendbuf)
-        return self._post(self._plan_gatherv(sendbuf, recvbuf, [send_count] * self.size, root, algorithm), timeout)
+        counts = [element_count(sendbuf)] * self.size
+        return self._post(self._plan(self._planner.gatherv, sendbuf, recvbuf, counts, root, algorithm, False),
+                          timeout)
 
     def gatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
                 algorithm: str = "auto", timeout: float | None = None) -> Any:
         """Gather with ``counts[i]`` elements from rank i (same counts on every rank)."""
-        return self._call(self._plan_gatherv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+        return self._call(self._plan(self._planner.gatherv, sendbuf, recvbuf, counts, root, algorithm), timeout)
 
     def igatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: int = 0, *,
                  algorithm: str = "auto", timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`gatherv`."""
-        return self._post(self._plan_gatherv(sendbuf, recvbuf, counts, root, algorithm), timeout)
+        return self._post(self._plan(self._planner.gatherv, sendbuf, recvbuf, counts, root, algorithm), timeout)
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
                   timeout: float | None = None) -> Any:
@@ -662,13 +527,13 @@ class Communicator:
         Returns ``recvbuf``.
         """
         key = None
-        if _flat_array(recvbuf) and (sendbuf is None or _flat_array(sendbuf)):
+        if flat_array(recvbuf) and (sendbuf is None or flat_array(sendbuf)):
             key = ("allgather", algorithm, recvbuf.dtype, recvbuf.size,
                    None if sendbuf is None else (sendbuf.dtype, sendbuf.size))
             if self._run_prepared(key, (recvbuf, sendbuf), timeout):
                 return recvbuf
         counts = self._even_counts(element_count(recvbuf), "recvbuf")
-        plan = self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm)
+        plan = self._plan(self._planner.allgatherv, sendbuf, recvbuf, counts, algorithm, False)
         if key is not None:
             lo = counts[0] * self.rank
             hi = lo + counts[0]
@@ -685,17 +550,17 @@ class Communicator:
                    timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`allgather`."""
         counts = self._even_counts(element_count(recvbuf), "recvbuf")
-        return self._post(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+        return self._post(self._plan(self._planner.allgatherv, sendbuf, recvbuf, counts, algorithm, False), timeout)
 
     def allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], *,
                    algorithm: str = "auto", timeout: float | None = None) -> Any:
         """Allgather with ``counts[i]`` elements from rank i (same counts on every rank)."""
-        return self._call(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+        return self._call(self._plan(self._planner.allgatherv, sendbuf, recvbuf, counts, algorithm), timeout)
 
     def iallgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], *,
                     algorithm: str = "auto", timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`allgatherv`."""
-        return self._post(self._plan_allgatherv(sendbuf, recvbuf, counts, algorithm), timeout)
+        return self._post(self._plan(self._planner.allgatherv, sendbuf, recvbuf, counts, algorithm), timeout)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *, algorithm: str = "auto",
                        timeout: float | None = None) -> Any:
@@ -704,12 +569,12 @@ class Communicator:
         Returns ``recvbuf``.
         """
         key = None
-        if _flat_array(sendbuf) and _flat_array(recvbuf) and type(op) is str:
+        if flat_array(sendbuf) and flat_array(recvbuf) and type(op) is str:
             key = ("reduce_scatter", algorithm, op, sendbuf.dtype, sendbuf.size, recvbuf.dtype, recvbuf.size)
             if self._run_prepared(key, (sendbuf, recvbuf), timeout):
                 return recvbuf
-        plan = self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm)
-        if key is not None:
+        plan = self._plan(self._planner.reduce_scatter, sendbuf, recvbuf, op, algorithm)
+        if key is not None and plan.args is not None:
             counts, o = plan.args[2], plan.args[3]
             self._remember(key, plan, (False, True), lambda a: (a[0], a[1], counts, o))
         return self._call(plan, timeout)
@@ -717,12 +582,13 @@ class Communicator:
     def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *, algorithm: str = "auto",
                         timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`reduce_scatter`."""
-        return self._post(self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm), timeout)
+        return self._post(self._plan(self._planner.reduce_scatter, sendbuf, recvbuf, op, algorithm), timeout)
 
     def reduce_scatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], op: Any = "sum", *,
                         algorithm: str = "auto", timeout: float | None = None) -> Any:
         """Reduce-scatter with blocks of ``counts[i]`` elements."""
-        return self._call(self._plan_reduce_scatter(sendbuf, recvbuf, op, algorithm, counts), timeout)
+        return self._call(self._plan(self._planner.reduce_scatter, sendbuf, recvbuf, op, algorithm, counts),
+                          timeout)
 
     def alltoall(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
                  timeout: float | None = None) -> Any:
@@ -731,32 +597,32 @@ class Communicator:
         Returns ``recvbuf``.
         """
         key = None
-        if _flat_array(sendbuf) and _flat_array(recvbuf):
+        if flat_array(sendbuf) and flat_array(recvbuf):
             key = ("alltoall", algorithm, sendbuf.dtype, sendbuf.size, recvbuf.dtype, recvbuf.size)
             if self._run_prepared(key, (sendbuf, recvbuf), timeout):
                 return recvbuf
-        plan = self._plan_alltoall(sendbuf, recvbuf, algorithm)
+        plan = self._plan(self._planner.alltoall, sendbuf, recvbuf, algorithm)
         if key is not None:
-            self._remember(key, plan, (False, True), lambda a: a, check=_apart)
+            self._remember(key, plan, (False, True), lambda a: a, check=apart)
         return self._call(plan, timeout)
 
     def ialltoall(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
                   timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`alltoall`."""
-        return self._post(self._plan_alltoall(sendbuf, recvbuf, algorithm), timeout)
+        return self._post(self._plan(self._planner.alltoall, sendbuf, recvbuf, algorithm), timeout)
 
     def barrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> None:
         """Wait until every rank has entered the barrier."""
         key = ("barrier", algorithm)
         if self._run_prepared(key, (), timeout):
             return
-        plan = self._plan_barrier(algorithm)
+        plan = self._plan(self._planner.barrier, algorithm)
         self._remember(key, plan, (), lambda a: ())
         self._call(plan, timeout)
 
     def ibarrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`barrier`."""
-        return self._post(self._plan_barrier(algorithm), timeout)
+        return self._post(self._plan(self._planner.barrier, algorithm), timeout)
 
     # -------------------------------------------------------- point to point
 
@@ -768,7 +634,7 @@ class Communicator:
     def isend(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
         """Start sending ``buf`` to ``dst``; do not modify ``buf`` until it completes."""
         self._check_open()
-        dst = self._check_rank(dst, "dst")
+        dst = self._planner.check_rank(dst, "dst")
         arr = flat(buf, writable=False, what="buf")
         req = self.transport.isend(arr, dst, self._p2p_tag(tag))
         return RequestHandle(req, None, self.timeout if timeout is None else timeout)
@@ -776,7 +642,7 @@ class Communicator:
     def irecv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
         """Start receiving into ``buf`` from ``src`` (exactly ``buf``'s size)."""
         self._check_open()
-        src = self._check_rank(src, "src")
+        src = self._planner.check_rank(src, "src")
         arr = flat(buf, writable=True, what="buf")
         req = self.transport.irecv(arr, src, self._p2p_tag(tag))
         return RequestHandle(req, buf, self.timeout if timeout is None else timeout)

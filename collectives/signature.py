@@ -220,18 +220,20 @@ def check_all(sigs: Sequence[Sig], rank: int, reasons: dict[int, str] | None = N
         return None
     plain = [(s[0] & ~REFUSED, s[1], s[2]) for s in sigs]
     refusers = [r for r, s in enumerate(sigs) if s[0] & REFUSED]
-    if refusers and all(s == plain[0] for s in plain):
-        r = refusers[0]
-        why = (reasons or {}).get(r) or "its arguments are invalid"
-        return BadArgument(f"rank {rank}: {describe(plain[0])} was refused by its root, rank {r}: {why}")
     decoded = [fields(s) for s in plain]
-    head = f"{decoded[rank]['collective']} #{decoded[rank]['seq']}"
     differ = [k for k in _FIELD_ORDER if len({str(f[k]) for f in decoded}) > 1]
+    head = (f"{decoded[0]['collective']} #{decoded[0]['seq']}" if "collective" not in differ
+            else f"call #{decoded[0]['seq']}")
     if set(differ) <= {"dtype", "count"}:  # the common case, said the short way
-        groups = _groups([f"{f['dtype']} x {f['count']}" for f in decoded])
-        return MismatchedCollective(f"{head}: {groups}")
-    said = "; ".join(f"{k}: " + _groups([_value(k, f[k]) for f in decoded]) for k in differ)
-    return MismatchedCollective(f"{head}: ranks disagree: {said}")
+        said = _groups([f"{f['dtype']} x {f['count']}" for f in decoded])
+    else:
+        said = "ranks disagree: " + "; ".join(f"{k}: " + _groups([_value(k, f[k]) for f in decoded])
+                                              for k in differ)
+    if refusers:  # a refusal comes first: nothing was exchanged, every rank raises it alike
+        why = "; ".join(f"rank {r} refused it: {(reasons or {}).get(r) or 'its arguments are invalid'}"
+                        for r in refusers)
+        return BadArgument(f"{head}: {why}" + (f" (and {said})" if differ else ""))
+    return MismatchedCollective(f"{head}: {said}")
 
 
 def _groups(values: Sequence[str]) -> str:

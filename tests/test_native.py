@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from collectives import native
+from collectives import native, signature
 from harness import run_ranks
 from reference import data, expect_equal, reduced
 
@@ -121,30 +121,57 @@ def test_fence_waits_bounded_and_rings_sleepers():
     two.close()
 
 
+SIG = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), 16)
+
+
 @needs_native
-def test_a_bcast_plan_waits_only_for_its_root():
+def test_a_bcast_plan_waits_for_every_rank_and_checks_their_signatures():
     two = _TwoRanks()
     K = native.native
     n = 16
     root_plan = two.windows[0].plan(1, [((0, 0, 0), two.slot(0), n)], [], None, [])
     leaf_plan = two.windows[1].plan(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0])
     got = np.zeros(n, np.uint8)
-    late = leaf_plan.run((got,))  # the root has not posted: the bounded wait gives up
+    late = leaf_plan.run((got,), 1, SIG)  # the root has not posted: the bounded wait gives up
     assert late == (0, K.K_POST, 1)
     with pytest.raises(RuntimeError):
-        leaf_plan.run((got,))  # a run that waits must be resumed (or abandoned) first
-    assert root_plan.run((np.arange(n, dtype=np.uint8),)) is None  # the root waits for nobody
+        leaf_plan.run((got,), 1, SIG)  # a run that waits must be resumed (or abandoned) first
+    assert root_plan.run((np.arange(n, dtype=np.uint8),), 1, SIG) is None  # the leaf posted: done
     assert two.counter(K.K_POST, 0) == 1
     assert leaf_plan.resume((got,)) is None
     assert np.array_equal(got, np.arange(n)) and two.counter(K.K_DONE, 1) == 1
     # the root laps the leaf: step 3 writes the half of step 1 only once the leaf is done with it
-    assert root_plan.run((np.full(n, 7, np.uint8),)) is None  # step 2
+    assert root_plan.run((np.full(n, 7, np.uint8),), 2, SIG) == (1, K.K_POST, 2)  # step 2: waits for the leaf
+    assert leaf_plan.run((got,), 2, SIG) is None and np.all(got == 7)
+    assert root_plan.resume((np.full(n, 7, np.uint8),)) is None
     two.set(K.K_DONE, 1, 0)  # pretend the leaf is not done with step 1
-    assert root_plan.run((np.full(n, 9, np.uint8),)) == (1, K.K_DONE, 1)
-    two.set(K.K_DONE, 1, 1)
-    assert root_plan.resume((np.full(n, 9, np.uint8),)) is None
-    assert leaf_plan.run((got,)) is None and np.all(got == 7)  # step 2
-    assert leaf_plan.run((got,)) is None and np.all(got == 9)  # step 3
+    assert root_plan.run((np.full(n, 9, np.uint8),), 3, SIG) == (1, K.K_DONE, 1)
+    two.set(K.K_DONE, 1, 2)
+    assert root_plan.resume((np.full(n, 9, np.uint8),)) == (1, K.K_POST, 3)
+    assert leaf_plan.run((got,), 3, SIG) is None and np.all(got == 9)
+    two.close()
+
+
+@needs_native
+def test_a_plan_reads_nothing_when_signatures_disagree():
+    two = _TwoRanks()
+    K = native.native
+    n = 16
+    other = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), 32)
+    root_plan = two.windows[0].plan(1, [((0, 0, 0), two.slot(0), n)], [], None, [])
+    leaf_plan = two.windows[1].plan(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0])
+    got = np.zeros(n, np.uint8)
+    assert leaf_plan.run((got,), 1, other) == (0, K.K_POST, 1)
+    assert root_plan.run((np.arange(n, dtype=np.uint8),), 1, SIG) == (1, K.K_VERDICT, 0)
+    assert leaf_plan.resume((got,)) == (0, K.K_VERDICT, 0)
+    assert not got.any()  # nothing read
+    assert two.windows[0].verify(1) == 1 and two.windows[1].verify(1) == 0
+    # a refusal (the refused bit) stops every rank too, the refuser first
+    refused = signature.refused(SIG)
+    assert root_plan.run((np.arange(n, dtype=np.uint8),), 2, refused) == (1, K.K_POST, 2)
+    assert leaf_plan.run((got,), 2, SIG) == (0, K.K_VERDICT, 0)
+    assert root_plan.resume((np.arange(n, dtype=np.uint8),)) == (0, K.K_VERDICT, 0)
+    assert not got.any()
     two.close()
 
 

@@ -14,8 +14,8 @@ later. A segment holds, in order:
 * the shared allocation pool (sparse: pages cost memory only once touched)
   from which :meth:`SharedMemoryTransport.alloc` carves user buffers.
 
-Messages are a 16-byte header (tag, length) followed by the payload, padded
-to 16 bytes, streamed through the ring as space frees up, so large messages
+Messages are a 48-byte header (tag, length, the call's signature) followed
+by the payload, padded to 16 bytes, streamed through the ring as space frees up, so large messages
 pipeline: the sender copies in while the receiver copies out. Counters are
 monotonically increasing 64-bit integers, each written by one process only
 (aligned 8-byte stores; x86 keeps stores in order, so no atomics are needed).
@@ -67,20 +67,22 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from collectives import signature
 from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost,
-                                TransportUnavailable)
+                                TransportUnavailable, from_abort)
 from collectives.signature import NO_SIG, Sig
 from collectives.transport import COMPLETED, Request, Transport
 from collectives import native
 from collectives.waiting import Backoff, futex_wait, futex_wake
 from collectives.transports.pages import HUGE_PAGE, PAGE, Adoptions, huge_pages, libc_function, populate
+from collectives.transports.shm_records import Q_INBOX, WAIT_MESSAGE, WAIT_WINDOW, CallRecords
 
 __all__ = ["SharedMemoryTransport", "ShmWindow"]
 
 SHM_DIR = "/dev/shm"
 MAGIC = 0x636F6C6C5F73686D  # "coll_shm"
 LINE = 64
-HEADER = struct.Struct("<qq")  # tag, payload length
+HEADER = struct.Struct("<qqQQQq")  # tag, payload length, the call's signature (3 words), padding
 HEADER_BYTES = HEADER.size
 MiB = 1 << 20
 
@@ -97,7 +99,7 @@ Q_SLEEP = 48             # line 6 (apart from the epoch's 128 bytes): 1 while th
 Q_POST, Q_DONE = 64, 80  # lines 8 and 10: the last window step whose data this rank
                          # posted, and the last it is done reading (native plans)
 Q_CPUS, CPU_WORDS = 96, 16  # lines 12 and 13: the cores this rank may run on (a bit each)
-REASON_OFFSET, REASON_MAX = 1024, PAGE - 1024
+REASON_OFFSET, REASON_MAX = 1024, 1536  # then the refusal reason (shm_records)
 
 PEER_CHECK_SECONDS = 0.002
 #: Spin this long before yielding when every rank has a core of its own.
@@ -209,11 +211,12 @@ class _Segment:
 
 
 class _ShmRequest(Request):
-    __slots__ = ("transport", "peer", "tag", "mv", "nbytes", "done", "error")
+    __slots__ = ("transport", "peer", "tag", "mv", "nbytes", "done", "error", "sig")
 
     kind = "request"
 
-    def __init__(self, transport: "SharedMemoryTransport", peer: int, tag: int, mv: memoryview) -> None:
+    def __init__(self, transport: "SharedMemoryTransport", peer: int, tag: int, mv: memoryview,
+                 sig: signature.Sig = NO_SIG) -> None:
         self.transport = transport
         self.peer = peer
         self.tag = tag
@@ -221,6 +224,7 @@ class _ShmRequest(Request):
         self.nbytes = len(mv)
         self.done = False
         self.error: BaseException | None = None
+        self.sig = sig
 
     def wait(self, timeout: float | None = None) -> None:
         if not self.done:
@@ -236,15 +240,16 @@ class _ShmRequest(Request):
         return self.done
 
     def describe(self) -> str:
-        return f"{self.kind} of {self.nbytes} B with rank {self.peer} (tag {self.tag})"
+        way = "to" if self.kind == "send" else "from"
+        return f"{self.kind} of {self.nbytes} B {way} rank {self.peer}"
 
 
 class _SendRequest(_ShmRequest):
     __slots__ = ("sent", "wire")
     kind = "send"
 
-    def __init__(self, transport, peer, tag, mv) -> None:
-        super().__init__(transport, peer, tag, mv)
+    def __init__(self, transport, peer, tag, mv, sig) -> None:
+        super().__init__(transport, peer, tag, mv, sig)
         self.sent = 0  # wire bytes pushed: header, payload, padding
         self.wire = HEADER_BYTES + _align(self.nbytes, 16)
 
@@ -257,11 +262,12 @@ class _RecvRequest(_ShmRequest):
 class _Unexpected:
     """A message that arrived before its receive was posted."""
 
-    __slots__ = ("data", "done")
+    __slots__ = ("data", "done", "sig")
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, sig: signature.Sig) -> None:
         self.data = bytearray(nbytes)
         self.done = False
+        self.sig = sig
 
 
 class _Incoming:
@@ -375,6 +381,9 @@ class ShmWindow:
         self._peers = [r for r in range(t.size) if r != t.rank]
         self._pids = [int(s.q[Q_PID]) for s in t._segs]
         self._turn = 0
+        self._armed: int | None = None  # a call whose first synchronisation is still to come
+        self._armed_turn = 0
+        self._records = t._records
         self._bounce: np.ndarray | None = None
         self._native = None
         ext = native.enabled()
@@ -382,7 +391,7 @@ class ShmWindow:
             # the same fence in C, with a bounded spin or yield; and plans
             spin, yields = (SPIN_SECONDS, 20e-6) if t._spin else (0.0, YIELD_SECONDS)
             self._native = ext.Window(*t._counter_words, t._sleep_words, t.rank,
-                                      int(spin * 1e9), int(yields * 1e9))
+                                      int(spin * 1e9), int(yields * 1e9), t._inbox_word)
 
     @property
     def cma(self) -> bool:
@@ -495,11 +504,57 @@ class ShmWindow:
             self._mapped_in.add(key)
             populate(self._pools[rank].ctypes.data + offset, nbytes)
 
+    def arm(self, seq: int) -> None:
+        """Call ``seq`` started (its record is written): its first :meth:`fence`
+        is its arrival (:meth:`arrive`)."""
+        self._armed, self._armed_turn = seq, self.turn
+
+    @property
+    def turn(self) -> int:
+        """Steps taken through the halves."""
+        return self._native.turn if self._native is not None else self._turn
+
+    def arrive(self, seq: int, deadline: float) -> None:
+        """The first synchronisation of call ``seq``: post this step (taking one
+        first if the call has not), wait until every rank posted it, and check
+        every rank's signature record before anything of a peer is read.
+
+        Raises:
+            MismatchedCollective: the records disagree (every rank raises alike).
+            BadArgument: a rank refused the call.
+            PeerLost, CollectiveTimeout, or a peer's abort.
+        """
+        self._armed = None
+        if self.turn == self._armed_turn:
+            self.step(deadline)
+        if self._native is not None:
+            while True:
+                late = self._native.arrive(seq)
+                if late is None:
+                    return
+                self._wait_for(late, deadline, seq)
+        k = self._turn
+        own = self._peer_q[self._t.rank]
+        own[Q_POST] = k
+        self._t._ring_all()
+        for r in self._peers:
+            if self._peer_q[r][Q_POST] < k:
+                self._t._wait_counter(self._peer_q[r], Q_POST, k, r, deadline, "shared window")
+        if self._records.verify(seq) >= 0:
+            raise self._records.verdict(seq)
+        aborted = int(own[Q_INBOX])
+        if aborted:
+            raise self._t._aborted_error(aborted - 1)
+
     def fence(self, deadline: float) -> None:
-        """Barrier: every rank's writes before its fence are visible after it."""
+        """Barrier: every rank's writes before its fence are visible after it
+        (the first fence of a call is its arrival: :meth:`arrive`)."""
         qs = self._peer_q
         if not qs:
             raise BadArgument("the shared-memory transport is closed")
+        if self._armed is not None:
+            self.arrive(self._armed, deadline)
+            return
         if self._native is not None:
             if not self._native.fence():
                 e = self._native.epoch
@@ -522,13 +577,25 @@ class ShmWindow:
 
     _KINDS = (Q_EPOCH, Q_POST, Q_DONE)
 
-    def _wait_for(self, late: tuple[int, int, int], deadline: float) -> None:
+    def _wait_for(self, late: tuple[int, int, int], deadline: float, seq: int | None = None) -> None:
         """Block until rank's counter of kind (epoch, post, done) reaches value:
-        the rest of a native wait whose bounded spin ran out."""
+        the rest of a native wait whose bounded spin ran out; raise when the
+        native code stopped for good (kind K_VERDICT or K_ABORTED)."""
         rank, kind, value = late
+        if kind < 0:
+            self._stopped(rank, kind, seq)
         q = self._peer_q[rank]
         if q[self._KINDS[kind]] < value:
             self._t._wait_counter(q, self._KINDS[kind], value, rank, deadline, "shared window", block_now=True)
+
+    def _stopped(self, rank: int, kind: int, seq: int | None) -> None:
+        """Raise why a native run stopped: the records' verdict, or a peer's abort."""
+        if kind == native.native.K_ABORTED:
+            raise self._t._aborted_error(rank)
+        if seq is None:
+            now = self._records.current()
+            seq = now[0] if now is not None else 0
+        raise self._records.verdict(seq)
 
     def step(self, deadline: float) -> int:
         """Take the next step through the halves (for an algorithm that writes
@@ -563,7 +630,8 @@ class ShmWindow:
         return self._native.plan(narrays, before, after, reduce, sources)
 
     def settle(self, plan: Any, arrays: tuple, late: tuple, deadline: float) -> None:
-        """Finish a plan's run that had to wait: block, resume, until done."""
+        """Finish a plan's run that had to wait or stopped: block, resume,
+        until done; raise the verdict of a run that stopped for good."""
         try:
             while late is not None:
                 self._wait_for(late, deadline)
@@ -755,6 +823,8 @@ class SharedMemoryTransport(Transport):
         self._counter_words: list[list[int]] = []  # and of its Q_EPOCH, Q_POST and Q_DONE counters
         self._watch: _PeerWatch | None = None
         self._window: ShmWindow | None = None
+        self._records: CallRecords | None = None
+        self._inbox_word = 0
         self._next_check = 0.0
         self.cma = False
         self._cma_wanted = cma
@@ -841,6 +911,9 @@ class SharedMemoryTransport(Transport):
         bases = [np.frombuffer(s.mm, np.uint8, 8).ctypes.data for s in segs]
         self._sleep_words = [b + Q_SLEEP * 8 for b in bases]
         self._counter_words = [[b + i * 8 for b in bases] for i in (Q_EPOCH, Q_POST, Q_DONE)]
+        self._inbox_word = bases[self.rank] + Q_INBOX * 8
+        self._records = CallRecords(self.rank, [s.q for s in segs], [s.mv for s in segs],
+                                    [int(s.q[Q_PID]) for s in segs])
         own.q[Q_ATTACHED] = 1
         self._ring_all()
         for r in range(self.size):
@@ -929,7 +1002,7 @@ class SharedMemoryTransport(Transport):
             if req.sent == 0:
                 if free < HEADER_BYTES:
                     break
-                HEADER.pack_into(ring, head % size, req.tag, req.nbytes)
+                HEADER.pack_into(ring, head % size, req.tag, req.nbytes, *req.sig, 0)
                 head += HEADER_BYTES
                 free -= HEADER_BYTES
                 req.sent = HEADER_BYTES
@@ -962,26 +1035,47 @@ class SharedMemoryTransport(Transport):
         if not queue:
             self._tx_busy.discard(dst)
 
-    def _match(self, src: int, tag: int, nbytes: int) -> _Incoming:
-        """Route a newly arrived message to its posted receive, or queue it as unexpected."""
+    def _match(self, src: int, tag: int, nbytes: int, sig: signature.Sig) -> _Incoming:
+        """Route a newly arrived message to its posted receive, or queue it as
+        unexpected; a receive whose signature or size disagrees fails (the
+        message is then read and dropped), and so does a collective receive
+        from ``src`` for another call (see :func:`~collectives.signature.out_of_step`)."""
         posted = self._posted[src].get(tag)
         if posted:
             req = posted.popleft()
             if not posted:
                 del self._posted[src][tag]
-            if req.nbytes != nbytes:
-                req.error = self._mismatch(src, tag, req.nbytes, nbytes)
-                req.done = True
+            err = self._disagreement(req, sig, nbytes)
+            if err is not None:
+                req.error, req.done = err, True
                 return _Incoming(tag, nbytes, None, None)
             return _Incoming(tag, nbytes, req.mv, req)
-        entry = _Unexpected(nbytes)
+        if tag & 1:
+            self._fail_out_of_step(src, tag, sig)
+        entry = _Unexpected(nbytes, sig)
         self._unexpected[src].setdefault(tag, collections.deque()).append(entry)
         return _Incoming(tag, nbytes, memoryview(entry.data), entry)
 
-    def _mismatch(self, src: int, tag: int, want: int, got: int) -> MismatchedCollective:
-        return MismatchedCollective(
-            f"rank {self.rank}: expected {want} bytes from rank {src} (tag {tag}), got {got} "
-            "(ranks disagree about the collective or its size)")
+    def _disagreement(self, req: _RecvRequest, sig: signature.Sig, nbytes: int) -> Exception | None:
+        """Why a message with ``sig`` and ``nbytes`` cannot complete ``req`` (None: it can)."""
+        if sig != req.sig:
+            err = signature.check_message(req.sig, sig, self.rank, req.peer)
+            if err is not None:
+                return err
+        if req.nbytes != nbytes:
+            return MismatchedCollective(
+                f"rank {self.rank}: expected {req.nbytes} bytes from rank {req.peer}, got {nbytes} "
+                f"(in {signature.describe(req.sig)}; ranks disagree about the collective or its size)")
+        return None
+
+    def _fail_out_of_step(self, src: int, tag: int, sig: signature.Sig) -> None:
+        """A collective message from ``src`` for call ``tag`` arrived: fail every
+        pending collective receive from ``src`` for another call."""
+        for other, queue in list(self._posted[src].items()):
+            if other & 1 and other != tag:
+                for req in queue:
+                    req.error, req.done = signature.out_of_step(self.rank, src, other, tag, sig), True
+                del self._posted[src][other]
 
     def _pull(self, src: int) -> None:
         """Copy whatever has arrived from ``src`` to its receives."""
@@ -996,10 +1090,10 @@ class SharedMemoryTransport(Transport):
         cur = self._rx_cur[src]
         while avail:
             if cur is None:
-                tag, nbytes = HEADER.unpack_from(ring, tail % size)
+                tag, nbytes, w0, w1, w2, _ = HEADER.unpack_from(ring, tail % size)
                 tail += HEADER_BYTES
                 avail -= HEADER_BYTES
-                cur = self._match(src, tag, nbytes)
+                cur = self._match(src, tag, nbytes, (w0, w1, w2))
             n = min(cur.nbytes - cur.got, avail)
             if n > 0:
                 dest = cur.dest
@@ -1056,16 +1150,16 @@ class SharedMemoryTransport(Transport):
         with self._lock:
             self._check_usable()
             queue = self._tx_queue[peer]
-            if not queue and self._send_whole(peer, tag, mv):
+            if not queue and self._send_whole(peer, tag, mv, sig):
                 return COMPLETED
-            req = _SendRequest(self, peer, tag, mv)
+            req = _SendRequest(self, peer, tag, mv, sig)
             queue.append(req)
             self._tx_busy.add(peer)
             if len(queue) == 1:
                 self._push(peer)
         return COMPLETED if req.done else req
 
-    def _send_whole(self, dst: int, tag: int, mv: memoryview) -> bool:
+    def _send_whole(self, dst: int, tag: int, mv: memoryview, sig: signature.Sig) -> bool:
         """Fast path: put a whole message into an idle ring if it fits now."""
         nbytes = len(mv)
         wire = HEADER_BYTES + ((nbytes + 15) & ~15)
@@ -1077,7 +1171,7 @@ class SharedMemoryTransport(Transport):
                 return False
         ring = self._tx_data[dst]
         pos = head % size
-        HEADER.pack_into(ring, pos, tag, nbytes)
+        HEADER.pack_into(ring, pos, tag, nbytes, *sig, 0)
         if nbytes:
             pos += HEADER_BYTES
             first = min(nbytes, size - pos)
@@ -1093,7 +1187,7 @@ class SharedMemoryTransport(Transport):
         self._moved += wire
         return True
 
-    def _ready_payload(self, src: int, tag: int, nbytes: int) -> int:
+    def _ready_payload(self, src: int, tag: int, nbytes: int, sig: signature.Sig) -> int:
         """Ring offset of a whole message from ``src`` with ``tag`` and
         ``nbytes`` waiting at the head of its ring, with nothing ahead of it
         for this receive (no earlier posted receive, no early message, no
@@ -1104,8 +1198,8 @@ class SharedMemoryTransport(Transport):
         if self._rx_q[self._rx_head_i[src]] - tail < HEADER_BYTES + _align(nbytes, 16):
             return -1  # not all there yet (its padding included: a sender may add that last)
         size = self._ring_bytes
-        got_tag, got_bytes = HEADER.unpack_from(self._rx_data[src], tail % size)
-        if got_tag != tag or got_bytes != nbytes:
+        got_tag, got_bytes, w0, w1, w2, _ = HEADER.unpack_from(self._rx_data[src], tail % size)
+        if got_tag != tag or got_bytes != nbytes or (w0, w1, w2) != sig:
             return -1
         return (tail + HEADER_BYTES) % size
 
@@ -1123,7 +1217,7 @@ class SharedMemoryTransport(Transport):
         mv = _bytes_view(buf)
         with self._lock:
             self._check_usable()
-            pos = self._ready_payload(peer, tag, len(mv))
+            pos = self._ready_payload(peer, tag, len(mv), sig)
             if pos >= 0:  # the common case of small messages: it is already here, in one piece
                 n, ring = len(mv), self._rx_data[peer]
                 first = min(n, self._ring_bytes - pos)
@@ -1132,18 +1226,29 @@ class SharedMemoryTransport(Transport):
                     mv[first:] = ring[:n - first]
                 self._consume(peer, n)
                 return COMPLETED
-            req = _RecvRequest(self, peer, tag, mv)
+            req = _RecvRequest(self, peer, tag, mv, sig)
             early = self._unexpected[peer].get(tag)
             if early:
                 entry = early.popleft()
                 if not early:
                     del self._unexpected[peer][tag]
                 self._take_unexpected(req, entry)
+            elif tag & 1 and self._other_call_queued(peer, tag, req):
+                pass
             else:
                 self._posted[peer].setdefault(tag, collections.deque()).append(req)
                 if self._rx_q[self._rx_head_i[peer]] != self._rx_tail[peer]:
                     self._pull(peer)
         return req
+
+    def _other_call_queued(self, peer: int, tag: int, req: _RecvRequest) -> bool:
+        """Fail ``req`` (a collective receive) when a message of another call
+        from ``peer`` waits unclaimed: ``peer`` moved past this call."""
+        for other, queue in self._unexpected[peer].items():
+            if other & 1 and other != tag and queue:
+                req.error, req.done = signature.out_of_step(self.rank, peer, tag, other, queue[0].sig), True
+                return True
+        return False
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:
@@ -1153,7 +1258,7 @@ class SharedMemoryTransport(Transport):
         if n and out.flags.c_contiguous:
             with self._lock:
                 self._check_usable()
-                pos = self._ready_payload(peer, tag, n)
+                pos = self._ready_payload(peer, tag, n, sig)
                 if 0 <= pos <= self._ring_bytes - n:
                     received = self._rx_data[peer][pos:pos + n]
                     op.reduce_into(out, mine, np.frombuffer(received, out.dtype).reshape(out.shape))
@@ -1163,9 +1268,12 @@ class SharedMemoryTransport(Transport):
 
     def _take_unexpected(self, req: _RecvRequest, entry: _Unexpected) -> None:
         """Hand an early message to ``req``: copy it, or redirect the rest of it."""
-        if len(entry.data) != req.nbytes:
-            req.error = self._mismatch(req.peer, req.tag, req.nbytes, len(entry.data))
-            req.done = True
+        err = self._disagreement(req, entry.sig, len(entry.data))
+        if err is not None:
+            req.error, req.done = err, True
+            if not entry.done:  # the rest of it is dropped as it arrives
+                cur = self._rx_cur[req.peer]
+                cur.dest, cur.target = None, None
             return
         if entry.done:
             req.mv[:] = entry.data
@@ -1175,6 +1283,16 @@ class SharedMemoryTransport(Transport):
         got = min(cur.got, cur.nbytes)
         req.mv[:got] = entry.data[:got]
         cur.dest, cur.target = req.mv, req
+
+    def begin_call(self, seq: int, sig: signature.Sig, refusal: str | None = None) -> None:
+        """Publish this rank's record of call ``seq`` (peers check it before
+        they touch this rank's memory; see :mod:`.shm_records`), and make the
+        call's first window fence its arrival."""
+        if self._closed:
+            return
+        self._records.publish(seq, sig, refusal)
+        if self._window is not None:
+            self._window.arm(seq)
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request, progressing all of them together."""
@@ -1196,6 +1314,8 @@ class SharedMemoryTransport(Transport):
                 moved = self._moved
                 self._progress()
                 if all(r.done for r in reqs):
+                    if block is not None:
+                        self._records.waiting(0, 0)
                     return
                 moved = self._moved != moved
             if backoff is None:
@@ -1204,12 +1324,16 @@ class SharedMemoryTransport(Transport):
                 backoff.reset()
             elif block is None and backoff.count >= backoff.yields:
                 block = self._blocker(lambda: self._nothing_new(reqs))
+                pending = [r for r in reqs if not r.done]
+                if pending:
+                    self._records.waiting(WAIT_MESSAGE, pending[0].peer)
             try:
                 backoff.pause(block)
             except CollectiveTimeout:
-                pending = [r.describe() for r in reqs if not r.done]
-                raise CollectiveTimeout(f"rank {self.rank}: {pending[0]} not complete after "
-                                        f"{timeout:.3g}s ({len(pending)} pending)") from None
+                pending = [r for r in reqs if not r.done]
+                self._records.waiting(0, 0)
+                raise CollectiveTimeout(f"rank {self.rank}: {pending[0].describe()} not complete "
+                                        f"({len(pending)} pending); {self._records.diagnose(pending[0].peer)}") from None
             if backoff.count > backoff.spins:
                 self._maybe_check_peers({r.peer for r in reqs if not r.done}, reqs)
 
@@ -1270,6 +1394,9 @@ class SharedMemoryTransport(Transport):
         self._next_check = now + PEER_CHECK_SECONDS
         lost = self._lost_peer(relevant)
         if lost is None:
+            lost = self._records.check_waiting(sorted(relevant), lambda peer: self._still_waiting(reqs, peer))
+            if lost is not None:
+                raise lost
             return
         with self._lock:  # what arrived before the peer left still counts
             self._progress()
@@ -1283,11 +1410,26 @@ class SharedMemoryTransport(Transport):
                     return
         raise lost
 
-    def _lost_peer(self, relevant: set[int]) -> PeerLost | None:
-        """PeerLost for an aborted peer, or a relevant peer that died or closed."""
+    def _still_waiting(self, reqs: Sequence[_ShmRequest], peer: int) -> bool:
+        """Progress once; whether some receive of ``reqs`` from ``peer`` is still pending."""
+        with self._lock:
+            if not self._closed:
+                self._progress()
+        return any(not r.done and r.peer == peer and r.kind == "receive" for r in reqs)
+
+    def _aborted_error(self, rank: int) -> Exception:
+        """The error of this rank when ``rank`` aborted the job (of the kind of
+        ``rank``'s own error, see :func:`~collectives.errors.from_abort`)."""
+        return from_abort(self._reason(self._segs[rank]), rank, self.rank)
+
+    def _lost_peer(self, relevant: set[int]) -> Exception | None:
+        """The error for an aborted peer, or a relevant peer that died or closed."""
+        aborted = int(self._segs[self.rank].q[Q_INBOX])
+        if aborted and aborted - 1 != self.rank:
+            return self._aborted_error(aborted - 1)
         for r, seg in enumerate(self._segs):
             if r != self.rank and seg.q[Q_ABORT]:
-                return PeerLost(f"rank {self.rank}: rank {r} aborted: {self._reason(seg)}", r)
+                return self._aborted_error(r)
         dead = self._watch.dead() if self._watch is not None else set()
         for r in sorted(dead):
             if not self._segs[r].q[Q_CLOSED]:
@@ -1305,21 +1447,30 @@ class SharedMemoryTransport(Transport):
         backoff = self._backoff(deadline, block_now)
         block = None
         relevant = {peer}
-        while q[index] < target:
-            if block is None and backoff.count >= backoff.yields:
-                block = self._blocker(lambda: q[index] < target)
-            try:
-                backoff.pause(block)
-            except CollectiveTimeout:
-                raise CollectiveTimeout(f"rank {self.rank}: {what} waiting for rank {peer} "
-                                        "timed out") from None
-            if backoff.count > backoff.spins and q[index] < target:
-                now = time.monotonic()
-                if now >= self._next_check:
-                    self._next_check = now + PEER_CHECK_SECONDS
-                    lost = self._lost_peer(relevant)
-                    if lost is not None and q[index] < target:
-                        raise lost
+        try:
+            while q[index] < target:
+                if block is None and backoff.count >= backoff.yields:
+                    block = self._blocker(lambda: q[index] < target)
+                    if self._records is not None:
+                        self._records.waiting(WAIT_WINDOW, peer)
+                try:
+                    backoff.pause(block)
+                except CollectiveTimeout:
+                    where = f"; {self._records.diagnose(peer)}" if self._records is not None else ""
+                    raise CollectiveTimeout(f"rank {self.rank}: {what}: waited for rank {peer} "
+                                            f"(pid {self._segs[peer].q[Q_PID]}){where}") from None
+                if backoff.count > backoff.spins and q[index] < target:
+                    now = time.monotonic()
+                    if now >= self._next_check:
+                        self._next_check = now + PEER_CHECK_SECONDS
+                        lost = self._lost_peer(relevant)
+                        if lost is None and self._records is not None:
+                            lost = self._records.check_waiting([peer], lambda _: q[index] < target)
+                        if lost is not None and q[index] < target:
+                            raise lost
+        finally:
+            if block is not None and self._records is not None:
+                self._records.waiting(0, 0)
 
     @staticmethod
     def _reason(seg: _Segment) -> str:
@@ -1339,6 +1490,9 @@ class SharedMemoryTransport(Transport):
             seg.mv[REASON_OFFSET:REASON_OFFSET + len(data)] = data
             seg.q[Q_REASON_LEN] = len(data)
             seg.q[Q_ABORT] = 1
+            for r, peer in enumerate(self._segs):  # each peer looks at its own inbox first
+                if r != self.rank and not peer.q[Q_INBOX]:
+                    peer.q[Q_INBOX] = self.rank + 1
             self._ring_all()
         except Exception:
             pass

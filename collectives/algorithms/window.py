@@ -268,8 +268,9 @@ def _slot(st: _WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, 
 
 def _plan(window, narrays: int, before: list, after: list, reduce: tuple | None, sources: list[int]):
     """``(run, settle)`` of the window's native plan, or None without one:
-    ``run(arrays)`` takes the next step as the algorithm would, and returns
-    None, or what to wait for: then ``settle(arrays, late, deadline)``.
+    ``run(arrays, seq, sig)`` takes the next step of call ``seq`` (signature
+    ``sig``) as the algorithm would, and returns None, or what to wait for
+    (or why it stopped): then ``settle(arrays, late, deadline)``.
     ``sources``: the ranks whose regions ``after`` and ``reduce`` read."""
     make = getattr(window, "plan", None)
     plan = make(narrays, before, after, reduce, sources) if make is not None else None
@@ -303,7 +304,7 @@ def _planned(made: tuple | None, arrays_of):
 
     def run(ctx, *args) -> None:
         arrays = arrays_of(*args)
-        late = go(arrays)
+        late = go(arrays, ctx.tag >> 1, ctx.sig)
         if late is not None:
             settle(arrays, late, ctx.deadline)
     run.on_arrays = made

@@ -49,10 +49,28 @@ def _region(st, rank: int, offset: int, count: int, dtype: np.dtype) -> np.ndarr
     return st.regions[rank][offset:offset + count * dtype.itemsize].view(dtype)
 
 
-@register("barrier", "shared_window", needs=("window",), description="one fence of the shared window")
+def _no_arrays(*args) -> tuple:
+    return ()
+
+
+def _prepare_barrier(transport):
+    """One native call: post, wait for every rank's post."""
+    window, _ = _window_state(transport.window, transport.size)
+    if transport.size == 1:
+        return None
+    return _planned(_plan(window, 0, [], [], None, []), _no_arrays)
+
+
+@register("barrier", "shared_window", needs=("window",), prepare=_prepare_barrier,
+          description="every rank posts to the shared window and waits for every post")
 def barrier(ctx) -> None:
-    if ctx.size > 1:
-        ctx.transport.window.fence(ctx.deadline)
+    if ctx.size == 1:
+        return
+    if _run_planned(ctx, _prepare_barrier, ("barrier",)):
+        return
+    window = ctx.transport.window
+    window.step(ctx.deadline)
+    window.fence(ctx.deadline)  # the call's arrival
 
 
 def _prepare_gather(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: list[int]):
