@@ -24,7 +24,6 @@ Failures (the contract, in full in docs/failures.md):
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -32,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from . import native, signature
+from .algorithms.barrier import dissemination
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES, CallContext
 from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
@@ -53,12 +53,6 @@ VERDICT_BYTES = 256
 def live_communicators() -> list["Communicator"]:
     """Every communicator not yet closed (for abort-on-crash hooks)."""
     return list(_live)
-
-
-def signature_checks() -> bool:
-    """Whether calls carry signatures (``COLLECTIVES_SIGNATURE_CHECKS=0``
-    turns them off, to measure what they cost; never for real work)."""
-    return os.environ.get("COLLECTIVES_SIGNATURE_CHECKS", "1") != "0"
 
 
 class _Refused(Exception):
@@ -96,7 +90,7 @@ class Communicator:
         self.selector = selector if selector is not None else RuleSelector()
         self.segment_bytes = segment_bytes
         self._planner = Planner(self.rank, self.size, transport, self._choose)
-        self._signed = signature_checks()
+        self._signed = signature.checks_enabled()
         self._seq = 0
         self._scratch: dict = {}
         self._lane = Lane(f"collectives-rank{self.rank}")
@@ -155,7 +149,7 @@ class Communicator:
         err.origin = self.rank
         if self._broken is None:
             self._broken = err
-        self.transport.abort(abort_reason(PeerLost(reason, self.rank)))
+        self._tell_abort(abort_reason(PeerLost(reason, self.rank)), self._seq + 1)
 
     def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
         """An uninitialized array in the transport's shared memory (when it has
@@ -257,9 +251,12 @@ class Communicator:
             self.transport.begin_call(seq, sig, plan.refusal)
             if plan.refusal is not None:
                 self._refuse(ctx, plan)
-            if plan.root is not None and plan.collective in ROOTED and self.size > 1 and not plan.algo.needs:
-                self._root_verdict(ctx, plan)
-            plan.algo.func(ctx, *plan.args)
+            if plan.empty and self.size > 1 and "native" not in plan.algo.needs:
+                self._empty(ctx, plan)
+            else:
+                if plan.root is not None and plan.collective in ROOTED and self.size > 1 and not plan.algo.needs:
+                    self._root_verdict(ctx, plan)
+                plan.algo.func(ctx, *plan.args)
         except BaseException as exc:
             raise self._failed(plan.collective, plan.algo.name, seq, exc, start, timeout, plan.refusal) from None
         if plan.finalize is not None:
@@ -283,6 +280,15 @@ class Communicator:
         if plan.collective in ROOTED and plan.root == self.rank and not plan.algo.needs:
             self._root_verdict(ctx, plan)
         raise _Refused(own)
+
+    def _empty(self, ctx: CallContext, plan: Plan) -> None:
+        """A call that moves no data still meets every rank, so that a rank
+        that made another call finds out in this one: the window's arrival,
+        or a dissemination barrier whose messages carry the signature."""
+        if "window" in plan.algo.needs:
+            self.transport.window.arrive(ctx.tag >> 1, ctx.deadline)
+        else:
+            dissemination(ctx)
 
     def _root_verdict(self, ctx: CallContext, plan: Plan) -> None:
         """A rooted call over messages starts with the root's verdict on its
@@ -315,24 +321,31 @@ class Communicator:
             exc = exc.error
         if not isinstance(exc, CollectiveError):
             self._abort_after(PeerLost(f"rank {self.rank}, {collective} #{seq}: {type(exc).__name__}: {exc}",
-                                       self.rank))
+                                       self.rank), seq)
             return exc
-        if isinstance(exc, CollectiveTimeout) and exc.collective is None:
+        if isinstance(exc, CollectiveTimeout) and exc.collective is None and exc.origin is None:
             elapsed = time.monotonic() - start
             exc.args = (f"{exc.args[0] if exc.args else ''} (timed out after {elapsed:.3g} s; "
                         f"the timeout is {timeout:.3g} s)",)
         annotate(exc, self.rank, collective, seq, algorithm)
         if isinstance(exc, BadArgument) and not refused_alone and self._broken is None:
             return exc  # refused alike on every rank in this call: the communicator goes on
-        self._abort_after(exc)
+        self._abort_after(exc, seq)
         return exc
 
-    def _abort_after(self, exc: CollectiveError) -> None:
-        """Abort the communicator after ``exc`` (the first reason stays)."""
+    def _abort_after(self, exc: CollectiveError, seq: int) -> None:
+        """Abort the communicator after ``exc`` in call ``seq`` (the first reason stays)."""
         if self._broken is None:
             self._broken = exc
+        self._tell_abort(abort_reason(exc), seq)
+
+    def _tell_abort(self, reason: str, seq: int) -> None:
+        """The transport's abort, with the first call this rank did not complete."""
         try:
-            self.transport.abort(abort_reason(exc))
+            try:
+                self.transport.abort(reason, seq)
+            except TypeError:  # a transport whose abort takes no call number
+                self.transport.abort(reason)
         except Exception:
             pass
 

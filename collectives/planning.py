@@ -59,6 +59,12 @@ class Plan:
         self.finalize, self.sig, self.root, self.refusal = finalize, sig, root, refusal
         self.write_backs: list[Callable[[], None]] = []
 
+    @property
+    def empty(self) -> bool:
+        """Whether the call moves no data (a barrier aside): it then only
+        checks, as a barrier, that every rank makes the same call."""
+        return self.sig[1] == 0 and self.collective != "barrier"
+
 
 def _even(counts: Sequence[int]) -> Sequence[int] | None:
     """The counts as a signature takes them: None when they are all equal

@@ -65,11 +65,11 @@ class PreparedCalls(dict):
         algorithm's own persistent plan where it offers one. ``as_is``: the
         call's arrays are the algorithm's array arguments, in order (so a
         persistent plan's ``on_arrays`` may take them directly). Plans with a
-        finalizer (``avg``), staged device buffers or a refusal are not kept."""
+        finalizer (``avg``), staged device buffers, a refusal or no data are not kept."""
         if key in self:
             return
         entry = None
-        if plan.finalize is None and not staged and plan.refusal is None:
+        if plan.finalize is None and not staged and plan.refusal is None and not plan.empty:
             func = plan.algo.func
             if plan.algo.prepare is not None:
                 func = plan.algo.prepare(transport, *plan.args) or func

@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import BadArgument, MismatchedCollective
 
-__all__ = ["Sig", "NO_SIG", "REFUSED", "SEQ_BITS", "make", "with_seq", "refused", "fields", "describe",
+__all__ = ["Sig", "NO_SIG", "checks_enabled", "REFUSED", "SEQ_BITS", "make", "with_seq", "refused", "fields", "describe",
            "check_message", "check_all", "out_of_step", "counts_digest", "dtype_code", "seq_of_tag"]
 
 #: Three 64-bit words (see the module docstring); a plain tuple, compared with ``!=``.
@@ -70,6 +70,15 @@ def _dtype_table() -> dict[np.dtype, int]:
 _DTYPE_CODE = _dtype_table()
 _DTYPE_NAME = {code: str(dt) for dt, code in _DTYPE_CODE.items()}
 _DTYPE_OTHER = 255
+
+
+def checks_enabled() -> bool:
+    """Whether calls carry and check signatures: ``COLLECTIVES_SIGNATURE_CHECKS=0``
+    turns them off, for measuring what they cost (never for real work:
+    mismatched calls then go unnoticed)."""
+    import os
+
+    return os.environ.get("COLLECTIVES_SIGNATURE_CHECKS", "1") != "0"
 
 
 def dtype_code(dtype: np.dtype | None) -> int:

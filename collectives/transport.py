@@ -213,9 +213,12 @@ class Transport(abc.ABC):
             r.wait(timeout)
 
     @abc.abstractmethod
-    def abort(self, reason: str) -> None:
-        """Best effort: make every peer's pending and future waits raise
-        PeerLost(reason). Never blocks for long, never raises."""
+    def abort(self, reason: str, seq: int | None = None) -> None:
+        """Best effort: make every peer's pending and future waits raise the
+        error ``reason`` encodes (see :func:`~collectives.errors.abort_reason`).
+        ``seq``: the first call this rank did not complete (None: unknown); a
+        peer still finishing an earlier call may finish it. Never blocks for
+        long, never raises."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -68,6 +68,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from collectives import signature
+from collectives.signature import checks_enabled as signature_checks
 from collectives.errors import (BadArgument, CollectiveTimeout, MismatchedCollective, PeerLost,
                                 TransportUnavailable, from_abort)
 from collectives.signature import NO_SIG, Sig
@@ -89,7 +90,7 @@ MiB = 1 << 20
 # Control page: indices of 8-byte counters (each in its own cache line where hot).
 Q_MAGIC, Q_PID, Q_SIZE, Q_RING, Q_WINDOW, Q_ALLOC, Q_SECRET = 0, 1, 2, 3, 4, 5, 6
 Q_ATTACHED = 8           # line 1: set once this rank has mapped every peer
-Q_ABORT, Q_REASON_LEN = 16, 17  # line 2
+Q_ABORT, Q_REASON_LEN, Q_ABORT_SEQ = 16, 17, 18  # line 2; the first call the aborter did not complete
 Q_CLOSED = 24            # line 3
 Q_PROBE, Q_CMA = 25, 26  # cross-memory attach probe address; 1 ok, 2 not permitted
 Q_NATIVE = 27            # 1 when this rank runs the window natively (all ranks must, or none)
@@ -391,7 +392,8 @@ class ShmWindow:
             # the same fence in C, with a bounded spin or yield; and plans
             spin, yields = (SPIN_SECONDS, 20e-6) if t._spin else (0.0, YIELD_SECONDS)
             self._native = ext.Window(*t._counter_words, t._sleep_words, t.rank,
-                                      int(spin * 1e9), int(yields * 1e9), t._inbox_word)
+                                      int(spin * 1e9), int(yields * 1e9), t._inbox_word,
+                                      signature_checks())
 
     @property
     def cma(self) -> bool:
@@ -542,9 +544,9 @@ class ShmWindow:
                 self._t._wait_counter(self._peer_q[r], Q_POST, k, r, deadline, "shared window")
         if self._records.verify(seq) >= 0:
             raise self._records.verdict(seq)
-        aborted = int(own[Q_INBOX])
-        if aborted:
-            raise self._t._aborted_error(aborted - 1)
+        aborted = self._t._aborted_in(seq)
+        if aborted is not None:
+            raise self._t._aborted_error(aborted)
 
     def fence(self, deadline: float) -> None:
         """Barrier: every rank's writes before its fence are visible after it
@@ -699,6 +701,12 @@ def _job_tag(job: str) -> str:
 def segment_path(job: str, rank: int) -> str:
     """The name under /dev/shm of ``rank``'s segment in ``job``."""
     return f"{SHM_DIR}/coll-{_job_tag(job)}-{rank}"
+
+
+def _completed(first_failed: int, seq: int) -> bool:
+    """Whether a rank whose first incomplete call is ``first_failed`` completed call ``seq``."""
+    ahead = (first_failed - seq) & signature.SEQ_MASK
+    return 0 < ahead < 1 << (signature.SEQ_BITS - 1)
 
 
 def _alive(pid: int) -> bool:
@@ -1422,14 +1430,21 @@ class SharedMemoryTransport(Transport):
         ``rank``'s own error, see :func:`~collectives.errors.from_abort`)."""
         return from_abort(self._reason(self._segs[rank]), rank, self.rank)
 
-    def _lost_peer(self, relevant: set[int]) -> Exception | None:
-        """The error for an aborted peer, or a relevant peer that died or closed."""
-        aborted = int(self._segs[self.rank].q[Q_INBOX])
-        if aborted and aborted - 1 != self.rank:
-            return self._aborted_error(aborted - 1)
+    def _aborted_in(self, seq: int | None) -> int | None:
+        """A peer that aborted without completing call ``seq`` (None: any
+        peer that aborted), or None."""
         for r, seg in enumerate(self._segs):
             if r != self.rank and seg.q[Q_ABORT]:
-                return self._aborted_error(r)
+                if seq is None or not _completed(int(seg.q[Q_ABORT_SEQ]), seq):
+                    return r
+        return None
+
+    def _lost_peer(self, relevant: set[int]) -> Exception | None:
+        """The error for an aborted peer, or a relevant peer that died or closed."""
+        now = self._records.current() if self._records is not None else None
+        aborted = self._aborted_in(now[0] if now is not None else None)
+        if aborted is not None:
+            return self._aborted_error(aborted)
         dead = self._watch.dead() if self._watch is not None else set()
         for r in sorted(dead):
             if not self._segs[r].q[Q_CLOSED]:
@@ -1479,9 +1494,11 @@ class SharedMemoryTransport(Transport):
 
     # ------------------------------------------------------------- lifecycle
 
-    def abort(self, reason: str) -> None:
-        """Make every peer's pending and future waits raise PeerLost(reason).
-        The first reason stays: later aborts (echoes of the first failure) keep it."""
+    def abort(self, reason: str, seq: int | None = None) -> None:
+        """Make every peer's pending and future waits raise the error
+        ``reason`` encodes; a peer still finishing a call before ``seq`` (the
+        first this rank did not complete) finishes it. The first reason
+        stays: later aborts (echoes of the first failure) keep it."""
         try:
             seg = self._segs[self.rank]
             if seg.q[Q_ABORT]:
@@ -1489,10 +1506,15 @@ class SharedMemoryTransport(Transport):
             data = reason.encode("utf-8", "replace")[:REASON_MAX]
             seg.mv[REASON_OFFSET:REASON_OFFSET + len(data)] = data
             seg.q[Q_REASON_LEN] = len(data)
+            if seq is None:  # the call it is in, or its last
+                now = self._records.current() if self._records is not None else None
+                seq = now[0] if now is not None else 0
+            first = seq & signature.SEQ_MASK
+            seg.q[Q_ABORT_SEQ] = first
             seg.q[Q_ABORT] = 1
             for r, peer in enumerate(self._segs):  # each peer looks at its own inbox first
                 if r != self.rank and not peer.q[Q_INBOX]:
-                    peer.q[Q_INBOX] = self.rank + 1
+                    peer.q[Q_INBOX] = (first << 32) | (self.rank + 1)
             self._ring_all()
         except Exception:
             pass

@@ -202,5 +202,5 @@ class CallRecords:
         if not w:
             return ""
         kind, peer = w >> 32, (w & 0xFFFFFFFF) - 1
-        what = "a message from" if kind == WAIT_MESSAGE else "the window of"
-        return f" (waiting for {what} rank {peer})"
+        what = "a message from " if kind == WAIT_MESSAGE else ""
+        return f" (waiting for {what}rank {peer})"

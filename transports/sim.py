@@ -49,6 +49,7 @@ from collectives.context import SEGMENT_BYTES, CallContext
 from collectives.errors import BadArgument, MismatchedCollective, PeerLost
 from collectives.ops import Op, get_op
 from collectives.registry import algorithm as lookup_algorithm
+from collectives import signature
 from collectives.signature import NO_SIG, Sig
 from collectives.transport import Request, Transport
 
@@ -148,17 +149,17 @@ class _SimRequest(Request):
 
 
 class _Message:
-    __slots__ = ("data", "arrival")
+    __slots__ = ("data", "arrival", "sig")
 
-    def __init__(self, data: np.ndarray, arrival: float) -> None:
-        self.data, self.arrival = data, arrival
+    def __init__(self, data: np.ndarray, arrival: float, sig: Sig) -> None:
+        self.data, self.arrival, self.sig = data, arrival, sig
 
 
 class _Posted:
-    __slots__ = ("req", "posted_at")
+    __slots__ = ("req", "posted_at", "sig", "src")
 
-    def __init__(self, req: _SimRequest, posted_at: float) -> None:
-        self.req, self.posted_at = req, posted_at
+    def __init__(self, req: _SimRequest, posted_at: float, sig: Sig, src: int) -> None:
+        self.req, self.posted_at, self.sig, self.src = req, posted_at, sig, src
 
 
 # --------------------------------------------------------------------- world
@@ -286,7 +287,7 @@ class SimWorld:
 
     # -- messages
 
-    def isend(self, src: int, buf: np.ndarray, dst: int, tag: int) -> _SimRequest:
+    def isend(self, src: int, buf: np.ndarray, dst: int, tag: int, sig: Sig = NO_SIG) -> _SimRequest:
         self.check_error()
         now = self.clock[src]
         arrival = self.net.schedule(src, dst, buf.nbytes, now)
@@ -295,26 +296,31 @@ class SimWorld:
         key = (src, dst, tag)
         posted = self._recvs.get(key)
         if posted:
-            self._deliver(posted.popleft(), buf, arrival)
+            self._deliver(posted.popleft(), buf, arrival, sig)
         else:
-            self._unexpected.setdefault(key, deque()).append(_Message(buf.copy(), arrival))
+            self._unexpected.setdefault(key, deque()).append(_Message(buf.copy(), arrival, sig))
         return req
 
-    def irecv(self, dst: int, buf: np.ndarray, src: int, tag: int) -> _SimRequest:
+    def irecv(self, dst: int, buf: np.ndarray, src: int, tag: int, sig: Sig = NO_SIG) -> _SimRequest:
         self.check_error()
         req = _SimRequest(self, dst, buf)
-        posted = _Posted(req, self.clock[dst])
+        posted = _Posted(req, self.clock[dst], sig, src)
         key = (src, dst, tag)
         queue = self._unexpected.get(key)
         if queue:
             msg = queue.popleft()
-            self._deliver(posted, msg.data, msg.arrival)
+            self._deliver(posted, msg.data, msg.arrival, msg.sig)
         else:
             self._recvs.setdefault(key, deque()).append(posted)
         return req
 
-    def _deliver(self, posted: _Posted, data: np.ndarray, arrival: float) -> None:
+    def _deliver(self, posted: _Posted, data: np.ndarray, arrival: float, sig: Sig) -> None:
         req = posted.req
+        if sig != posted.sig:
+            err = signature.check_message(posted.sig, sig, req.rank, posted.src)
+            if err is not None:
+                self._error = err
+                return
         if data.nbytes != req.buf.nbytes:
             self._error = MismatchedCollective(
                 f"simulated rank {req.rank} posted a receive of {req.buf.nbytes} bytes, "
@@ -395,11 +401,11 @@ class SimTransport(Transport):
 
     def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         self._ready()
-        return self.world.isend(self.rank, buf, peer, tag)
+        return self.world.isend(self.rank, buf, peer, tag, sig)
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         self._ready()
-        return self.world.irecv(self.rank, buf, peer, tag)
+        return self.world.irecv(self.rank, buf, peer, tag, sig)
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         self._ready()
