@@ -17,7 +17,7 @@ or, without DDP::
 
 from __future__ import annotations
 
-from .torch_backend import (BACKEND_NAME, CollectivesProcessGroup, StoreAdapter, as_numpy,
+from .torch_backend import (BACKEND_NAME, CollectivesProcessGroup, CollectivesWork, StoreAdapter, as_numpy,
                             communicator_of, configure, post_lock, reduce_op_name)
 from .torch_hooks import HookState, allreduce_hook, bfloat16_compress_hook, fp16_compress_hook
 from .torch_optimizer import DistributedOptimizer
@@ -25,6 +25,7 @@ from .torch_optimizer import DistributedOptimizer
 __all__ = [
     "BACKEND_NAME",
     "CollectivesProcessGroup",
+    "CollectivesWork",
     "StoreAdapter",
     "communicator_of",
     "configure",

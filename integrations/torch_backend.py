@@ -6,9 +6,19 @@ After ``import collectives.integrations.torch``,
 ``torch.distributed.ProcessGroup`` whose collectives run on a
 :class:`~collectives.Communicator`. Every collective is posted to the
 communicator's FIFO lane (its nonblocking form), so every rank runs them in
-call order, and returns a ``Work`` made from a ``torch.futures.Future``
-whose value is the list of output tensors. ``send``/``recv`` go straight to
-the transport with their own tags.
+call order, and returns a :class:`CollectivesWork` whose future's value is
+the list of output tensors. ``send``/``recv`` go straight to the transport
+with their own tags.
+
+Errors reach the caller as with Gloo: a failed call's ``wait()`` (so every
+blocking call) raises the library's error (a RuntimeError; a timeout's
+message starts with ``Timed out``), its future fails (DDP's backward
+raises), ``is_success()`` is False, and the communicator is aborted, so the
+peers' calls fail too and later calls here fail at once with the first
+reason. The tensors a call writes in place (outputs, received tensors) have
+their autograd version counters bumped when it is made, so a tensor saved
+for backward and then overwritten makes backward raise torch's in-place
+error.
 
 The ranks of a group agree on a job id through the store torch hands to the
 backend (under torchrun, the agent's store on MASTER_PORT), so ``new_group``
@@ -18,6 +28,8 @@ chooses it (``COLLECTIVES_TRANSPORT`` overrides), or by :func:`configure`.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import datetime
 import secrets
 import threading
@@ -27,14 +39,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 from torch.futures import Future
 
 import collectives
 from collectives import Communicator
-from collectives.errors import BadArgument
+from collectives.errors import BadArgument, CollectiveTimeout
 
-__all__ = ["BACKEND_NAME", "CollectivesProcessGroup", "configure", "communicator_of",
-           "reduce_op_name", "StoreAdapter", "post_lock", "as_numpy"]
+__all__ = ["BACKEND_NAME", "CollectivesProcessGroup", "CollectivesWork", "configure", "communicator_of",
+           "reduce_op_name", "StoreAdapter", "post_lock", "as_numpy", "Outcome", "for_torch"]
 
 BACKEND_NAME = "collectives"
 _ALLTOALLV_TAG_BASE = 1 << 26
@@ -111,14 +124,182 @@ def post_lock(comm: Communicator) -> threading.Lock:
         return lock
 
 
-def _completed(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+class _Failed:
+    """The value that stands for an error in an :class:`Outcome`'s source future."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
-def _work(fut: Future) -> dist.Work:
-    return torch._C._distributed_c10d._create_work_from_future(fut)
+def _settle(source: Future) -> Any:
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise _fresh(value.error) from None
+    return value
+
+
+class Outcome:
+    """A torch future set once, from any thread, that fails in a way torch's
+    C++ side sees.
+
+    ``Future.set_exception`` stores the exception as the future's *value*:
+    Python's ``wait()`` raises it, but C++ consumers (DDP's reducer) take it
+    for a result. Here ``future`` is chained to a source future by a callback
+    that raises on an error, which makes torch fail ``future`` itself, with a
+    RuntimeError whose message holds the error's kind and message.
+    """
+
+    def __init__(self) -> None:
+        self._source: Future = Future()
+        self.future: Future = self._source.then(_settle)
+
+    def set_result(self, value: Any) -> None:
+        """Complete ``future`` with ``value``."""
+        self._source.set_result(value)
+
+    def set_exception(self, error: BaseException) -> None:
+        """Fail ``future`` with ``error``."""
+        self._source.set_result(_Failed(error))
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` (same kind, message and attributes, no traceback)."""
+    try:
+        return copy.copy(exc)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def for_torch(exc: BaseException) -> BaseException:
+    """``exc`` as the backend reports it: a timeout (this rank's, or a peer's
+    that reached it through an abort) as a copy whose message starts with
+    ``Timed out`` (the words torch's users and tests look for); any other
+    error as it is."""
+    if not isinstance(exc, CollectiveTimeout) or not exc.args or "Timed out" in str(exc.args[0]):
+        return exc
+    shown = _fresh(exc)
+    shown.args = (f"Timed out: {exc.args[0]}",) + tuple(exc.args[1:])
+    return shown
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` (a tensor or nested lists of them), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors_in(item)]
+    return []
+
+
+def _written(*outputs: Any) -> None:
+    """Tell autograd that the backend writes these tensors in place (as torch's
+    own in-place operations do), so a tensor saved for backward and then
+    overwritten by a collective makes backward raise instead of using the new
+    values."""
+    tensors = [t for out in outputs for t in _tensors_in(out)]
+    if tensors:
+        increment_version(tensors)
+
+
+def _seconds(timeout: Any) -> float | None:
+    """A Work.wait timeout in seconds; None for none (torch's default is zero)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+class CollectivesWork(dist.Work):
+    """The ``torch.distributed.Work`` of one call of the backend.
+
+    ``wait()`` returns True once the call succeeded and raises its error
+    (a :class:`~collectives.errors.CollectiveError`, a RuntimeError) when it
+    failed; ``get_future()`` completes with the call's outputs or fails
+    (torch wraps the error in a RuntimeError carrying its kind and message);
+    ``is_success()`` is True only after success.
+
+    Args:
+        result: the future's value on success (the call's output tensors).
+        what: the call, for messages (``"allreduce"``).
+        rank: this rank, for messages.
+        source_rank: the sender, for a receive.
+    """
+
+    def __init__(self, result: Any, what: str, rank: int, source_rank: int | None = None) -> None:
+        super().__init__()
+        self._result = result
+        self._what = what
+        self._rank = rank
+        self._source_rank = source_rank
+        self._lock = threading.Lock()
+        self._finished = False
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._outcome = Outcome()
+
+    def complete(self, error: BaseException | None = None) -> None:
+        """Finish the Work (once; later calls are ignored): with ``error``, or successfully."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished, self._error = True, error
+        if error is None:
+            self._outcome.set_result(self._result)
+        else:
+            self._outcome.set_exception(error)
+        self._done.set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for the call (``timeout``: a timedelta or seconds; zero or None: until
+        it completes, which every call does within its own timeout).
+
+        Raises:
+            CollectiveError: the call's error.
+            CollectiveTimeout: ``timeout`` passed first (the call goes on).
+        """
+        seconds = _seconds(timeout)
+        if not self._done.wait(seconds):
+            raise CollectiveTimeout(f"Timed out: rank {self._rank}: {self._what} did not complete "
+                                    f"within the wait's {seconds:.3g}s (it is still running)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the call succeeded or failed."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """True once the call completed without error."""
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """The call's error (None while it runs or when it succeeded)."""
+        return self._error
+
+    def get_future(self) -> Future:
+        """A future of the call's outputs; it fails when the call does."""
+        return self._outcome.future
+
+    def result(self) -> list[torch.Tensor]:
+        """The call's output tensors (waits for the call; raises its error)."""
+        self.wait()
+        return _tensors_in(self._result)
+
+    def source_rank(self) -> int:
+        """The sender of a receive."""
+        if self._source_rank is None:
+            raise BadArgument(f"{self._what}: source_rank is defined for receives only")
+        return self._source_rank
+
+    def synchronize(self) -> None:
+        """Nothing to do: the backend's tensors are on the CPU."""
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done.is_set() else "ok" if self._error is None else "failed"
+        return f"CollectivesWork({self._what}, rank {self._rank}, {state})"
 
 
 class _Staged:
@@ -216,44 +397,102 @@ class CollectivesProcessGroup(dist.ProcessGroup):
 
     # ----------------------------------------------------------- machinery
 
-    def _post(self, start: Callable[[], Any], result: Any, finish: Callable[[], None] | None = None) -> dist.Work:
-        """Post one nonblocking collective; its Work completes with ``result``."""
-        fut: Future = Future()
+    def _new_work(self, what: str, result: Any, source_rank: int | None = None) -> CollectivesWork:
+        return CollectivesWork(result, what, self.comm.rank, source_rank)
+
+    def _fail(self, work: CollectivesWork, exc: BaseException) -> None:
+        """Fail ``work`` with ``exc``. Unless every rank refused the call alike
+        (BadArgument), abort the communicator first: every peer's pending and
+        later calls fail too, and this rank's later calls fail at once with
+        the first reason."""
+        exc = for_torch(exc)
+        if not isinstance(exc, BadArgument):
+            try:
+                self.comm.abort(f"{type(exc).__name__}: {exc}")
+            except Exception:  # the work's own error is what the caller needs
+                pass
+        work.complete(exc)
+
+    def _finish(self, work: CollectivesWork, finish: Callable[[], None] | None) -> None:
+        """Complete ``work`` after ``finish`` (copies into the caller's tensors)."""
+        if work.is_completed():
+            return
+        try:
+            if finish is not None:
+                with torch.no_grad():  # the writes are the collective's, not graph operations
+                    finish()
+        except BaseException as exc:
+            self._fail(work, exc)
+        else:
+            work.complete()
+
+    def _complete_when_done(self, work: CollectivesWork, handles: list[Any],
+                            finish: Callable[[], None] | None) -> None:
+        """Complete ``work`` when every handle is done: at the first error, or
+        after ``finish`` once all succeeded."""
+        if not handles:
+            self._finish(work, finish)
+            return
+        remaining = [len(handles)]
+        lock = threading.Lock()
 
         def done(handle: Any) -> None:
-            err = handle.exception()
-            if err is None and finish is not None:
-                try:
-                    finish()
-                except BaseException as exc:  # delivered to the waiter
-                    err = exc
-            if err is not None:
-                fut.set_exception(err)
-            else:
-                fut.set_result(result)
+            error = handle.exception()
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if error is not None:
+                self._fail(work, error)
+            elif last:
+                self._finish(work, finish)
 
-        with self._lock:
-            handle = start()
-        handle.add_done_callback(done)
-        return _work(fut)
+        for handle in handles:
+            handle.add_done_callback(done)
 
-    def _chain(self, steps: Sequence[Callable[[], Any]], result: Any,
-               finish: Callable[[], None] | None = None, opts: Any = None) -> dist.Work:
+    def _chain(self, what: str, steps: Sequence[Callable[[], Any]], result: Any,
+               finish: Callable[[], None] | None = None, opts: Any = None, written: Any = ()) -> CollectivesWork:
         """Post several nonblocking collectives back to back; one Work for all.
-        When ``opts`` says the call is blocking (``asyncOp`` false), they run
-        in this thread if nothing else is pending."""
-        if not steps:
-            if finish is not None:
-                finish()
-            return _work(_completed(result))
-        eager = getattr(opts, "asyncOp", True) is False
-        with self._lock:
-            if eager:
-                with self.comm.eager():
-                    handles = [s() for s in steps]
-            else:
+
+        Args:
+            what: the call, for messages.
+            steps: each posts one collective and returns its handle.
+            result: the Work's value.
+            finish: copies results into the caller's tensors once all succeeded.
+            opts: the call's options; when they say it blocks (``asyncOp``
+                false), the steps run in this thread if nothing else is pending.
+            written: the caller's tensors the call writes in place.
+
+        Raises:
+            BadArgument: the call's arguments were refused (before anything
+                was sent). Every other error fails the returned Work.
+        """
+        work = self._new_work(what, result)
+        _written(written)
+        blocking = getattr(opts, "asyncOp", True) is False
+        try:
+            with self._lock, (self.comm.eager() if blocking else contextlib.nullcontext()):
                 handles = [s() for s in steps]
-        return self._post(lambda: handles[-1], result, finish)
+        except BadArgument:
+            raise
+        except BaseException as exc:  # e.g. the communicator broke earlier
+            self._fail(work, exc)
+            return work
+        self._complete_when_done(work, handles, finish)
+        return work
+
+    def _in_thread(self, work: CollectivesWork, body: Callable[[], None],
+                   finish: Callable[[], None] | None = None) -> CollectivesWork:
+        """Run ``body`` (which waits) in a thread; complete ``work`` after it."""
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                self._fail(work, exc)
+            else:
+                self._finish(work, finish)
+
+        threading.Thread(target=run, name=f"collectives-{work._what}", daemon=True).start()
+        return work
 
     # ---------------------------------------------------------- collectives
 
@@ -265,7 +504,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         bufs = [staged.writable(t) for t in tensors]
         steps = [(lambda b=b: self.comm.iallreduce(as_numpy(b), reduce_op_name(opts.reduceOp, b.dtype)))
                  for b in bufs]
-        return self._chain(steps, tensors, staged.finish, opts)
+        return self._chain("allreduce", steps, tensors, staged.finish, opts, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """``dist.all_reduce_coalesced``: one allreduce per dtype over a flat copy."""
@@ -274,7 +513,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault(t.dtype, []).append(t)
-        flats = {d: torch.cat([t.reshape(-1) for t in ts]) for d, ts in groups.items()}
+        flats = {d: torch.cat([t.detach().reshape(-1) for t in ts]) for d, ts in groups.items()}
 
         def finish() -> None:
             for d, ts in groups.items():
@@ -285,7 +524,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
 
         steps = [(lambda f=f: self.comm.iallreduce(as_numpy(f), reduce_op_name(opts.reduceOp, f.dtype)))
                  for f in flats.values()]
-        return self._chain(steps, tensors, finish, opts)
+        return self._chain("allreduce_coalesced", steps, tensors, finish, opts, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """``dist.broadcast`` from ``opts.rootRank``."""
@@ -294,7 +533,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         staged = _Staged()
         bufs = [staged.writable(t) for t in tensors]
         steps = [(lambda b=b: self.comm.ibcast(as_numpy(b), int(opts.rootRank))) for b in bufs]
-        return self._chain(steps, tensors, staged.finish, opts)
+        return self._chain("broadcast", steps, tensors, staged.finish, opts, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """``dist.reduce`` to ``opts.rootRank``."""
@@ -304,7 +543,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         bufs = [staged.writable(t) for t in tensors]
         steps = [(lambda b=b: self.comm.ireduce(as_numpy(b), int(opts.rootRank),
                                                 reduce_op_name(opts.reduceOp, b.dtype))) for b in bufs]
-        return self._chain(steps, tensors, staged.finish, opts)
+        return self._chain("reduce", steps, tensors, staged.finish, opts, tensors)
 
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> Callable[[], Any]:
         out = output if output.is_contiguous() else None
@@ -318,7 +557,8 @@ class CollectivesProcessGroup(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor``."""
         _check_cpu([output, input])
-        return self._chain([self._gather_into(output, input)], output)
+        return self._chain("all_gather_into_tensor", [self._gather_into(output, input)], output,
+                           opts=opts, written=output)
 
     all_gather_single = _allgather_base
 
@@ -326,34 +566,50 @@ class CollectivesProcessGroup(dist.ProcessGroup):
                                     opts: Any = None) -> dist.Work:
         """Several ``all_gather_into_tensor`` calls as one Work."""
         _check_cpu(list(outputs) + list(inputs))
-        return self._chain([self._gather_into(o, i) for o, i in zip(outputs, inputs)], outputs)
+        return self._chain("all_gather_into_tensor_coalesced",
+                           [self._gather_into(o, i) for o, i in zip(outputs, inputs)], outputs,
+                           opts=opts, written=outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> dist.Work:
-        """``dist.all_gather``: into a flat buffer, then copied into the output lists."""
-        _check_cpu(input_tensors)
-        steps, copies = [], []
-        for outs, inp in zip(output_tensors, input_tensors):
-            if len(outs) != self.size():
-                raise BadArgument(f"all_gather needs {self.size()} output tensors, got {len(outs)}")
+    def _gather_lists(self, what: str, per_rank: Sequence[Sequence[torch.Tensor]],
+                      inputs: Sequence[torch.Tensor], result: Any, opts: Any) -> dist.Work:
+        """Allgather each input into a flat buffer, then copy rank r's block of
+        input i into ``per_rank[r][i]``."""
+        _check_cpu(list(inputs))
+        if len(per_rank) != self.size() or any(len(outs) != len(inputs) for outs in per_rank):
+            raise BadArgument(f"{what} needs {self.size()} output lists (one per rank) of "
+                              f"{len(inputs)} tensors each, got lists of {[len(o) for o in per_rank]}")
+        steps, flats = [], []
+        for inp in inputs:
             flat_out = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
-            src = _Staged.readable(inp)
+            src = _Staged.readable(inp.detach())
             steps.append(lambda s=src, f=flat_out: self.comm.iallgather(as_numpy(s), as_numpy(f)))
-            copies.append((outs, flat_out, inp.numel()))
+            flats.append((flat_out, inp.numel()))
 
         def finish() -> None:
-            for outs, flat_out, n in copies:
-                for i, o in enumerate(outs):
-                    o.copy_(flat_out[i * n:(i + 1) * n].view_as(o))
+            for r, outs in enumerate(per_rank):
+                for (flat_out, n), o in zip(flats, outs):
+                    o.copy_(flat_out[r * n:(r + 1) * n].view_as(o))
 
-        return self._chain(steps, output_tensors, finish)
+        return self._chain(what, steps, result, finish, opts, per_rank)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> dist.Work:
+        """``dist.all_gather``: ``output_tensors[i][r]`` receives rank r's ``input_tensors[i]``."""
+        if len(output_tensors) != len(input_tensors):
+            raise BadArgument(f"all_gather: {len(output_tensors)} output lists for {len(input_tensors)} inputs")
+        for outs in output_tensors:
+            if len(outs) != self.size():
+                raise BadArgument(f"all_gather needs {self.size()} output tensors, got {len(outs)}")
+        per_rank = [[outs[r] for outs in output_tensors] for r in range(self.size())]
+        return self._gather_lists("all_gather", per_rank, input_tensors, output_tensors, opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> dist.Work:
-        """``dist.all_gather_coalesced``."""
-        return self.allgather(output_lists, inputs, opts)
+        """``dist.all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's
+        ``inputs[i]`` (as torch and Gloo lay it out)."""
+        return self._gather_lists("all_gather_coalesced", output_lists, inputs, output_lists, opts)
 
     def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, opts: Any,
                             staged: _Staged) -> Callable[[], Any]:
@@ -369,7 +625,8 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         _check_cpu([output, input])
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         staged = _Staged()
-        return self._chain([self._reduce_scatter_one(output, input, opts, staged)], output, staged.finish, opts)
+        return self._chain("reduce_scatter_tensor", [self._reduce_scatter_one(output, input, opts, staged)],
+                           output, staged.finish, opts, output)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -380,7 +637,7 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         staged = _Staged()
         steps = [self._reduce_scatter_one(o, i, opts, staged) for o, i in zip(outputs, inputs)]
-        return self._chain(steps, outputs, staged.finish, opts)
+        return self._chain("reduce_scatter_tensor_coalesced", steps, outputs, staged.finish, opts, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -394,9 +651,9 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) != self.size():
                 raise BadArgument(f"reduce_scatter needs {self.size()} input tensors, got {len(ins)}")
-            flat_in = torch.cat([t.reshape(-1) for t in ins])
+            flat_in = torch.cat([t.detach().reshape(-1) for t in ins])
             steps.append(self._reduce_scatter_one(out, flat_in, opts, staged))
-        return self._chain(steps, output_tensors, staged.finish, opts)
+        return self._chain("reduce_scatter", steps, output_tensors, staged.finish, opts, output_tensors)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> dist.Work:
@@ -405,42 +662,40 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         p = self.size()
         row_in = input[0].numel() if input.dim() and input.shape[0] else 0
         row_out = output[0].numel() if output.dim() and output.shape[0] else 0
+        staged = _Staged()
+        out, src = staged.writable(output), _Staged.readable(input)
         if not output_split_sizes and not input_split_sizes:
             if input.numel() % p or output.numel() != input.numel():
                 raise BadArgument(f"all_to_all_single: {input.numel()} elements do not split evenly over {p} ranks")
-            staged = _Staged()
-            out, src = staged.writable(output), _Staged.readable(input)
-            return self._chain([lambda: self.comm.ialltoall(as_numpy(src), as_numpy(out))], output, staged.finish, opts)
+            return self._chain("all_to_all_single", [lambda: self.comm.ialltoall(as_numpy(src), as_numpy(out))],
+                               output, staged.finish, opts, output)
         in_splits = list(input_split_sizes) or [input.shape[0] // p] * p
         out_splits = list(output_split_sizes) or [output.shape[0] // p] * p
-        return self._alltoallv(output, input, [s * row_in for s in in_splits],
-                               [s * row_out for s in out_splits])
+        work = self._new_work("all_to_all_single", output)
+        return self._alltoallv(work, out, src, [s * row_in for s in in_splits],
+                               [s * row_out for s in out_splits], staged.finish, output)
 
     all_to_all_single = alltoall_base
 
-    def _alltoallv(self, output: torch.Tensor, input: torch.Tensor, send_counts: list[int],
-                   recv_counts: list[int]) -> dist.Work:
-        """Uneven all-to-all: pairwise point-to-point after the queued collectives."""
-        staged = _Staged()
-        out, src = staged.writable(output), _Staged.readable(input)
-        with self._lock:
-            self._alltoallv_seq = (self._alltoallv_seq + 1) % _ALLTOALLV_TAG_BASE
-            tag = _ALLTOALLV_TAG_BASE + self._alltoallv_seq
-            barrier = self.comm.ibarrier()  # start after what is queued
-        fut: Future = Future()
+    def _alltoallv(self, work: CollectivesWork, out: torch.Tensor, src: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int], finish: Callable[[], None] | None, written: Any) -> dist.Work:
+        """Uneven all-to-all of contiguous ``src`` into ``out``: pairwise
+        point-to-point after the queued collectives (a barrier orders it)."""
+        _written(written)
+        try:
+            with self._lock:
+                self._alltoallv_seq = (self._alltoallv_seq + 1) % _ALLTOALLV_TAG_BASE
+                tag = _ALLTOALLV_TAG_BASE + self._alltoallv_seq
+                barrier = self.comm.ibarrier()  # start after what is queued
+        except BaseException as exc:
+            self._fail(work, exc)
+            return work
 
-        def exchange(_: Any) -> None:
-            try:
-                barrier.wait()
-                self._exchange_blocks(as_numpy(src), as_numpy(out), send_counts, recv_counts, tag)
-                staged.finish()
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(output)
+        def exchange() -> None:
+            barrier.wait()
+            self._exchange_blocks(as_numpy(src), as_numpy(out), send_counts, recv_counts, tag)
 
-        threading.Thread(target=exchange, args=(None,), daemon=True).start()
-        return _work(fut)
+        return self._in_thread(work, exchange, finish)
 
     def _exchange_blocks(self, src: np.ndarray, out: np.ndarray, send_counts: list[int],
                          recv_counts: list[int], tag: int) -> None:
@@ -461,24 +716,22 @@ class CollectivesProcessGroup(dist.ProcessGroup):
                  opts: Any = None) -> dist.Work:
         """``dist.all_to_all`` with lists of tensors."""
         _check_cpu(list(output_tensors) + list(input_tensors))
-        flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+        flat_in = torch.cat([t.detach().reshape(-1) for t in input_tensors])
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
         send_counts = [t.numel() for t in input_tensors]
         recv_counts = [t.numel() for t in output_tensors]
 
-        work = (self._alltoallv(flat_out, flat_in, send_counts, recv_counts)
-                if len(set(send_counts + recv_counts)) > 1
-                else self._chain([lambda: self.comm.ialltoall(as_numpy(flat_in), as_numpy(flat_out))], flat_out))
-
-        def scatter_out(fut: Future) -> list[torch.Tensor]:
-            fut.value()
+        def scatter_out() -> None:
             offset = 0
             for t in output_tensors:
                 t.copy_(flat_out[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-            return output_tensors
 
-        return _work(work.get_future().then(scatter_out))
+        if len(set(send_counts + recv_counts)) > 1:
+            work = self._new_work("all_to_all", output_tensors)
+            return self._alltoallv(work, flat_out, flat_in, send_counts, recv_counts, scatter_out, output_tensors)
+        return self._chain("all_to_all", [lambda: self.comm.ialltoall(as_numpy(flat_in), as_numpy(flat_out))],
+                           output_tensors, scatter_out, opts, output_tensors)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> dist.Work:
@@ -496,8 +749,9 @@ class CollectivesProcessGroup(dist.ProcessGroup):
                 for i, o in enumerate(output_tensors[0]):
                     o.copy_(flat_out[i * n:(i + 1) * n].view_as(o))
 
-        return self._chain([lambda: self.comm.igather(as_numpy(inp), None if flat_out is None else as_numpy(flat_out), root)],
-                           output_tensors, finish, opts)
+        return self._chain("gather", [lambda: self.comm.igather(as_numpy(inp), None if flat_out is None
+                                                                  else as_numpy(flat_out), root)],
+                           output_tensors, finish, opts, output_tensors)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> dist.Work:
@@ -507,14 +761,15 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         root = int(opts.rootRank)
         staged = _Staged()
         out = staged.writable(output_tensors[0])
-        flat_in = (torch.cat([t.reshape(-1) for t in input_tensors[0]])
+        flat_in = (torch.cat([t.detach().reshape(-1) for t in input_tensors[0]])
                    if self.rank() == root else None)
-        return self._chain([lambda: self.comm.iscatter(None if flat_in is None else as_numpy(flat_in), as_numpy(out), root)],
-                           output_tensors, staged.finish, opts)
+        return self._chain("scatter", [lambda: self.comm.iscatter(None if flat_in is None else as_numpy(flat_in),
+                                                                  as_numpy(out), root)],
+                           output_tensors, staged.finish, opts, output_tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         """``dist.barrier``."""
-        return self._chain([lambda: self.comm.ibarrier()], None, opts=opts)
+        return self._chain("barrier", [lambda: self.comm.ibarrier()], None, opts=opts)
 
     # ------------------------------------------------------- point to point
 
@@ -522,40 +777,42 @@ class CollectivesProcessGroup(dist.ProcessGroup):
         """``dist.send``/``isend`` to group rank ``dst``."""
         _check_cpu(tensors)
         src = _Staged.readable(tensors[0])
-        return self._p2p(lambda: self.comm.isend(as_numpy(src), int(dst), int(tag), timeout=self.timeout), tensors)
+        return self._p2p(self._new_work(f"send to rank {dst}", tensors),
+                         lambda: self.comm.isend(as_numpy(src), int(dst), int(tag), timeout=self.timeout))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         """``dist.recv``/``irecv`` from group rank ``src``."""
         _check_cpu(tensors)
         staged = _Staged()
         buf = staged.writable(tensors[0])
-        return self._p2p(lambda: self.comm.irecv(as_numpy(buf), int(src), int(tag), timeout=self.timeout),
-                         tensors, staged.finish)
+        _written(tensors)
+        return self._p2p(self._new_work(f"recv from rank {src}", tensors, int(src)),
+                         lambda: self.comm.irecv(as_numpy(buf), int(src), int(tag), timeout=self.timeout),
+                         staged.finish)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         raise BadArgument("the collectives backend cannot receive from any source; name the sender")
 
-    def _p2p(self, start: Callable[[], Any], result: Any, finish: Callable[[], None] | None = None) -> dist.Work:
-        """A point-to-point request completed by a waiter thread (its Work is a future)."""
-        with self._lock:
-            request = start()
-        fut: Future = Future()
-
-        def wait() -> None:
-            try:
-                request.wait()
-                if finish is not None:
-                    finish()
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-        if request.done():
-            wait()
+    def _p2p(self, work: CollectivesWork, start: Callable[[], Any],
+             finish: Callable[[], None] | None = None) -> dist.Work:
+        """A point-to-point request; a thread waits for it unless it is done already."""
+        try:
+            with self._lock:
+                request = start()
+        except BadArgument:
+            raise
+        except BaseException as exc:
+            self._fail(work, exc)
+            return work
+        if not request.done():
+            return self._in_thread(work, request.wait, finish)
+        try:
+            request.wait()
+        except BaseException as exc:
+            self._fail(work, exc)
         else:
-            threading.Thread(target=wait, daemon=True).start()
-        return _work(fut)
+            self._finish(work, finish)
+        return work
 
     # ------------------------------------------------------------- lifetime
 

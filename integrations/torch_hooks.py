@@ -24,7 +24,7 @@ from torch.futures import Future
 import collectives
 from collectives import Communicator
 
-from .torch_backend import CollectivesProcessGroup, as_numpy, post_lock
+from .torch_backend import CollectivesProcessGroup, Outcome, as_numpy, for_torch, post_lock
 
 __all__ = ["HookState", "allreduce_hook", "fp16_compress_hook", "bfloat16_compress_hook"]
 
@@ -70,25 +70,27 @@ def _resolve(state: Any) -> Communicator:
 
 def _allreduce_future(comm: Communicator, wire: torch.Tensor, result: torch.Tensor) -> Future:
     """Sum ``wire`` over ranks; the future's value is ``result`` (``wire`` copied in
-    when they differ), set from the communicator's worker thread."""
-    fut: Future = Future()
+    when they differ), set from the communicator's worker thread. When the
+    allreduce fails the future fails, so DDP's backward raises on this rank."""
+    outcome = Outcome()
 
     def done(handle: Any) -> None:
         err = handle.exception()
         if err is None and wire is not result:
             try:
-                result.copy_(wire)
+                with torch.no_grad():
+                    result.copy_(wire)
             except BaseException as exc:
                 err = exc
         if err is not None:
-            fut.set_exception(err)
+            outcome.set_exception(for_torch(err))
         else:
-            fut.set_result(result)
+            outcome.set_result(result)
 
     with post_lock(comm):
         handle = comm.iallreduce(as_numpy(wire), "sum")
     handle.add_done_callback(done)
-    return fut
+    return outcome.future
 
 
 def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -113,6 +113,13 @@ def _async(torch, dist, r, p, fails):
     work.wait()
     _expect(torch, fails, "async_op wait", z, torch.full((6,), p * (p + 1) / 2))
     _expect(torch, fails, "get_future then", chained.wait(), torch.full((6,), p * (p + 1.0)))
+    if not (work.is_completed() and work.is_success() and work.exception() is None):
+        fails.append(f"work after wait: completed {work.is_completed()}, success {work.is_success()}, "
+                     f"exception {work.exception()!r}")
+    if [t.data_ptr() for t in work.result()] != [z.data_ptr()]:
+        fails.append(f"work.result(): {work.result()}")
+    if dist.barrier(async_op=True).wait() is not True:
+        fails.append("barrier work: wait() did not return True")
 
 
 def _objects(torch, dist, r, p, fails):
