@@ -262,13 +262,17 @@ static inline uint64_t *record(WindowObject *w, int r, uint64_t seq) {
     return w->counters[K_POST][r] + 1 + 3 * (seq & 1);
 }
 
-/* A record is written word 0 cleared first and word 0 set last, so that a
- * reader that sees the same nonzero word 0 before and after reading the
- * other two read one record whole (see read_record). */
+/* A record is written with word 0 set to REC_WRITING first and to its
+ * value last, so that a reader that sees the same word 0 before and after
+ * reading the other two read one record whole (see read_record). Word 0 of
+ * a real record is never 0 (never written) nor REC_WRITING: its
+ * collective's code is at least 1. */
+#define REC_WRITING 1ULL
+
 static inline void write_record(WindowObject *w, uint64_t seq, uint64_t w0, uint64_t w1, uint64_t w2) {
     if (!w->checks) return;
     uint64_t *rec = record(w, w->rank, seq);
-    __atomic_store_n(&rec[0], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&rec[0], REC_WRITING, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_RELEASE);
     __atomic_store_n(&rec[1], w1, __ATOMIC_RELAXED);
     __atomic_store_n(&rec[2], w2, __ATOMIC_RELAXED);
@@ -277,7 +281,8 @@ static inline void write_record(WindowObject *w, uint64_t seq, uint64_t w0, uint
 }
 
 /* rank r's record in the slot of call seq into out; 0 when it was being
- * rewritten meanwhile (the rank has moved on to a later call). */
+ * rewritten meanwhile (the rank has moved on to a later call). A slot never
+ * written reads as word 0 = 0: a record of no call, behind every call. */
 static inline int read_record(WindowObject *w, int r, uint64_t seq, uint64_t *out) {
     const uint64_t *rec = record(w, r, seq);
     uint64_t a = __atomic_load_n(&rec[0], __ATOMIC_ACQUIRE);
@@ -285,7 +290,7 @@ static inline int read_record(WindowObject *w, int r, uint64_t seq, uint64_t *ou
     out[2] = __atomic_load_n(&rec[2], __ATOMIC_ACQUIRE);
     uint64_t b = __atomic_load_n(&rec[0], __ATOMIC_ACQUIRE);
     out[0] = a;
-    return a != 0 && a == b;
+    return a != REC_WRITING && a == b;
 }
 
 /* -1 when every peer's record of call seq equals this rank's (a peer whose
@@ -301,6 +306,7 @@ static int verify(WindowObject *w, uint64_t seq) {
     for (int r = 0; r < w->size; r++) {
         if (r == w->rank) continue;
         if (!read_record(w, r, seq, rec)) continue;  /* rewritten: it has moved on, past this call */
+        if (!rec[0]) return r;                       /* it never posted a record in this slot */
         uint64_t rs = (rec[0] >> SIG_SEQ_SHIFT) & SIG_SEQ_MASK;
         if (rs == s) {
             if (rec[0] != m0 || rec[1] != m1 || rec[2] != m2) return r;

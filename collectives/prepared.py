@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .context import CallContext
-from .planning import Plan
+from .planning import ROOTED, Plan
 from .registry import Algorithm
 from .signature import Sig
 
@@ -65,11 +65,14 @@ class PreparedCalls(dict):
         algorithm's own persistent plan where it offers one. ``as_is``: the
         call's arrays are the algorithm's array arguments, in order (so a
         persistent plan's ``on_arrays`` may take them directly). Plans with a
-        finalizer (``avg``), staged device buffers, a refusal or no data are not kept."""
+        finalizer (``avg``), staged device buffers, a refusal or no data, and
+        rooted calls over messages (they start with the root's verdict), are
+        not kept."""
         if key in self:
             return
         entry = None
-        if plan.finalize is None and not staged and plan.refusal is None and not plan.empty:
+        if (plan.finalize is None and not staged and plan.refusal is None and not plan.empty
+                and not (plan.collective in ROOTED and not plan.algo.needs)):  # those start with a verdict
             func = plan.algo.func
             if plan.algo.prepare is not None:
                 func = plan.algo.prepare(transport, *plan.args) or func

@@ -115,6 +115,7 @@ def run_ranks(fn: Callable, nprocs: int, *args: Any, transport: str = "shm", tim
                 try:
                     outcomes[r] = c.recv()
                 except EOFError:
+                    procs[r].join(timeout=2.0)  # the pipe closes a moment before the process is reaped
                     code = procs[r].exitcode
                     outcomes[r] = Outcome(r, False, None, "ProcessDied", f"exit code {code}")
                 pending.discard(r)

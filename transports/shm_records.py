@@ -35,6 +35,8 @@ REFUSAL_OFFSET, REFUSAL_MAX = 2560, 1536
 #: Kinds of wait recorded in ``Q_WAITING``.
 WAIT_MESSAGE, WAIT_WINDOW = 1, 2
 _SEQ_SHIFT = signature.SEQ_SHIFT
+#: Word 0 of a record being written (a real record's is at least 1 << 36).
+_WRITING = 1
 _HALF = 1 << (signature.SEQ_BITS - 1)
 
 
@@ -74,7 +76,7 @@ class CallRecords:
             self._pages[self.rank][REFUSAL_OFFSET:REFUSAL_OFFSET + len(data)] = data
             q[Q_REFUSAL_LEN] = len(data)
         base = Q_RECORD + 3 * (seq & 1)
-        q[base] = 0  # word 0 cleared first and set last: readers see a record whole (see record())
+        q[base] = _WRITING  # word 0 marked first and set last: readers see a record whole (see record())
         q[base + 1], q[base + 2] = sig[1], sig[2]
         q[base] = (sig[0] & ~(SEQ_MASK << _SEQ_SHIFT)) | ((seq & SEQ_MASK) << _SEQ_SHIFT)
 
@@ -82,7 +84,7 @@ class CallRecords:
         """(seq, signature) of ``rank``'s latest call (default this rank's),
         or None before its first."""
         r = self.rank if rank is None else rank
-        recs = [rec for rec in (self.record(r, 0), self.record(r, 1)) if rec is not None]
+        recs = [rec for rec in (self.record(r, 0), self.record(r, 1)) if rec and rec[0]]
         if not recs:
             return None
         best = recs[0]
@@ -98,11 +100,12 @@ class CallRecords:
 
     def record(self, rank: int, seq: int) -> Sig | None:
         """``rank``'s record in the slot of call ``seq`` (whatever call it
-        holds), or None while it is being rewritten (the rank has moved on)."""
+        holds; ``(0, 0, 0)`` if none yet), or None while it is being rewritten
+        (the rank has moved on)."""
         q = self._qs[rank]
         base = Q_RECORD + 3 * (seq & 1)
         a, w1, w2, b = q[base], q[base + 1], q[base + 2], q[base]
-        return (a, w1, w2) if a and a == b else None
+        return (a, w1, w2) if a != _WRITING and a == b else None
 
     def verify(self, seq: int) -> int:
         """-1 when every rank's record of call ``seq`` agrees with this rank's
@@ -118,6 +121,8 @@ class CallRecords:
             rec = self.record(r, seq)
             if rec is None:
                 continue  # being rewritten: it has moved on, past this call
+            if not rec[0]:
+                return r  # it never posted a record in this slot
             if _seq(rec[0]) == s:
                 if rec != mine:
                     return r

@@ -1,0 +1,395 @@
+"""Fault injection on shared memory: mismatched calls, bad arguments on one
+rank, and ranks killed, stopped, raising or leaving; every rank's outcome,
+the time it took, what its message names, and guard regions after every
+buffer that must stay untouched.
+
+The randomized mismatch campaign is ``tests/test_mismatch_fuzz.py``; the
+TCP and MPI transports have their own fault tests.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from collectives import BadArgument, CollectiveError
+from faults import Spec, call, expected, fresh, guarded, intact, named_algorithms
+from harness import run_ranks
+
+#: Elements per block well past every window path's switch (pieces, direct reads).
+LARGE = 3 << 20
+BOUND = 3.0  # seconds: a mismatch or refusal is found at the first step, far sooner
+
+REDUCING = ("allreduce", "reduce", "reduce_scatter")
+ROOTED = ("bcast", "reduce", "gather", "scatter")
+ALL = ("allreduce", "reduce", "bcast", "allgather", "gather", "scatter", "reduce_scatter", "alltoall", "barrier")
+
+
+def _mutations(collective: str) -> list[tuple[str, dict, str]]:
+    """(field, change to rank 1's spec, a word the message must contain)."""
+    out = [("dtype", {"dtype": "float64"}, "float64"), ("count", {"count_add": 1}, "x "),
+           ("collective", {"collective": "allreduce" if collective != "allreduce" else "allgather"}, "collective")]
+    if collective in REDUCING:
+        out.append(("op", {"op": "max"}, "op"))
+    if collective in ROOTED:
+        out.append(("root", {"root": 1}, "root"))
+    if collective == "barrier":
+        out = [("collective", {"collective": "allreduce"}, "collective")]
+    return out
+
+
+def mismatch_every_field(comm, collective: str, count: int, algorithm: str):
+    """Rank 1 changes one field of the call at a time: every rank raises
+    MismatchedCollective in that call (or, for a rank that only sends over
+    messages, at its next call), naming the field; no guard is touched."""
+    report = []
+    for i, (field, change, word) in enumerate(_mutations(collective)):
+        c = fresh(f"m{i}")
+        spec = Spec(collective, algorithm, count=count)
+        if comm.rank == 1:
+            change = dict(change)
+            add = change.pop("count_add", 0)
+            spec = spec.with_(count=spec.count + add, **change)
+        got = call(c, spec)
+        nxt = call(c, Spec("barrier")) if got["outcome"] == "ok" else None
+        report.append((field, word, got["outcome"], got["message"], got["elapsed"], got["intact"],
+                       nxt and nxt["outcome"]))
+        c.close()
+    return report
+
+
+def _check_mismatches(outcomes, senders_may_finish: bool) -> None:
+    for r, report in enumerate(outcomes):
+        for field, word, outcome, message, elapsed, ok_guards, nxt in report:
+            where = f"rank {r}, {field}: {outcome}: {message}"
+            assert ok_guards, f"{where}: a guard region was written"
+            if outcome == "ok":  # a rank that only sent learns at its next call
+                assert senders_may_finish and nxt == "MismatchedCollective", where
+                continue
+            assert outcome == "MismatchedCollective", where
+            assert elapsed < BOUND, f"{where}: took {elapsed:.2f} s"
+    # every field named on the ranks that saw it first-hand (rank 0 and 1 compare each other)
+    for field, word, outcome, message, *_ in outcomes[0]:
+        if outcome == "MismatchedCollective":
+            assert word in message, f"rank 0, {field}: message does not name it: {message}"
+
+
+@pytest.mark.parametrize("collective", ALL)
+@pytest.mark.parametrize("p", [2, 3])
+def test_shared_window_mismatches_are_caught_on_every_rank(collective, p):
+    """The default path (``auto``: the shared window), small calls (native plans)."""
+    outcomes = run_ranks(mismatch_every_field, p, collective, 8, "auto", timeout=120)
+    _check_mismatches(outcomes, senders_may_finish=False)
+
+
+@pytest.mark.parametrize("collective", [c for c in ALL if c != "barrier"])
+def test_shared_window_mismatches_of_large_calls(collective):
+    """Past every switch to pieces and direct reads."""
+    outcomes = run_ranks(mismatch_every_field, 2, collective, LARGE // 4, "auto", timeout=120)
+    _check_mismatches(outcomes, senders_may_finish=False)
+
+
+def mismatch_each_algorithm(comm, collective: str):
+    """For every algorithm: ranks that disagree about the dtype, then about
+    the algorithm itself (rank 1 takes another)."""
+    algos = named_algorithms(collective, frozenset(comm.transport.capabilities))
+    report = []
+    for i, algo in enumerate(algos):
+        for kind in ("dtype", "algorithm"):
+            c = fresh(f"a{i}{kind}")
+            spec = Spec(collective, algo, count=40)
+            if comm.rank == 1:
+                spec = (spec.with_(dtype="float64") if kind == "dtype"
+                        else spec.with_(algorithm=algos[(i + 1) % len(algos)]))
+            if (kind == "algorithm" and len(algos) == 1) or (kind == "dtype" and collective == "barrier"):
+                c.close()
+                continue
+            got = call(c, spec)
+            nxt = call(c, Spec("barrier")) if got["outcome"] == "ok" else None
+            report.append((f"{algo}/{kind}", "float64" if kind == "dtype" else kind, got["outcome"],
+                           got["message"], got["elapsed"],
+                           got["intact"], nxt and nxt["outcome"]))
+            c.close()
+    return report
+
+
+@pytest.mark.parametrize("collective", ALL)
+def test_every_algorithm_catches_mismatches(collective):
+    outcomes = run_ranks(mismatch_each_algorithm, 3, collective, timeout=180)
+    _check_mismatches(outcomes, senders_may_finish=True)
+
+
+# ------------------------------------------------------------ bad arguments
+
+
+def _root_only_cases(p: int) -> dict:
+    """Arguments only the root sees, wrong on the root (rank 0)."""
+    def gather_small(comm, algo):
+        x = np.ones(4, np.float32)
+        comm.gather(x, np.zeros(4 * p - 1, np.float32) if comm.rank == 0 else None, 0, algorithm=algo)
+
+    def gather_dtype(comm, algo):
+        x = np.ones(4, np.float32)
+        comm.gather(x, np.zeros(4 * p, np.float64) if comm.rank == 0 else None, 0, algorithm=algo)
+
+    def gather_none(comm, algo):
+        comm.gather(np.ones(4, np.float32), None, 0, algorithm=algo)
+
+    def scatter_short(comm, algo):
+        comm.scatter(np.ones(4 * p - 2, np.float32) if comm.rank == 0 else None, np.zeros(4, np.float32), 0,
+                     algorithm=algo)
+
+    def scatterv_dtype(comm, algo):
+        counts = [k + 1 for k in range(p)]
+        comm.scatterv(np.ones(sum(counts), np.int32) if comm.rank == 0 else None,
+                      np.zeros(counts[comm.rank], np.float32), counts, 0, algorithm=algo)
+
+    def reduce_read_only(comm, algo):
+        x = np.ones(4, np.float32)
+        x.flags.writeable = comm.rank != 0
+        comm.reduce(x, 0, algorithm=algo)
+
+    return {"gather recvbuf too small": ("gather", gather_small), "gather recvbuf dtype": ("gather", gather_dtype),
+            "gather no recvbuf": ("gather", gather_none), "scatter sendbuf short": ("scatter", scatter_short),
+            "scatterv sendbuf dtype": ("scatter", scatterv_dtype),
+            "reduce read-only on the root": ("reduce", reduce_read_only)}
+
+
+def root_refusals(comm):
+    """Every rank raises BadArgument in the call the root refuses, whatever
+    the algorithm; nothing moves, and the next call works."""
+    report = []
+    caps = frozenset(comm.transport.capabilities)
+    for name, (collective, make) in _root_only_cases(comm.size).items():
+        for algo in ["auto"] + named_algorithms(collective, caps):
+            t0 = time.monotonic()
+            try:
+                make(comm, algo)
+                outcome, message = "ok", ""
+            except CollectiveError as exc:
+                outcome, message = type(exc).__name__, str(exc)
+            elapsed = time.monotonic() - t0
+            x = np.full(3, comm.rank + 1.0)
+            comm.allreduce(x)
+            report.append((f"{name} ({algo})", outcome, message, elapsed, float(x[0])))
+    return report
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_roots_refusal_reaches_every_rank_and_the_next_call_works(p):
+    want = p * (p + 1) / 2
+    for r, report in enumerate(run_ranks(root_refusals, p, timeout=120)):
+        for case, outcome, message, elapsed, after in report:
+            assert outcome == "BadArgument", f"rank {r}, {case}: {outcome} {message}"
+            assert "rank 0" in message, f"rank {r}, {case}: does not name the root: {message}"
+            assert elapsed < BOUND, f"rank {r}, {case}: {elapsed:.2f} s"
+            assert after == want, f"rank {r}, {case}: the next allreduce gave {after}"
+
+
+def one_rank_bad_argument(comm, algorithm: str):
+    """Rank 1 alone passes a read-only buffer to an allreduce."""
+    raw, x = guarded(64, "float32", comm.rank + 1)
+    x.flags.writeable = comm.rank != 1
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x, algorithm=algorithm)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    elapsed = time.monotonic() - t0
+    try:
+        y = np.ones(2)
+        comm.allreduce(y)
+        after = "ok"
+    except CollectiveError as exc:
+        after = type(exc).__name__
+    return outcome, message, elapsed, intact([raw], [64]), bool(np.all(x == comm.rank + 1)), after
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "recursive_doubling"])
+def test_a_bad_argument_on_one_rank_is_an_error_on_every_rank(algorithm):
+    """On the shared window the call is refused everywhere and the next call
+    works; over messages the refusal aborts the communicator, so every rank
+    still hears of it at once."""
+    for r, (outcome, message, elapsed, guards, untouched, after) in enumerate(
+            run_ranks(one_rank_bad_argument, 3, algorithm, timeout=60)):
+        assert outcome == "BadArgument", f"rank {r}: {outcome} {message}"
+        assert "rank 1" in message and "read-only" in message, f"rank {r}: {message}"
+        assert elapsed < BOUND and guards, f"rank {r}"
+        if algorithm == "auto":  # over messages a peer may have reduced part of a block before it heard
+            assert untouched, f"rank {r}: its buffer changed"
+        assert after == ("ok" if algorithm == "auto" else "BadArgument"), f"rank {r}: next call {after}"
+
+
+# ------------------------------------------------------------ dying, hanging
+
+
+_LOOP = [Spec("allreduce", count=8), Spec("allreduce", count=LARGE // 8), Spec("bcast", count=1000),
+         Spec("allgather", count=3), Spec("reduce_scatter", count=5000), Spec("alltoall", count=2),
+         Spec("barrier"), Spec("gather", count=300_000), Spec("reduce", count=10, root=1)]
+
+
+def killed_at_random(comm, victim: int, at: int, seed: int):
+    """Loops over collectives; ``victim`` kills itself with SIGKILL at call ``at``."""
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    for i in range(10_000):
+        if comm.rank == victim and i == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        got = call(comm, rng.choice(_LOOP))
+        if got["outcome"] != "ok":
+            return got["outcome"], got["message"], time.monotonic() - t0, i
+    return "ok", "", time.monotonic() - t0, 10_000
+
+
+@pytest.mark.parametrize("p,seed", [(2, 1), (3, 2), (4, 3), (4, 4)])
+def test_a_rank_killed_at_a_random_point_is_named_by_every_survivor(p, seed):
+    rng = random.Random(seed)
+    victim, at = rng.randrange(p), rng.randrange(1, 40)
+    outcomes = run_ranks(killed_at_random, p, victim, at, seed, timeout=60, comm_timeout=10,
+                         expect_errors=True)
+    for o in outcomes:
+        if o.rank == victim:
+            assert not o.ok
+            continue
+        assert o.ok, str(o)
+        outcome, message, elapsed, calls = o.value
+        assert outcome == "PeerLost", f"rank {o.rank}: {outcome}: {message}"
+        assert f"rank {victim}" in message and "died" in message, f"rank {o.rank}: {message}"
+        assert elapsed < 10 + 1, f"rank {o.rank}: {elapsed:.1f} s"
+
+
+def stopped(comm, timeout: float):
+    """Rank 1 stops itself (SIGSTOP) before a call; the others time out."""
+    x = np.ones(16, np.float32)
+    comm.allreduce(x)
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes it once the others are done
+    got = call(comm, Spec("allreduce", count=16))
+    return got["outcome"], got["message"], got["elapsed"]
+
+
+def test_a_stopped_rank_is_a_timeout_naming_it_and_every_survivor_says_the_same():
+    import threading
+
+    timeout = 2.0
+    resumer = threading.Thread(target=_resume_stopped_children, daemon=True)
+    resumer.start()
+    outcomes = run_ranks(stopped, 4, timeout, timeout=60, comm_timeout=timeout, expect_errors=True)
+    verdicts = set()
+    for o in outcomes:
+        assert o.ok, str(o)
+        outcome, message, elapsed = o.value
+        assert outcome == "CollectiveTimeout", f"rank {o.rank}: {outcome} {message}"
+        assert "rank 1" in message and "has not arrived" in message, f"rank {o.rank}: {message}"
+        if o.rank != 1:
+            assert elapsed < timeout + 1, f"rank {o.rank}: {elapsed:.1f} s"
+            verdicts.add(message.split("has not arrived", 1)[1].split("; in the call")[0])
+    assert len(verdicts) == 1, verdicts
+
+
+def _resume_stopped_children() -> None:
+    """SIGCONT every stopped child of this process (the stopped rank), until the test ends."""
+    me = os.getpid()
+    for _ in range(600):
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if fields[0] == "T" and int(fields[1]) == me:
+                    time.sleep(3.0)  # past the others' timeout: they must have given up on it
+                    os.kill(int(pid), signal.SIGCONT)
+                    return
+        time.sleep(0.05)
+
+
+def leaves_between_calls(comm, how: str):
+    """Rank 1 raises, exits or aborts between two calls."""
+    x = np.ones(8, np.float32)
+    comm.allreduce(x)
+    if comm.rank == 1:
+        if how == "exit":
+            sys.exit(0)
+        if how == "abort":
+            comm.abort("stopped by the application")
+            return "aborted", "", 0.0
+        raise RuntimeError("injected")
+    got = call(comm, Spec("allreduce", count=8))
+    return got["outcome"], got["message"], got["elapsed"]
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "abort"])
+def test_a_rank_that_leaves_between_calls_is_named(how):
+    outcomes = run_ranks(leaves_between_calls, 3, how, timeout=60, comm_timeout=10, expect_errors=True)
+    for o in outcomes:
+        if o.rank == 1:
+            continue
+        assert o.ok, str(o)
+        outcome, message, elapsed = o.value
+        assert outcome == "PeerLost", f"rank {o.rank}: {outcome} {message}"
+        assert "rank 1" in message, f"rank {o.rank}: {message}"
+        assert elapsed < (0.5 if how == "abort" else 3.0), f"rank {o.rank}: {elapsed:.2f} s"
+
+
+def abort_reaches_waiting_peers(comm):
+    """Rank 0 waits in a call; rank 1 aborts: rank 0 raises within 100 ms of it."""
+    x = np.ones(8, np.float32)
+    comm.allreduce(x)
+    if comm.rank == 1:
+        time.sleep(0.3)  # rank 0 is waiting by now (it is only timed from the abort)
+        at = time.time()
+        comm.abort("the application gave up")
+        return at
+    try:
+        comm.allreduce(x)
+    except CollectiveError as exc:
+        return time.time(), type(exc).__name__, str(exc)
+    return time.time(), "ok", ""
+
+
+def test_abort_reaches_a_waiting_peer_within_100_ms():
+    (seen, kind, message), aborted_at = run_ranks(abort_reaches_waiting_peers, 2, timeout=60)
+    assert kind == "PeerLost" and "the application gave up" in message and "rank 1" in message
+    assert seen - aborted_at < 0.1, f"{(seen - aborted_at) * 1000:.0f} ms"
+
+
+def late_rank_completes_nothing(comm):
+    """Rank 2 arrives after rank 0 timed out: it must fail that call too."""
+    x = np.ones(8, np.float32)
+    comm.allreduce(x)
+    if comm.rank == 2:
+        time.sleep(2.5)  # past the others' 1 s timeout
+    got = call(comm, Spec("allreduce", count=8))
+    return got["outcome"], got["message"]
+
+
+def test_no_rank_completes_a_call_another_saw_time_out():
+    for r, (outcome, message) in enumerate(run_ranks(late_rank_completes_nothing, 3, timeout=60,
+                                                       comm_timeout=1.0)):
+        assert outcome == "CollectiveTimeout", f"rank {r}: {outcome} {message}"
+        assert "rank 2" in message, f"rank {r}: {message}"
+
+
+def good_calls_after_refusals(comm):
+    """Correct results of every collective on every algorithm the window offers, small and large."""
+    bad = []
+    for spec in [Spec(c, count=n) for c in ALL for n in (1, 8, 70_000)] + [Spec("reduce", count=9, root=1)]:
+        got = call(comm, spec)
+        want = expected(spec, comm.size, comm.rank)
+        if got["outcome"] != "ok" or not got["intact"] or (want is not None and not np.array_equal(got["result"], want)):
+            bad.append(f"{spec}: {got['outcome']} {got['message']} intact={got['intact']}")
+    return bad
+
+
+def test_guarded_calls_are_correct_and_stay_in_their_buffers():
+    for r, bad in enumerate(run_ranks(good_calls_after_refusals, 3, timeout=120)):
+        assert not bad, f"rank {r}: " + "; ".join(bad)
