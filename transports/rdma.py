@@ -2,13 +2,27 @@
 
 One RC queue pair per peer, one completion queue. Messages are cut into
 chunks of at most ``chunk`` bytes; each chunk is one SEND with two
-scatter-gather entries: a 16-byte header (tag, total length) from a small
-registered header pool, and the payload straight from the user's buffer,
+scatter-gather entries: a 40-byte header (tag, total length, the call's
+signature) from a small registered header pool, and the payload straight
+from the user's buffer,
 registered once and found again in a registration cache (registering per
 call costs tens of microseconds). Receives land in pre-posted registered
 slots and are copied into the matching receive's buffer; chunks of one
 peer arrive in the order they were posted, and a sender never interleaves
 two messages to the same peer, so matching by (peer, tag) is FIFO.
+
+Checks: a message's first chunk is checked against its receive before any
+of it is copied (:func:`~collectives.signature.check_message`, then the
+size); a refused message is consumed and dropped, and its receive fails. A
+collective message (odd tag) that no receive waits for fails the peer's
+pending collective receives of other calls, and a collective receive
+posted while such a message of another call is queued fails at once
+(:func:`~collectives.signature.out_of_step`): messages of a pair keep their
+order, so the peer moved past the call. :meth:`RdmaTransport.abort` sends
+its reason unchanged, with the first call it did not complete; the peers
+raise ``errors.from_abort(reason, peer, rank)`` in every wait and every
+later operation, as this rank does, but for those of earlier calls, which
+may finish.
 Queue pairs retry forever when the receiver has no slot posted (RNR retry
 7), which is the flow control. Connection information (LID, GID, QP number)
 is exchanged through the job's rendezvous store.
@@ -24,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MismatchedCollective, PeerLost, TransportUnavailable
-from ..signature import NO_SIG, Sig
+from ..errors import CollectiveError, MismatchedCollective, PeerLost, TransportUnavailable, from_abort
+from ..signature import NO_SIG, SEQ_MASK, Sig, check_message, out_of_step
 from ..transport import Request, Transport
 from ..waiting import Backoff
 from . import verbs
@@ -33,7 +47,7 @@ from .rendezvous import wait_for_key
 
 __all__ = ["RdmaTransport", "RegistrationCache"]
 
-HEADER = struct.Struct("<qQ")  # tag (negative: control), total bytes
+HEADER = struct.Struct("<qQ3Q")  # tag (negative: control), total bytes, the call's signature (three words)
 ABORT_TAG = -1
 _SEND_BIT = 1 << 63
 
@@ -65,10 +79,10 @@ class RegistrationCache:
 
 
 class _Recv(Request):
-    __slots__ = ("tr", "buf", "peer", "tag", "done", "error")
+    __slots__ = ("tr", "buf", "peer", "tag", "sig", "done", "error")
 
-    def __init__(self, tr: "RdmaTransport", buf: np.ndarray, peer: int, tag: int) -> None:
-        self.tr, self.buf, self.peer, self.tag = tr, buf, peer, tag
+    def __init__(self, tr: "RdmaTransport", buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> None:
+        self.tr, self.buf, self.peer, self.tag, self.sig = tr, buf, peer, tag, sig
         self.done, self.error = False, None
 
     def test(self) -> bool:
@@ -76,6 +90,8 @@ class _Recv(Request):
             self.tr._progress()
         if self.error is not None:
             raise self.error
+        if not self.done and self.tr._aborted is not None and self.tr._refuses(self.tag):
+            raise self.tr._abort_error()
         return self.done
 
     def wait(self, timeout: float | None = None) -> None:
@@ -85,8 +101,8 @@ class _Recv(Request):
 class _Send(_Recv):
     __slots__ = ("chunks_left", "offset")
 
-    def __init__(self, tr: "RdmaTransport", buf: np.ndarray, peer: int, tag: int) -> None:
-        super().__init__(tr, buf, peer, tag)
+    def __init__(self, tr: "RdmaTransport", buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> None:
+        super().__init__(tr, buf, peer, tag, sig)
         self.offset, self.chunks_left = 0, 0
 
 
@@ -135,6 +151,8 @@ class RdmaTransport(Transport):
         self.cache = RegistrationCache(self.dev)
         self._closed = False
         self._lost: dict[int, str] = {}
+        #: (reason, the rank that aborted, the first call it did not complete or -1)
+        self._aborted: tuple[str, int, int] | None = None
         self._posted: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._unexpected: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._incoming: dict[int, list] = {}  # peer -> [target array, received bytes, request or None]
@@ -172,8 +190,8 @@ class RdmaTransport(Transport):
     # ------------------------------------------------------------ requests
 
     def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
-        self._check_peer(peer)
-        req = _Send(self, buf.reshape(-1).view(np.uint8), peer, tag)
+        self._check_peer(peer, tag)
+        req = _Send(self, buf.reshape(-1).view(np.uint8), peer, tag, sig)
         if peer == self.rank:
             self._deliver_local(req)
         else:
@@ -182,37 +200,84 @@ class RdmaTransport(Transport):
         return req
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
-        self._check_peer(peer)
-        req = _Recv(self, buf.reshape(-1).view(np.uint8), peer, tag)
+        self._check_peer(peer, tag)
+        req = _Recv(self, buf.reshape(-1).view(np.uint8), peer, tag, sig)
         waiting = self._unexpected.get((peer, tag))
         if waiting:
-            self._complete_from(req, waiting.popleft())
+            theirs, data = waiting.popleft()
+            self._complete_from(req, data, theirs)
+        elif tag & 1 and self._queued_other_call(req):
+            pass
         else:
             self._posted[(peer, tag)].append(req)
         return req
 
-    def _check_peer(self, peer: int) -> None:
+    def _check_peer(self, peer: int, tag: int) -> None:
+        if self._aborted is not None and self._refuses(tag):
+            raise self._abort_error()
         if peer in self._lost:
             raise PeerLost(self._lost[peer], peer)
+
+    def _refuses(self, tag: int) -> bool:
+        """Whether an operation with ``tag`` fails on the aborted transport:
+        always, but for one of a collective call before the first call the
+        aborting rank did not complete (it may still finish)."""
+        first = self._aborted[2]
+        return first < 0 or not tag & 1 or not 0 < (first - (tag >> 1)) & SEQ_MASK < (SEQ_MASK + 1) >> 1
+
+    def _abort_error(self) -> CollectiveError:
+        reason, origin, _ = self._aborted
+        return from_abort(reason, origin, self.rank)
 
     def _deliver_local(self, req: _Send) -> None:
         data = bytes(req.buf)
         posted = self._posted.get((req.peer, req.tag))
         if posted:
-            self._complete_from(posted.popleft(), data)
+            self._complete_from(posted.popleft(), data, req.sig)
         else:
-            self._unexpected[(req.peer, req.tag)].append(data)
+            self._unexpected[(req.peer, req.tag)].append((req.sig, data))
+            self._fail_other_calls(req.peer, req.tag, req.sig)
         req.done = True
 
-    @staticmethod
-    def _complete_from(req: _Recv, data: bytes | np.ndarray) -> None:
-        if len(data) != req.buf.nbytes:
-            req.error = MismatchedCollective(
-                f"message from rank {req.peer} (tag {req.tag}) has {len(data)} bytes, "
-                f"the receive expects {req.buf.nbytes}")
+    def _mismatch(self, req: _Recv, theirs: Sig, total: int) -> CollectiveError | None:
+        """The error of a message with signature ``theirs`` and ``total`` bytes
+        arriving at ``req`` (None when it may land in ``req``'s buffer)."""
+        error = check_message(req.sig, theirs, self.rank, req.peer) if theirs != req.sig else None
+        if error is None and total != req.buf.nbytes:
+            error = MismatchedCollective(
+                f"rank {self.rank}: expected {req.buf.nbytes} bytes from rank {req.peer}, got {total} "
+                "(ranks disagree about the collective or its size)")
+        return error
+
+    def _complete_from(self, req: _Recv, data: bytes | np.ndarray, theirs: Sig) -> None:
+        error = self._mismatch(req, theirs, len(data))
+        if error is not None:
+            req.error = error
         else:
             req.buf[:] = np.frombuffer(data, dtype=np.uint8)
         req.done = True
+
+    def _queued_other_call(self, req: _Recv) -> bool:
+        """Fail the collective receive ``req`` (none queued for its own tag)
+        when a collective message of another call from its peer is queued:
+        the peer moved past ``req``'s call. True when it did."""
+        for (peer, tag), queued in self._unexpected.items():
+            if peer == req.peer and tag & 1 and tag != req.tag and queued:
+                req.error = out_of_step(self.rank, peer, req.tag, tag, queued[0][0])
+                return True
+        return False
+
+    def _fail_other_calls(self, peer: int, tag: int, theirs: Sig) -> None:
+        """A message from ``peer`` that no receive waits for arrived: when it is
+        a collective one, ``peer`` moved past the calls of the collective
+        receives still waiting for it with other tags; fail them."""
+        if not tag & 1:
+            return
+        for (p, t), queued in self._posted.items():
+            if p == peer and t & 1 and t != tag:
+                while queued:
+                    waiting = queued.popleft()
+                    waiting.error = out_of_step(self.rank, peer, waiting.tag, tag, theirs)
 
     # ------------------------------------------------------------ progress
 
@@ -229,7 +294,7 @@ class RdmaTransport(Transport):
 
     def _post_chunk(self, req: _Send, n: int) -> None:
         h = self._free_headers.pop()
-        HEADER.pack_into(self._headers[h], 0, req.tag, req.buf.nbytes)
+        HEADER.pack_into(self._headers[h], 0, req.tag, req.buf.nbytes, *req.sig)
         sges = self.ffi.new("struct ibv_sge[2]")
         sges[0].addr, sges[0].length, sges[0].lkey = self._headers[h].ctypes.data, HEADER.size, self._hkey
         num = 1
@@ -273,34 +338,41 @@ class RdmaTransport(Transport):
             self._peer_lost(peer, f"receive from rank {peer} failed (work completion status {wc.status})")
             return
         raw = self._rslots[peer, slot]
-        tag, total = HEADER.unpack_from(raw, 0)
+        tag, total, w0, w1, w2 = HEADER.unpack_from(raw, 0)
         payload = raw[HEADER.size:int(wc.byte_len)]
-        if tag == ABORT_TAG:
-            self._peer_lost(peer, bytes(payload).decode(errors="replace"))
+        if tag == ABORT_TAG:  # payload: the first call the peer did not complete (int64, -1: unknown), reason
+            if self._aborted is None:
+                text = bytes(payload)
+                first = struct.unpack_from("<q", text)[0] if len(text) >= 8 else -1
+                self._aborted = (text[8:].decode("utf-8", "replace"), peer, first)
         else:
-            self._absorb(peer, tag, total, payload)
+            self._absorb(peer, tag, total, (w0, w1, w2), payload)
         self._post_slot(peer, slot)
 
-    def _absorb(self, peer: int, tag: int, total: int, payload: np.ndarray) -> None:
+    def _absorb(self, peer: int, tag: int, total: int, theirs: Sig, payload: np.ndarray) -> None:
+        """Take one chunk. The first chunk of a message picks its receive and is
+        checked against it: a mismatched message is consumed without a copy."""
         cur = self._incoming.get(peer)
         if cur is None:
             posted = self._posted.get((peer, tag))
             req = posted.popleft() if posted else None
-            if req is not None and req.buf.nbytes == total:
-                target = req.buf
-            else:
+            error = self._mismatch(req, theirs, total) if req is not None else None
+            if req is None:
                 target = np.empty(total, dtype=np.uint8)
-            cur = self._incoming[peer] = [target, 0, req, tag]
-        target, got, req, _ = cur
-        target[got:got + payload.size] = payload
+                self._fail_other_calls(peer, tag, theirs)
+            else:
+                target = req.buf if error is None else None
+            cur = self._incoming[peer] = [target, 0, req, theirs, error]
+        target, got, req, theirs, error = cur
+        if target is not None:
+            target[got:got + payload.size] = payload
         cur[1] = got = got + payload.size
         if got >= total:
             del self._incoming[peer]
             if req is None:
-                self._unexpected[(peer, tag)].append(target)
-            elif target is not req.buf:
-                self._complete_from(req, target)
+                self._unexpected[(peer, tag)].append((theirs, target))
             else:
+                req.error = error
                 req.done = True
 
     def _peer_lost(self, peer: int, reason: str) -> None:
@@ -319,6 +391,8 @@ class RdmaTransport(Transport):
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         backoff = Backoff(deadline, f"rank {self.rank}: RDMA wait for rank {req.peer} (tag {req.tag})")
         while not req.done and req.error is None:
+            if self._aborted is not None and self._refuses(req.tag):
+                raise self._abort_error()
             if self._progress():
                 backoff.reset()
                 continue
@@ -328,9 +402,20 @@ class RdmaTransport(Transport):
         if req.error is not None:
             raise req.error
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, seq: int | None = None) -> None:
+        """Send ``reason`` unchanged (up to one chunk) to every peer, with
+        ``seq``, the first call this rank did not complete (None: unknown):
+        the peers' waits and later operations raise it, and this rank's, but
+        for those of earlier collective calls, which may finish. A transport
+        that a peer aborted tells no one (that peer told everyone). Never
+        raises."""
+        if self._aborted is not None or self._closed:
+            return
+        first = -1 if seq is None else seq & SEQ_MASK
+        self._aborted = (reason, self.rank, first)
         try:
-            msg = np.frombuffer(reason.encode()[: self.chunk], dtype=np.uint8).copy()
+            text = struct.pack("<q", first) + reason.encode("utf-8", "replace")
+            msg = np.frombuffer(text[: self.chunk], dtype=np.uint8).copy()
             for peer in self.qps:
                 if peer not in self._lost:
                     self._sendq[peer].appendleft(_Send(self, msg, peer, ABORT_TAG))
