@@ -1,5 +1,5 @@
-"""Shared pieces of the fault-injection tests: guarded buffers, calls made
-from a description, fresh communicators inside one job, outcomes.
+"""Pieces of the fault-injection tests and campaigns: guarded buffers, calls
+made from a description, fresh communicators inside one job, outcomes.
 
 A *spec* describes one rank's call: ``(collective, algorithm, dtype, count,
 op, root)``. :func:`call` makes it on guarded buffers (each with a guard

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from collectives import BadArgument, CollectiveError
-from faults import Spec, call, expected, fresh, guarded, intact, named_algorithms
+from collectives.bench.faults import Spec, call, expected, fresh, guarded, intact, named_algorithms
 from harness import run_ranks
 
 #: Elements per block well past every window path's switch (pieces, direct reads).

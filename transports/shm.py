@@ -703,6 +703,10 @@ def segment_path(job: str, rank: int) -> str:
     return f"{SHM_DIR}/coll-{_job_tag(job)}-{rank}"
 
 
+#: Call numbers wrap around here (the communicator's tag space).
+_CALLS = 1 << 27
+
+
 def _completed(first_failed: int, seq: int) -> bool:
     """Whether a rank whose first incomplete call is ``first_failed`` completed call ``seq``."""
     ahead = (first_failed - seq) & signature.SEQ_MASK
@@ -1298,15 +1302,38 @@ class SharedMemoryTransport(Transport):
         call's first window fence its arrival."""
         if self._closed:
             return
+        self._check_leftovers(seq)
         self._records.publish(seq, sig, refusal)
         if self._window is not None:
             self._window.arm(seq)
+
+    def _check_leftovers(self, seq: int) -> None:
+        """Raise when a message of an earlier call from some peer was never
+        received: that peer and this rank made different calls then (both
+        only sent, so neither noticed). Messages of this or later calls (a
+        peer ahead) and point-to-point ones are left alone."""
+        if not any(self._rx_q[self._rx_head_i[src]] != self._rx_tail[src] for src in self._ranks) \
+                and not any(self._unexpected):
+            return
+        with self._lock:
+            self._progress()
+            for src, queues in enumerate(self._unexpected):
+                for tag, queue in queues.items():
+                    old = (seq - signature.seq_of_tag(tag)) % _CALLS
+                    if tag & 1 and queue and 0 < old < _CALLS // 2:
+                        raise MismatchedCollective(
+                            f"rank {self.rank}: rank {src} sent a message of call #{signature.seq_of_tag(tag)} "
+                            f"({signature.describe(queue[0].sig)}) that no receive of this rank took: the two "
+                            "ranks made different calls then")
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request, progressing all of them together."""
         own = [r for r in requests if isinstance(r, _ShmRequest)]
         if own:
             self._wait(own, timeout)
+            for r in own:
+                if r.error is not None:
+                    raise r.error
         for r in requests:
             r.wait(timeout)
 
@@ -1321,10 +1348,10 @@ class SharedMemoryTransport(Transport):
                 self._check_usable()
                 moved = self._moved
                 self._progress()
-                if all(r.done for r in reqs):
+                if all(r.done for r in reqs) or any(r.error is not None for r in reqs):
                     if block is not None:
                         self._records.waiting(0, 0)
-                    return
+                    return  # a failed request ends the wait: its error is what counts
                 moved = self._moved != moved
             if backoff is None:
                 backoff = self._backoff(deadline)
@@ -1419,11 +1446,13 @@ class SharedMemoryTransport(Transport):
         raise lost
 
     def _still_waiting(self, reqs: Sequence[_ShmRequest], peer: int) -> bool:
-        """Progress once; whether some receive of ``reqs`` from ``peer`` is still pending."""
+        """Progress once; whether some request of a collective call (a receive
+        from ``peer``, or a send to it: a peer that finished the call took
+        every message it wanted) is still pending."""
         with self._lock:
             if not self._closed:
                 self._progress()
-        return any(not r.done and r.peer == peer and r.kind == "receive" for r in reqs)
+        return any(not r.done and r.peer == peer and r.tag & 1 for r in reqs)
 
     def _aborted_error(self, rank: int) -> Exception:
         """The error of this rank when ``rank`` aborted the job (of the kind of

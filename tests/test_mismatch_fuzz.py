@@ -1,0 +1,18 @@
+"""The seeded mismatch campaign (``python -m collectives.bench.mismatch_fuzz``
+runs 10,000 trials): a few hundred trials here, on shared memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from collectives.bench.mismatch_fuzz import fuzz, tally
+from harness import run_ranks
+
+
+@pytest.mark.parametrize("p,seed,trials", [(2, 11, 500), (3, 12, 250)])
+def test_random_mismatched_calls_never_pass_silently(p, seed, trials):
+    result = tally(run_ranks(fuzz, p, seed, 0, trials, timeout=300, comm_timeout=60))
+    counts = result["counts"]
+    assert counts["trials"] == trials
+    assert counts["silent"] == 0 and counts["outside"] == 0 and counts["hung"] == 0, result["bad"][:5]
+    assert counts["agreed"] > trials // 8 and counts["caught"] > trials // 2, counts
