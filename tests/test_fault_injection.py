@@ -393,3 +393,26 @@ def good_calls_after_refusals(comm):
 def test_guarded_calls_are_correct_and_stay_in_their_buffers():
     for r, bad in enumerate(run_ranks(good_calls_after_refusals, 3, timeout=120)):
         assert not bad, f"rank {r}: " + "; ".join(bad)
+
+
+def unchecked_direct_reads(comm):
+    """With the signature checks off (for measuring only), ranks that disagree
+    about the size still never touch memory outside a buffer: direct reads
+    and writes stay inside what each rank published."""
+    n = (1 << 20) * (1 + comm.rank)
+    raw, x = guarded(n, "float32", comm.rank + 1)
+    try:
+        comm.allreduce(x)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    return outcome, message, intact([raw], [n])
+
+
+def test_direct_reads_stay_inside_buffers_even_with_checks_off(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
+    monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(1 << 20))
+    for r, (outcome, message, guards) in enumerate(run_ranks(unchecked_direct_reads, 2, timeout=60,
+                                                              comm_timeout=5, expect_errors=False)):
+        assert guards, f"rank {r}: wrote outside its buffer"
+        assert outcome in ("MismatchedCollective", "PeerLost"), f"rank {r}: {outcome} {message}"

@@ -43,6 +43,7 @@ import weakref
 import numpy as np
 
 from .. import native
+from ..errors import MismatchedCollective
 from ..ops import BFLOAT16, Op
 from ..registry import register
 
@@ -442,6 +443,8 @@ def _allreduce_direct(ctx, window, st: _WindowState, buf: np.ndarray, op: Op) ->
     scratch = {r: _placed_scratch(ctx, longest * item, 8 + i, peers.address(r) + mine).view(buf.dtype)
                for i, r in enumerate(r for r in range(ctx.size) if r != ctx.rank)}
     for a, b, others in _own_pieces(ctx, buf, seg, peers.pool_bounds(item)):
+        for r in others:
+            peers._inside(r, a * item, b * item)
         pooled = {r: peers.pooled(r, a * item, b * item) for r in others}
         srcs = [buf[a:b]]
         for r, v in pooled.items():
@@ -482,8 +485,9 @@ class _Readers:
     straight in the shared pool where it lies there, else through
     cross-memory attach."""
 
-    def __init__(self, window, metas: list[np.ndarray]) -> None:
+    def __init__(self, window, metas: list[np.ndarray], rank: int) -> None:
         self.window = window
+        self.window_rank = rank
         self.metas = metas
         self.pools = getattr(window, "allocation", None)
 
@@ -521,9 +525,19 @@ class _Readers:
         """Copy ``src`` to ``byte_offset`` of ``rank``'s buffer."""
         self._move(rank, byte_offset, src, False)
 
+    def _inside(self, rank: int, start: int, stop: int) -> None:
+        """Refuse to touch bytes [start, stop) of ``rank``'s buffer unless they
+        lie inside it, as ``rank`` published it (never outside a buffer, even
+        if a disagreement slipped past the signatures)."""
+        if start < 0 or stop > int(self.metas[rank][6]):
+            raise MismatchedCollective(
+                f"rank {self.window_rank}: would touch bytes [{start}, {stop}) of rank {rank}'s buffer, "
+                f"which holds {int(self.metas[rank][6])} bytes (ranks disagree about the call)")
+
     def _move(self, rank: int, byte_offset: int, local: np.ndarray, reading: bool) -> None:
         """:meth:`read` into ``local`` or :meth:`write` it, part by part (:meth:`_split`)."""
         data = local.reshape(-1).view(np.uint8)
+        self._inside(rank, byte_offset, byte_offset + data.nbytes)
         for a, b, pooled in self._split(rank, byte_offset, byte_offset + data.nbytes):
             part = data[a - byte_offset:b - byte_offset]
             if pooled is not None:
@@ -537,6 +551,7 @@ class _Readers:
         """``scratch.nbytes`` bytes at ``byte_offset`` of ``rank``'s buffer as
         ``scratch``'s dtype: a view of its pool where they all lie there
         (nothing copied), else read into ``scratch``."""
+        self._inside(rank, byte_offset, byte_offset + scratch.nbytes)
         pooled = self.pooled(rank, byte_offset, byte_offset + scratch.nbytes)
         if pooled is not None:
             return pooled.view(scratch.dtype)
@@ -562,7 +577,7 @@ def _direct(ctx, window, st: _WindowState, buf: np.ndarray, nbytes: int, collect
             for r, m in enumerate(metas):
                 if int(m[0]) and r != ctx.rank:
                     window.map_in(r, int(m[1]) + int(m[4]), int(m[5]) - int(m[4]))
-        return _Readers(window, metas)
+        return _Readers(window, metas, ctx.rank)
     return None
 
 
