@@ -20,8 +20,9 @@ A transport moves contiguous byte buffers between ranks. It is kept small:
   peer has moved past the call without sending what it waits for.
 * Optional capabilities are declared in ``capabilities``, never guessed:
   ``"window"`` (the transport offers :attr:`Transport.window`, a
-  :class:`SharedWindow`), ``"native"`` (the transport runs its own
-  collectives), ``"device"`` (device memory).
+  :class:`~collectives.window_contract.SharedWindow`, whose own optional
+  slots are declared in its ``features``), ``"native"`` (the transport
+  runs its own collectives), ``"device"`` (device memory).
 
 Transports are found through the entry-point group ``collectives.transports``;
 each entry point names a :class:`Transport` subclass.
@@ -30,11 +31,12 @@ each entry point names a :class:`Transport` subclass.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Protocol, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
 from .signature import NO_SIG, Sig
+from .window_contract import SharedWindow
 
 __all__ = ["Request", "Transport", "SharedWindow", "CompletedRequest"]
 
@@ -100,35 +102,6 @@ class _ReduceOnCompletion(Request):
             self._reduce()
             return True
         return False
-
-
-class SharedWindow(Protocol):
-    """Memory of every rank mapped into every rank's address space.
-
-    Each rank owns one region of ``capacity`` bytes. Any rank may read or
-    write any region; ordering between ranks is established with
-    :meth:`fence`. The window algorithms in ``collectives.algorithms.window``
-    use it; shared memory offers it now, CUDA IPC and RDMA later.
-    """
-
-    capacity: int
-
-    def region(self, rank: int) -> np.ndarray:
-        """A uint8 array over ``rank``'s region (``capacity`` bytes)."""
-        ...
-
-    def fence(self, deadline: float) -> None:
-        """Barrier among all ranks of the window: every write any rank made
-        before its fence is visible to every rank after its fence.
-        Raises CollectiveTimeout past ``deadline`` (time.monotonic()) and
-        PeerLost if a peer died or aborted."""
-        ...
-
-    def locate(self, arr: np.ndarray) -> tuple[int, int] | None:
-        """If ``arr`` lives in memory from :meth:`Transport.alloc` of this
-        window, return (owner rank, byte offset in the owner's shared
-        allocation); otherwise None."""
-        ...
 
 
 class Transport(abc.ABC):

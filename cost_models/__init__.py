@@ -14,9 +14,10 @@ from .model import MODELS, CostModel, Params, cost_model, predict
 
 __all__ = ["MODELS", "CostModel", "Params", "cost_model", "predict", "FORMULA_MODULES"]
 
-#: The modules that register formulas (one per collective, plus the window and native ones).
+#: The modules that register formulas (one per collective, plus the window
+#: package, itself one module per collective, and the native ones).
 FORMULA_MODULES = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce",
-                   "reduce_scatter", "alltoall", "barrier", "window", "window_blocks", "native")
+                   "reduce_scatter", "alltoall", "barrier", "window", "native")
 
 _loaded = False
 

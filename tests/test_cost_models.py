@@ -305,7 +305,7 @@ def test_a_chain_sends_one_piece_hop_by_hop_and_pipelines_the_rest() -> None:
 
 
 def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatch) -> None:
-    from collectives.algorithms.window import DIRECT_FROM, direct_from
+    from collectives.algorithms.window.tuning import DIRECT_FROM, direct_from
     from collectives.cost_models.window import direct
 
     MiB = 1 << 20

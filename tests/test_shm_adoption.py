@@ -1,5 +1,5 @@
 """Buffers used again and again move into the shared pool in place
-(``transports.pages.Adoptions``): same addresses, same contents, pages
+(``transports.shm.pages.Adoptions``): same addresses, same contents, pages
 shared with the other ranks; freed buffers are noticed; collectives on such
 buffers give the right results, alone and mixed with private buffers."""
 
@@ -12,8 +12,7 @@ import secrets
 import numpy as np
 import pytest
 
-from collectives.transports.pages import PAGE
-from collectives.transports.shm import SharedMemoryTransport
+from collectives.transports.shm import PAGE, SharedMemoryTransport
 from harness import run_ranks
 
 

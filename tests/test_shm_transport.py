@@ -184,7 +184,7 @@ def cross_memory(comm):
     except PeerLost:
         refused = True
     comm.barrier()
-    return w.cma, mine[10:15].tolist() == [prev] * 5, got.tolist() == [r] * 5, refused
+    return "direct_access" in w.features, mine[10:15].tolist() == [prev] * 5, got.tolist() == [r] * 5, refused
 
 
 def test_window_reads_and_writes_private_memory():
@@ -308,13 +308,14 @@ def test_rendezvous_timeout_leaves_nothing():
 
 def test_window_halves_hold_half_the_window_bytes():
     """A window of W bytes takes messages of W/2 in one step (its header is extra)."""
-    from collectives.algorithms.window import PIECE_BYTES, _WindowState
+    from collectives.algorithms.window.state import WindowState
+    from collectives.algorithms.window.tuning import PIECE_BYTES
 
     job = "halves" + secrets.token_hex(4)
     t = SharedMemoryTransport.open(0, 1, job=job, timeout=5,
                                    options={"shm_window_bytes": 2 * PIECE_BYTES, "shm_alloc_bytes": 1 << 20})
     try:
-        assert _WindowState(t.window, 1).half >= PIECE_BYTES
+        assert WindowState(t.window, 1).half >= PIECE_BYTES
     finally:
         t.close()
 

@@ -139,18 +139,18 @@ def test_ranks_asleep_in_a_fence_wake_when_the_last_arrives(p):
 def fence_with_long_blocks(comm, delay):
     """As :func:`late_fence`, with blocks bounded only at 5 s: a rank that is
     not rung sleeps through the whole bound."""
-    import collectives.transports.shm as shm
+    import collectives.transports.shm.waking as waking
 
-    shm.BLOCK_FIRST = shm.BLOCK_MAX = 5.0
-    shm.YIELD_SECONDS = 0.0
+    waking.BLOCK_FIRST = waking.BLOCK_MAX = 5.0
+    waking.SHARED_CORES_YIELD_SECONDS = 0.0
     return late_fence(comm, delay)
 
 
 def receive_with_long_blocks(comm, delay):
-    import collectives.transports.shm as shm
+    import collectives.transports.shm.waking as waking
 
-    shm.BLOCK_FIRST = shm.BLOCK_MAX = 5.0
-    shm.YIELD_SECONDS = 0.0
+    waking.BLOCK_FIRST = waking.BLOCK_MAX = 5.0
+    waking.SHARED_CORES_YIELD_SECONDS = 0.0
     return late_sender(comm, delay)
 
 

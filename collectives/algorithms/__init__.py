@@ -41,5 +41,4 @@ from . import (  # noqa: F401  (importing registers the algorithms)
     reduce_scatter,
     scatter,
     window,
-    window_blocks,
 )

@@ -99,7 +99,7 @@ def huge_pages(address: int, nbytes: int) -> bool | None:
     kernel cannot tell.
 
     Cross-memory copies pin every page they touch; from 4 KiB pages they run
-    at about half the speed (see :data:`~collectives.algorithms.window.DIRECT_FROM`).
+    at about half the speed (see :data:`~collectives.algorithms.window.tuning.DIRECT_FROM`).
     """
     lo = -(-address // HUGE_PAGE) * HUGE_PAGE
     hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE

@@ -2,7 +2,8 @@
 
 Every rank keeps, in its control page, the signatures of its last two
 collective calls (slots by the call number's parity, three words each,
-beside its window post counter: see ``collectives._native``), the reason
+beside its window post counter: ``Q_RECORD`` in :mod:`.layout`, and
+``collectives._native``), the reason
 it refused a call (when it did), and, while it blocks, what it waits for.
 Peers read them to check a call before touching each other's memory
 (:meth:`CallRecords.verdict`), to notice a peer that went another way
@@ -18,19 +19,9 @@ from collectives import signature
 from collectives.errors import MismatchedCollective
 from collectives.signature import SEQ_MASK, Sig
 
-__all__ = ["CallRecords", "Q_RECORD", "Q_INBOX", "Q_WAITING", "Q_REFUSAL_LEN", "REFUSAL_OFFSET", "REFUSAL_MAX",
-           "WAIT_MESSAGE", "WAIT_WINDOW"]
+from .layout import Q_RECORD, Q_REFUSAL_LEN, Q_WAITING, REFUSAL_MAX, REFUSAL_OFFSET
 
-#: Word index of the first record slot: right after the window post counter
-#: (``Q_POST``, word 64), so both share one cache line.
-Q_RECORD = 65
-#: Written by peers: rank + 1 of the first peer that aborted this rank's job.
-Q_INBOX = 72
-#: While this rank blocks: what it waits for (kind << 32 | peer + 1), else 0.
-Q_WAITING = 73
-#: Length of this rank's refusal reason, and where the reason's bytes lie.
-Q_REFUSAL_LEN = 74
-REFUSAL_OFFSET, REFUSAL_MAX = 2560, 1536
+__all__ = ["CallRecords", "WAIT_MESSAGE", "WAIT_WINDOW"]
 
 #: Kinds of wait recorded in ``Q_WAITING``.
 WAIT_MESSAGE, WAIT_WINDOW = 1, 2

@@ -1,0 +1,67 @@
+"""allgather through the shared window: each rank copies its block into its
+region, fence, each copies the others' out; from
+:data:`~.tuning.DIRECT_FROM` on, each reads the others' blocks straight
+from their buffers (:mod:`.direct`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import native
+from ...registry import register
+from .direct import direct, window_direct_from
+from .pieces import displs, one_piece, striped_cached
+from .plans import arr, first, plan, planned, run_planned, slot
+from .state import budget, state_of, window_state
+
+__all__ = ["allgather"]
+
+
+def _prepare(transport, buf: np.ndarray, counts: list[int]):
+    """One native call for the one-piece case through the window: copy this
+    rank's block in, fence, copy the others' out."""
+    p, me = transport.size, transport.rank
+    window, st = window_state(transport.window, p)
+    item = buf.itemsize
+    if p == 1 or buf.nbytes >= window_direct_from("allgather", window, p) or not sum(counts):
+        return None
+    parts = one_piece(st, counts, max(1, budget(st) // (p * item)))
+    if parts is None:
+        return None
+    start, n, off = parts[me]
+    before = [(arr(0, start * item), slot(st, me, off * item), n * item)] if n else []
+    after = [(slot(st, r, off * item), arr(0, start * item), n * item)
+             for r, (start, n, off) in enumerate(parts) if r != me and n]
+    sources = [r for r, (_, n, _) in enumerate(parts) if r != me and n]
+    return planned(plan(window, 1, before, after, None, sources), first)
+
+
+@register("allgather", "shared_window", needs=("window",), prepare=_prepare,
+          description="each rank copies its block into the window once; everyone copies all out")
+def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
+    p, me = ctx.size, ctx.rank
+    if p == 1 or sum(counts) == 0:
+        return
+    if run_planned(ctx, _prepare, ("allgather", buf.dtype, buf.size, tuple(counts)), buf, counts):
+        return
+    window, st = state_of(ctx)
+    item = buf.itemsize
+    readers = direct(ctx, window, st, buf, buf.nbytes, "allgather")
+    if readers is not None:
+        starts = displs(counts)
+        for r in range(p):
+            if r != me:
+                readers.read(r, starts[r] * item, buf[starts[r]:starts[r] + counts[r]])
+        window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+        return
+    step = max(1, budget(st) // (p * item))
+    dt = buf.dtype
+    for parts, used in striped_cached(st, counts, step):
+        base = st.next_half(ctx.deadline)
+        start, n, off = parts[me]
+        if n:
+            native.copy(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
+        window.fence(ctx.deadline)
+        for r, (start, n, off) in enumerate(parts):
+            if n and r != me:
+                native.copy(buf[start:start + n], st.views(base + off * item, n * item, dt)[r])

@@ -1,0 +1,171 @@
+"""allreduce through the shared window.
+
+Small vectors take a single-fence path: every rank copies its vector into
+its half, fences, and reduces all of them itself, in rank order, so every
+rank gets the same bits (one native plan where the window has them).
+Larger ones go in pieces that fit a half: copy in, fence, each rank reduces
+1/p of the piece straight from every region, fence, everyone copies the
+reduced blocks out. From :data:`~.tuning.DIRECT_FROM` on, where every
+rank's buffer can be reached directly (:mod:`.direct`), nothing is copied
+in: each rank reduces its 1/p straight from the others' buffers and writes
+the reduced pieces, still in the cache, into theirs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import native
+from ...ops import Op
+from ...registry import register
+from .direct import SCRATCH_PEER_FIRST, direct, window_direct_from
+from .pieces import blocks, displs, piece_elems, striped
+from .plans import arr, first, plan, planned, reduction, run_planned, slot
+from .reduction import LOW, reduce
+from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, window_state
+
+__all__ = ["allreduce"]
+
+
+def _prepare(transport, buf: np.ndarray, op: Op):
+    """Persistent plan of the one-fence path: one native call (copy in, fence,
+    reduce every slot in rank order), or, without native plans, both
+    halves' views made once, so a call is one copy in, one fence and p - 1
+    ufunc calls."""
+    p, rank = transport.size, transport.rank
+    nbytes, dtype = buf.nbytes, buf.dtype
+    window, st = window_state(transport.window, p)
+    if p == 1 or nbytes == 0 or dtype in LOW or not single_fence(nbytes, p, st):
+        return None
+    reduced = reduction(arr(0), [slot(st, r) for r in range(p)], buf.size, dtype, op)
+    peers = [r for r in range(p) if r != rank]
+    made = plan(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers) if reduced else None
+    if made is not None:
+        return planned(made, first)
+    halves = []
+    for off in (DATA_OFFSET, DATA_OFFSET + st.half):
+        views = st.views(off, nbytes, dtype)
+        halves.append((views[rank], views[0], views[1], tuple(views[2:])))
+    fence, ufunc, copyto = window.fence, op.ufunc, native.copy
+
+    def run(ctx, buf: np.ndarray, op: Op) -> None:
+        mine, v0, v1, rest = halves[(window.step(ctx.deadline) - 1) & 1]
+        copyto(mine, buf)
+        fence(ctx.deadline)
+        ufunc(v0, v1, out=buf)
+        for v in rest:
+            ufunc(buf, v, out=buf)
+
+    return run
+
+
+@register("allreduce", "shared_window", needs=("window",), prepare=_prepare,
+          description="single-copy reduction through the shared window (1/p per rank)")
+def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
+    p = ctx.size
+    if p == 1 or buf.size == 0:
+        return
+    window, st = state_of(ctx)
+    if single_fence(buf.nbytes, p, st):
+        if not run_planned(ctx, _prepare, ("allreduce", buf.dtype, buf.size, op.name), buf, op):
+            _small(ctx, window, st, buf, op)
+        return
+    if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op):
+        _pieces(ctx, window, st, buf, op)
+
+
+def _small(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
+    """The one-fence path in Python: copy in, fence, reduce every region."""
+    off = st.next_half(ctx.deadline)
+    views = st.views(off, buf.nbytes, buf.dtype)
+    native.copy(views[ctx.rank], buf)
+    window.fence(ctx.deadline)
+    if buf.dtype in LOW:
+        reduce(ctx, op, buf, views)
+        return
+    ufunc = op.ufunc  # the common case without reduce_many's checks
+    ufunc(views[0], views[1], out=buf)
+    for v in views[2:]:
+        ufunc(buf, v, out=buf)
+
+
+def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
+    """Pieces through the window: copy in the blocks others reduce, fence, reduce
+    this rank's block from its own buffer and every region into its region,
+    fence, copy every reduced block out."""
+    p, me = ctx.size, ctx.rank
+    step = piece_elems(st.half, p, buf.itemsize)
+    item = buf.itemsize
+    peers = [r for r in range(p) if r != me]
+    for parts, used in striped(blocks(buf.size, p), step):
+        base = st.next_half(ctx.deadline)
+        mine = st.regions[me]
+        for r in peers:
+            start, n, off = parts[r]
+            if n:
+                native.copy(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
+                            buf[start:start + n])
+        window.fence(ctx.deadline)
+        start_me, n_me, off_me = parts[me]
+        if n_me:
+            srcs = st.views(base + off_me * item, n_me * item, buf.dtype)
+            reduce(ctx, op, srcs[me], [buf[start_me:start_me + n_me]] + [srcs[r] for r in peers])
+        window.fence(ctx.deadline)
+        for r, (start, n, off) in enumerate(parts):
+            if n:
+                native.copy(buf[start:start + n],
+                            st.regions[r][base + off * item:base + (off + n) * item].view(buf.dtype))
+
+
+def _direct(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> bool:
+    """Single-copy path straight from the other ranks' buffers (:func:`~.direct.direct`).
+    Each rank reduces its 1/p piece by piece and writes each reduced piece
+    into every other buffer as it is made (in the shared pool) or while it
+    is still in the cache (through direct access): no rank reads or writes
+    another's 1/p, so one closing fence suffices. Returns False (every rank
+    alike) when some buffer cannot be reached."""
+    peers = direct(ctx, window, st, buf, buf.nbytes, "allreduce")
+    if peers is None:
+        return False
+    item = buf.itemsize
+    seg = ctx.segment_bytes if ctx.size <= 4 else ctx.segment_bytes // 4
+    longest = min(max(1, seg // item), -(-buf.size // ctx.size))  # no piece is longer
+    mine = displs(blocks(buf.size, ctx.size))[ctx.rank] * item
+    scratch = {r: _placed_scratch(ctx, longest * item, SCRATCH_PEER_FIRST + i, peers.address(r) + mine)
+               .view(buf.dtype) for i, r in enumerate(r for r in range(ctx.size) if r != ctx.rank)}
+    for a, b, others in _own_pieces(ctx, buf, seg, peers.pool_bounds(item)):
+        for r in others:
+            peers.inside(r, a * item, b * item)
+        pooled = {r: peers.pooled(r, a * item, b * item) for r in others}
+        srcs = [buf[a:b]]
+        for r, v in pooled.items():
+            if v is None:
+                peers.read(r, a * item, scratch[r][:b - a])
+            srcs.append(scratch[r][:b - a] if v is None else v.view(buf.dtype))
+        reduce(ctx, op, buf[a:b], srcs, [v.view(buf.dtype) for v in pooled.values() if v is not None])
+        for r, v in pooled.items():
+            if v is None:
+                peers.write(r, a * item, buf[a:b])
+    window.fence(ctx.deadline)  # every buffer complete; nobody touches one while others use it
+    return True
+
+
+def _placed_scratch(ctx, nbytes: int, scratch_slot: int, address: int) -> np.ndarray:
+    """``nbytes`` of scratch that start at ``address``'s place in a page: the
+    kernel copies from there at full speed (see ``transports.shm.cma.skewed``)."""
+    raw = ctx.scratch(nbytes + PAGE, np.uint8, slot=scratch_slot)
+    skip = (address - raw.ctypes.data) % PAGE
+    return raw[skip:skip + nbytes]
+
+
+def _own_pieces(ctx, buf: np.ndarray, piece_bytes: int, cuts: tuple[int, ...] = ()):
+    """(start, stop, other ranks) of each piece of at most ``piece_bytes`` of
+    this rank's 1/p of ``buf`` (in elements), also cut at ``cuts``."""
+    counts = blocks(buf.size, ctx.size)
+    lo = displs(counts)[ctx.rank]
+    hi = lo + counts[ctx.rank]
+    others = [r for r in range(ctx.size) if r != ctx.rank]
+    step = max(1, piece_bytes // buf.itemsize)
+    ends = sorted({c for c in cuts if lo < c < hi} | set(range(lo + step, hi, step)) | {hi})
+    for a, b in zip([lo] + ends, ends):
+        yield a, b, others

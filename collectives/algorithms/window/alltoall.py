@@ -1,0 +1,62 @@
+"""alltoall through the shared window: each rank copies its p blocks into its
+region, fence, each copies block ``rank`` of every region out; from
+:data:`~.tuning.DIRECT_FROM` on, each reads its blocks straight from every
+rank's buffer (:mod:`.direct`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import native
+from ...registry import register
+from .direct import direct, window_direct_from
+from .plans import arr, first_two, plan, planned, run_planned, slot
+from .state import budget, region, state_of, window_state
+
+__all__ = ["alltoall"]
+
+
+def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
+    """One native call when the blocks fit one piece through the window."""
+    p, me = transport.size, transport.rank
+    window, st = window_state(transport.window, p)
+    item = sendbuf.itemsize
+    b = sendbuf.size // p * item  # bytes per block
+    if p == 1 or not b or sendbuf.nbytes >= window_direct_from("alltoall", window, p) or b > budget(st) // p:
+        return None
+    before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
+    before.append((arr(0, me * b), arr(1, me * b), b))
+    after = [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
+    return planned(plan(window, 2, before, after, None, [r for r in range(p) if r != me]), first_two)
+
+
+@register("alltoall", "shared_window", needs=("window",), prepare=_prepare,
+          description="each rank copies its blocks into its window region; each copies its own from every region")
+def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+    p, me = ctx.size, ctx.rank
+    if p > 1 and run_planned(ctx, _prepare, ("alltoall", sendbuf.dtype, sendbuf.size), sendbuf, recvbuf):
+        return
+    b = sendbuf.size // p
+    native.copy(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
+    if p == 1 or b == 0:
+        return
+    window, st = state_of(ctx)
+    dt, item = sendbuf.dtype, sendbuf.itemsize
+    readers = direct(ctx, window, st, sendbuf, sendbuf.nbytes, "alltoall")
+    if readers is not None:
+        for r in range(p):
+            if r != me:
+                readers.read(r, me * b * item, recvbuf[r * b:(r + 1) * b])
+        window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
+        return
+    step = max(1, budget(st) // (p * item))
+    for a in range(0, b, step):
+        m = min(step, b - a)
+        base = st.next_half(ctx.deadline)
+        for d in range(p):
+            if d != me:
+                native.copy(region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
+        window.fence(ctx.deadline)
+        for r in range(p):
+            if r != me:
+                native.copy(recvbuf[r * b + a:r * b + a + m], region(st, r, base + me * m * item, m, dt))

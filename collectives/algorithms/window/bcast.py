@@ -1,0 +1,60 @@
+"""bcast through the shared window: the root copies into its region, fence,
+the others copy out; from :data:`~.tuning.DIRECT_FROM` on, the others read
+the root's buffer straight (:mod:`.direct`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import native
+from ...registry import register
+from .direct import direct, window_direct_from
+from .plans import arr, first, plan, planned, run_planned, slot
+from .state import budget, state_of, window_state
+
+__all__ = ["bcast"]
+
+#: Pieces of a bcast through the window are whole multiples of this many bytes.
+_ALIGN = 64
+
+
+def _prepare(transport, buf: np.ndarray, root: int):
+    """One native call for the one-piece case through the window: the root
+    copies in, fence, the others copy out."""
+    p, me = transport.size, transport.rank
+    window, st = window_state(transport.window, p)
+    n = buf.nbytes
+    if p == 1 or n == 0 or n >= window_direct_from("bcast", window, p) or n > budget(st):
+        return None
+    here = (arr(0), slot(st, root), n)
+    there = (slot(st, root), arr(0), n)
+    if me == root:
+        return planned(plan(window, 1, [here], [], None, []), first)
+    return planned(plan(window, 1, [], [there], None, [root]), first)
+
+
+@register("bcast", "shared_window", needs=("window",), prepare=_prepare,
+          description="the root copies into its window region; the others copy out")
+def bcast(ctx, buf: np.ndarray, root: int) -> None:
+    if ctx.size == 1 or buf.size == 0:
+        return
+    if run_planned(ctx, _prepare, ("bcast", buf.dtype, buf.size, root), buf, root):
+        return
+    window, st = state_of(ctx)
+    readers = direct(ctx, window, st, buf, buf.nbytes, "bcast")
+    if readers is not None:
+        if ctx.rank != root:
+            readers.read(root, 0, buf)
+        window.fence(ctx.deadline)  # the root keeps its buffer until everyone has it
+        return
+    data = buf.view(np.uint8)
+    step = max(_ALIGN, budget(st))
+    u8 = data.dtype
+    for a in range(0, data.size, step):
+        b = min(a + step, data.size)
+        src = st.views(st.next_half(ctx.deadline), b - a, u8)[root]
+        if ctx.rank == root:
+            native.copy(src, data[a:b])
+        window.fence(ctx.deadline)
+        if ctx.rank != root:
+            native.copy(data[a:b], src)

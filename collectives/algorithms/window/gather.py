@@ -1,0 +1,73 @@
+"""gather through the shared window: each rank copies its block into its
+region, fence, the root copies every block out; from
+:data:`~.tuning.DIRECT_FROM` on, the root reads the blocks straight from
+the senders' buffers (:mod:`.direct`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ... import native
+from ...registry import register
+from .direct import direct, window_direct_from
+from .pieces import displs
+from .plans import arr, first_two, plan, planned, run_planned, slot
+from .state import budget, region, state_of, window_state
+
+__all__ = ["gather"]
+
+
+def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: list[int]):
+    """One native call when every block fits one piece through the window."""
+    p, me = transport.size, transport.rank
+    window, st = window_state(transport.window, p)
+    item = sendbuf.itemsize
+    total = sum(counts) * item
+    if p == 1 or not total or total >= window_direct_from("gather", window, p) or max(counts) * item > budget(st):
+        return None
+    starts = displs(list(counts))
+    if me == root:
+        before = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
+        sources = [r for r in range(p) if r != me and counts[r]]
+        after = [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources]
+    else:
+        before, after, sources = ([(arr(0), slot(st, me), counts[me] * item)] if counts[me] else []), [], []
+    return planned(plan(window, 2, before, after, None, sources), first_two)
+
+
+@register("gather", "shared_window", needs=("window",), prepare=_prepare,
+          description="each rank copies its block into its window region; the root copies all out")
+def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: Sequence[int]) -> None:
+    p, me = ctx.size, ctx.rank
+    key = ("gather", sendbuf.dtype, tuple(counts), root)
+    if p > 1 and run_planned(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
+        return
+    starts = displs(list(counts))
+    if me == root:
+        native.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
+    if p == 1 or sum(counts) == 0:
+        return
+    window, st = state_of(ctx)
+    dt, item = sendbuf.dtype, sendbuf.itemsize
+    readers = direct(ctx, window, st, sendbuf, sum(counts) * item, "gather")
+    if readers is not None:
+        if me == root:
+            for r in range(p):
+                if r != me:
+                    readers.read(r, 0, recvbuf[starts[r]:starts[r] + counts[r]])
+        window.fence(ctx.deadline)  # senders keep their buffers until the root has read them
+        return
+    step = max(1, budget(st) // item)
+    for a in range(0, max(counts), step):
+        base = st.next_half(ctx.deadline)
+        n = min(step, counts[me] - a)
+        if me != root and n > 0:
+            native.copy(region(st, me, base, n, dt), sendbuf[a:a + n])
+        window.fence(ctx.deadline)
+        if me == root:
+            for r in range(p):
+                m = min(step, counts[r] - a)
+                if r != me and m > 0:
+                    native.copy(recvbuf[starts[r] + a:starts[r] + a + m], region(st, r, base, m, dt))

@@ -1,0 +1,72 @@
+"""reduce through the shared window: small vectors as allreduce's one-fence
+path, the root alone reducing; larger ones in pieces: each rank reduces 1/p
+of the piece from every region, then the root copies the reduced blocks
+out. Other ranks' buffers stay unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import native
+from ...ops import Op
+from ...registry import register
+from .pieces import blocks, striped_cached
+from .plans import arr, first, plan, planned, reduction, run_planned, slot
+from .reduction import LOW, reduce as reduce_blocks
+from .state import budget, region, single_fence, state_of, window_state
+
+__all__ = ["reduce"]
+
+
+def _prepare(transport, buf: np.ndarray, root: int, op: Op):
+    """One native call for the one-fence case: copy in, fence, the root reduces."""
+    p, me = transport.size, transport.rank
+    window, st = window_state(transport.window, p)
+    if p == 1 or buf.size == 0 or buf.dtype in LOW or not single_fence(buf.nbytes, p, st):
+        return None
+    if reduction(arr(0), [], 0, buf.dtype, op) is None:  # every rank declines alike, not the root alone
+        return None
+    if me == root:
+        peers = [r for r in range(p) if r != root]
+        reduced = reduction(arr(0), [arr(0)] + [slot(st, r) for r in peers], buf.size, buf.dtype, op)
+        return planned(plan(window, 1, [], [], reduced, peers), first)
+    return planned(plan(window, 1, [(arr(0), slot(st, me), buf.nbytes)], [], None, []), first)
+
+
+@register("reduce", "shared_window", needs=("window",), prepare=_prepare,
+          description="small: one fence, the root reduces every region; large: 1/p per rank, the root copies out")
+def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
+    p, me = ctx.size, ctx.rank
+    if p == 1 or buf.size == 0:
+        return
+    if run_planned(ctx, _prepare, ("reduce", buf.dtype, buf.size, root, op.name), buf, root, op):
+        return
+    window, st = state_of(ctx)
+    dt, item = buf.dtype, buf.itemsize
+    if single_fence(buf.nbytes, p, st):
+        base = st.next_half(ctx.deadline)
+        if me != root:
+            native.copy(st.views(base, buf.nbytes, dt)[me], buf)
+        window.fence(ctx.deadline)
+        if me == root:
+            views = st.views(base, buf.nbytes, dt)
+            reduce_blocks(ctx, op, buf, [buf] + [views[r] for r in range(p) if r != root])
+        return
+    step = max(1, budget(st) // (p * item))
+    peers = [r for r in range(p) if r != me]
+    for parts, _ in striped_cached(st, blocks(buf.size, p), step):
+        base = st.next_half(ctx.deadline)
+        for r in peers:  # the pieces of the blocks the others reduce
+            start, n, off = parts[r]
+            if n:
+                native.copy(region(st, me, base + off * item, n, dt), buf[start:start + n])
+        window.fence(ctx.deadline)
+        start, n, off = parts[me]
+        if n:
+            srcs = [region(st, r, base + off * item, n, dt) for r in range(p)]
+            reduce_blocks(ctx, op, srcs[me], [buf[start:start + n]] + [srcs[r] for r in peers])
+        window.fence(ctx.deadline)
+        if me == root:
+            for r, (start, n, off) in enumerate(parts):
+                if n:
+                    native.copy(buf[start:start + n], region(st, r, base + off * item, n, dt))

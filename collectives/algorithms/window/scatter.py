@@ -1,0 +1,77 @@
+"""scatter through the shared window: the root copies every block into its
+region, fence, each rank copies its own out; from
+:data:`~.tuning.DIRECT_FROM` on, each reads its block straight from the
+root's buffer (:mod:`.direct`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ... import native
+from ...registry import register
+from .direct import direct, window_direct_from
+from .pieces import displs, one_piece, striped_cached
+from .plans import arr, first_two, plan, planned, run_planned, slot
+from .state import budget, region, state_of, window_state
+
+__all__ = ["scatter"]
+
+
+def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: list[int]):
+    """One native call when every block fits one piece through the window."""
+    p, me = transport.size, transport.rank
+    window, st = window_state(transport.window, p)
+    item = recvbuf.itemsize
+    if p == 1 or not sum(counts) or sum(counts) * item >= window_direct_from("scatter", window, p):
+        return None
+    parts = one_piece(st, list(counts), max(1, budget(st) // (p * item)))
+    if parts is None:
+        return None
+    if me == root:
+        before = [(arr(0, start * item), slot(st, me, off * item), n * item)
+                  for r, (start, n, off) in enumerate(parts) if r != me and n]
+        start, n, _ = parts[me]
+        before += [(arr(0, start * item), arr(1), n * item)] if n else []
+        after, sources = [], []
+    else:
+        start, n, off = parts[me]
+        after = [(slot(st, root, off * item), arr(1), n * item)] if n else []
+        before, sources = [], ([root] if n else [])
+    return planned(plan(window, 2, before, after, None, sources), first_two)
+
+
+@register("scatter", "shared_window", needs=("window",), prepare=_prepare,
+          description="the root copies every block into its window region; each rank copies its own out")
+def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: Sequence[int]) -> None:
+    p, me = ctx.size, ctx.rank
+    counts = list(counts)
+    key = ("scatter", recvbuf.dtype, tuple(counts), root)
+    if p > 1 and run_planned(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
+        return
+    starts = displs(counts)
+    if me == root:
+        native.copy(recvbuf, sendbuf[starts[me]:starts[me] + counts[me]])
+    if p == 1 or sum(counts) == 0:
+        return
+    window, st = state_of(ctx)
+    dt, item = recvbuf.dtype, recvbuf.itemsize
+    readers = direct(ctx, window, st, sendbuf if me == root else recvbuf, sum(counts) * item, "scatter")
+    if readers is not None:
+        if me != root:
+            readers.read(root, starts[me] * item, recvbuf)
+        window.fence(ctx.deadline)  # the root keeps its buffer until everyone has its block
+        return
+    step = max(1, budget(st) // (p * item))
+    for parts, _ in striped_cached(st, counts, step):
+        base = st.next_half(ctx.deadline)
+        if me == root:
+            for r, (start, n, off) in enumerate(parts):
+                if r != me and n:
+                    native.copy(region(st, me, base + off * item, n, dt), sendbuf[start:start + n])
+        window.fence(ctx.deadline)
+        start, n, off = parts[me]
+        if me != root and n:
+            lo = start - starts[me]
+            native.copy(recvbuf[lo:lo + n], region(st, root, base + off * item, n, dt))

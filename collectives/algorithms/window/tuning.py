@@ -1,0 +1,60 @@
+"""Where the shared-window algorithms switch paths: one table.
+
+Sizes are the message's bytes (the same on every rank). The measurements
+behind each number are in ``docs/shared-memory.md`` (section "Tuning");
+the cost models (:mod:`collectives.cost_models.window`) use the same rules.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "NATIVE_REDUCE_BYTES", "DIRECT_FROM",
+           "one_fence_limit", "direct_from", "wants_huge_pages"]
+
+SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
+SMALL_TOTAL_BYTES = 1 << 20      # bytes: ... and up to this divided by p (each rank reads p * n bytes)
+PIECE_BYTES = 2 << 20            # bytes per rank and half: the largest piece of the pipelined paths
+NATIVE_REDUCE_BYTES = 16 * 1024  # bytes: blocks from this on are reduced by the native kernel
+
+#: From which size each collective reads and writes peers' buffers directly
+#: (one copy, through the kernel or the shared pool) rather than through
+#: the window in pieces (two copies): ``bytes`` times (ranks per core) to
+#: the ``power`` (a negative power divides); with ``huge``, only when every
+#: buffer reached through cross-memory attach lies in huge pages.
+DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
+    # collective:      (bytes,    power, huge)
+    "allreduce":       (4 << 20,   0,    True),
+    "reduce_scatter":  (16 << 20,  2,    True),
+    "allgather":       (2 << 20,   6,    True),
+    "bcast":           (256 << 20, 0,    False),
+    "gather":          (32 << 20,  0,    False),
+    "alltoall":        (32 << 20,  0,    False),
+    "scatter":         (32 << 20, -3,    False),
+}
+
+
+def one_fence_limit(p: int) -> int:
+    """Bytes up to which allreduce and reduce take the one-fence path at p
+    ranks (every rank's whole vector in the window; further bounded by the
+    size of a half of the window)."""
+    return max(SMALL_BYTES, SMALL_TOTAL_BYTES // p)
+
+
+def direct_from(collective: str, p: int, cores: int) -> int:
+    """Bytes from which ``collective`` at ``p`` ranks on ``cores`` cores (0:
+    a core each) reads peers' buffers directly (see :data:`DIRECT_FROM`);
+    ``COLLECTIVES_WINDOW_DIRECT_BYTES``, when set, replaces it for every
+    collective (all ranks must agree)."""
+    forced = os.environ.get("COLLECTIVES_WINDOW_DIRECT_BYTES")
+    if forced:
+        return int(forced)
+    nbytes, power, _ = DIRECT_FROM[collective]
+    per_core = -(-p // cores) if cores else 1
+    return nbytes * per_core ** power if power >= 0 else nbytes // per_core ** -power
+
+
+def wants_huge_pages(collective: str) -> bool:
+    """Whether ``collective`` reads private buffers directly only when they lie
+    in huge pages (not when ``COLLECTIVES_WINDOW_DIRECT_BYTES`` forces the size)."""
+    return DIRECT_FROM[collective][2] and not os.environ.get("COLLECTIVES_WINDOW_DIRECT_BYTES")

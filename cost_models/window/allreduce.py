@@ -1,0 +1,30 @@
+"""allreduce through the shared window.
+
+* n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma (every rank
+  reduces all p vectors itself).
+* below its ``DIRECT_FROM``, in pieces: copy the (p-1)/p others reduce in,
+  F, reduce this rank's 1/p from p sources ((p-1)/p n gamma), F, copy
+  every reduced block out:
+  T = 2F per piece + copy((p-1)/p n) + (p-1)/p n gamma + copy(n).
+* larger: publish F, each rank reads and reduces its 1/p from every rank
+  ((p-1)/p n copy and (p-1)/p n gamma) and writes it into every other
+  rank's buffer ((p-1)/p n copy), F:
+  T = 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma.
+"""
+
+from __future__ import annotations
+
+from ..model import Params, cost_model
+from .common import direct, one_fence, pieces
+
+
+@cost_model("allreduce", "shared_window")
+def allreduce(p: int, n: int, P: Params) -> float:
+    """copy(n) + F + (p-1) n gamma small; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
+    small = one_fence(p, n, P)
+    if small is not None:
+        return small
+    share = (p - 1) / p * n
+    if not direct("allreduce", p, n, P):
+        return 2 * pieces(n) * P.fence + P.copy(share) + share * P.gamma + P.copy(n)
+    return 2 * P.fence + 2 * P.copy(share) + share * P.gamma

@@ -1,0 +1,11 @@
+"""barrier through the shared window: F."""
+
+from __future__ import annotations
+
+from ..model import Params, cost_model
+
+
+@cost_model("barrier", "shared_window")
+def barrier(p: int, n: int, P: Params) -> float:
+    """F."""
+    return P.fence if p > 1 else 0.0

@@ -1,0 +1,17 @@
+"""bcast through the shared window: 2F + copy(n) direct, or 2 copy(n) + F
+through the window."""
+
+from __future__ import annotations
+
+from ..model import Params, cost_model
+from .common import direct
+
+
+@cost_model("bcast", "shared_window")
+def bcast(p: int, n: int, P: Params) -> float:
+    """2F + copy(n)."""
+    if p == 1 or n == 0:
+        return 0.0
+    if direct("bcast", p, n, P):
+        return 2 * P.fence + P.copy(n)
+    return 2 * P.copy(n) + P.fence

@@ -1,0 +1,191 @@
+"""Sends and receives, and matching arriving messages to receives.
+
+A message that arrives before its receive is posted is drained into an
+unexpected-message queue (by sender and tag), so different tags never
+block each other and two ranks that both send before receiving never
+deadlock. A message meets its receive by sender and tag; then their
+signatures and sizes must agree (:func:`~collectives.signature.check_message`),
+and a collective message of another call than a pending collective
+receive's fails that receive (:func:`~collectives.signature.out_of_step`).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+
+from collectives import signature
+from collectives.errors import MismatchedCollective
+from collectives.signature import NO_SIG, Sig
+from collectives.transport import COMPLETED, Request, Transport
+
+from .requests import Incoming, RecvRequest, SendRequest, Unexpected, bytes_view
+
+__all__ = ["Matching"]
+
+#: Call numbers wrap around here (the communicator's tag space).
+_CALLS = 1 << 27
+
+
+class Matching:
+    """``isend``, ``irecv`` and ``irecv_reduce``, and routing what arrives;
+    mixed into :class:`~.transport.SharedMemoryTransport`.
+
+    Reads and writes the ring state of :class:`~.rings.Rings`: the send
+    queues (``_tx_queue``, ``_tx_busy``), the receives and early messages
+    (``_posted``, ``_unexpected``) and the message being copied out
+    (``_rx_cur``); reads ``rank``, ``_ring_bytes``, ``_ranks``, ``_rx_q``,
+    ``_rx_head_i``, ``_rx_tail`` and ``_rx_data``; moves bytes with the
+    rings' ``_push``, ``_pull``, ``_progress``, ``_send_whole``,
+    ``_ready_payload`` and ``_consume``; holds ``_lock`` while it does.
+    """
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
+        """Start sending ``buf``'s bytes to ``peer``; completes once they are in the ring."""
+        mv = bytes_view(buf)
+        with self._lock:
+            self._check_usable()
+            queue = self._tx_queue[peer]
+            if not queue and self._send_whole(peer, tag, mv, sig):
+                return COMPLETED
+            req = SendRequest(self, peer, tag, mv, sig)
+            queue.append(req)
+            self._tx_busy.add(peer)
+            if len(queue) == 1:
+                self._push(peer)
+        return COMPLETED if req.done else req
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
+        """Start receiving exactly ``buf.nbytes`` bytes from ``peer`` with ``tag``."""
+        mv = bytes_view(buf)
+        with self._lock:
+            self._check_usable()
+            pos = self._ready_payload(peer, tag, len(mv), sig)
+            if pos >= 0:  # the common case of small messages: it is already here, in one piece
+                n, ring = len(mv), self._rx_data[peer]
+                first = min(n, self._ring_bytes - pos)
+                mv[:first] = ring[pos:pos + first]
+                if first < n:
+                    mv[first:] = ring[:n - first]
+                self._consume(peer, n)
+                return COMPLETED
+            req = RecvRequest(self, peer, tag, mv, sig)
+            early = self._unexpected[peer].get(tag)
+            if early:
+                entry = early.popleft()
+                if not early:
+                    del self._unexpected[peer][tag]
+                self._take_unexpected(req, entry)
+            elif tag & 1 and self._other_call_queued(peer, tag, req):
+                pass
+            else:
+                self._posted[peer].setdefault(tag, collections.deque()).append(req)
+                if self._rx_q[self._rx_head_i[peer]] != self._rx_tail[peer]:
+                    self._pull(peer)
+        return req
+
+    def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
+                     tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:
+        """Reduce straight from the ring when the whole message is already there
+        in one piece; otherwise receive into ``tmp`` and reduce on completion."""
+        n = out.nbytes
+        if n and out.flags.c_contiguous:
+            with self._lock:
+                self._check_usable()
+                pos = self._ready_payload(peer, tag, n, sig)
+                if 0 <= pos <= self._ring_bytes - n:
+                    received = self._rx_data[peer][pos:pos + n]
+                    op.reduce_into(out, mine, np.frombuffer(received, out.dtype).reshape(out.shape))
+                    self._consume(peer, n)
+                    return COMPLETED
+        return Transport.irecv_reduce(self, out, mine, peer, tag, op, tmp, sig)
+
+    def _other_call_queued(self, peer: int, tag: int, req: RecvRequest) -> bool:
+        """Fail ``req`` (a collective receive) when a message of another call
+        from ``peer`` waits unclaimed: ``peer`` moved past this call."""
+        for other, queue in self._unexpected[peer].items():
+            if other & 1 and other != tag and queue:
+                req.error, req.done = signature.out_of_step(self.rank, peer, tag, other, queue[0].sig), True
+                return True
+        return False
+
+    def _take_unexpected(self, req: RecvRequest, entry: Unexpected) -> None:
+        """Hand an early message to ``req``: copy it, or redirect the rest of it."""
+        err = self._disagreement(req, entry.sig, len(entry.data))
+        if err is not None:
+            req.error, req.done = err, True
+            if not entry.done:  # the rest of it is dropped as it arrives
+                cur = self._rx_cur[req.peer]
+                cur.dest, cur.target = None, None
+            return
+        if entry.done:
+            req.mv[:] = entry.data
+            req.done = True
+            return
+        cur = self._rx_cur[req.peer]  # the entry is still arriving: stream the rest straight in
+        got = min(cur.got, cur.nbytes)
+        req.mv[:got] = entry.data[:got]
+        cur.dest, cur.target = req.mv, req
+
+    def _match(self, src: int, tag: int, nbytes: int, sig: signature.Sig) -> Incoming:
+        """Route a newly arrived message to its posted receive, or queue it as
+        unexpected; a receive whose signature or size disagrees fails (the
+        message is then read and dropped), and so does a collective receive
+        from ``src`` for another call (see :func:`~collectives.signature.out_of_step`)."""
+        posted = self._posted[src].get(tag)
+        if posted:
+            req = posted.popleft()
+            if not posted:
+                del self._posted[src][tag]
+            err = self._disagreement(req, sig, nbytes)
+            if err is not None:
+                req.error, req.done = err, True
+                return Incoming(tag, nbytes, None, None)
+            return Incoming(tag, nbytes, req.mv, req)
+        if tag & 1:
+            self._fail_out_of_step(src, tag, sig)
+        entry = Unexpected(nbytes, sig)
+        self._unexpected[src].setdefault(tag, collections.deque()).append(entry)
+        return Incoming(tag, nbytes, memoryview(entry.data), entry)
+
+    def _disagreement(self, req: RecvRequest, sig: signature.Sig, nbytes: int) -> Exception | None:
+        """Why a message with ``sig`` and ``nbytes`` cannot complete ``req`` (None: it can)."""
+        if sig != req.sig:
+            err = signature.check_message(req.sig, sig, self.rank, req.peer)
+            if err is not None:
+                return err
+        if req.nbytes != nbytes:
+            return MismatchedCollective(
+                f"rank {self.rank}: expected {req.nbytes} bytes from rank {req.peer}, got {nbytes} "
+                f"(in {signature.describe(req.sig)}; ranks disagree about the collective or its size)")
+        return None
+
+    def _fail_out_of_step(self, src: int, tag: int, sig: signature.Sig) -> None:
+        """A collective message from ``src`` for call ``tag`` arrived: fail every
+        pending collective receive from ``src`` for another call."""
+        for other, queue in list(self._posted[src].items()):
+            if other & 1 and other != tag:
+                for req in queue:
+                    req.error, req.done = signature.out_of_step(self.rank, src, other, tag, sig), True
+                del self._posted[src][other]
+
+    def _check_leftovers(self, seq: int) -> None:
+        """Raise when a message of an earlier call from some peer was never
+        received: that peer and this rank made different calls then (both
+        only sent, so neither noticed). Messages of this or later calls (a
+        peer ahead) and point-to-point ones are left alone."""
+        if not any(self._rx_q[self._rx_head_i[src]] != self._rx_tail[src] for src in self._ranks) \
+                and not any(self._unexpected):
+            return
+        with self._lock:
+            self._progress()
+            for src, queues in enumerate(self._unexpected):
+                for tag, queue in queues.items():
+                    old = (seq - signature.seq_of_tag(tag)) % _CALLS
+                    if tag & 1 and queue and 0 < old < _CALLS // 2:
+                        raise MismatchedCollective(
+                            f"rank {self.rank}: rank {src} sent a message of call #{signature.seq_of_tag(tag)} "
+                            f"({signature.describe(queue[0].sig)}) that no receive of this rank took: the two "
+                            "ranks made different calls then")

@@ -1,0 +1,239 @@
+"""Byte rings: streaming messages through one ring per pair of ranks.
+
+The ring from rank s to rank d lives in d's segment: s writes the data and
+its head counter, d its tail counter. Counters are monotonically
+increasing 64-bit integers, each written by one process only (aligned
+8-byte stores; x86 keeps stores in order, so no atomics are needed).
+Messages are a :data:`HEADER` (tag, length, the call's signature) followed
+by the payload, padded to 16 bytes, streamed through the ring as space
+frees up, so large messages pipeline: the sender copies in while the
+receiver copies out. A whole small message that fits goes in (and comes
+out) in one piece (:meth:`Rings._send_whole`, :meth:`Rings._ready_payload`).
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+
+from collectives import signature
+from collectives.errors import BadArgument
+
+from .layout import Q_SLEEP, align
+
+__all__ = ["Rings", "HEADER", "HEADER_BYTES"]
+
+HEADER = struct.Struct("<qqQQQq")  # tag, payload length, the call's signature (3 words), padding
+HEADER_BYTES = HEADER.size
+
+
+class Rings:
+    """The rings of one rank; mixed into :class:`~.transport.SharedMemoryTransport`.
+
+    :meth:`_setup_rings` (after the rendezvous) reads ``rank``, ``size``,
+    ``_layout`` and ``_segs``, and sets the ring state: ``_ring_bytes``;
+    sending, ``_tx_q`` (every rank's control words), ``_tx_head_i``,
+    ``_tx_tail_i``, ``_tx_data``, ``_tx_head``, ``_tx_tail``, ``_tx_queue``
+    (sends not yet wholly in the ring, by peer), ``_tx_busy`` (peers with
+    such sends); receiving, ``_rx_q``, ``_rx_head_i``, ``_rx_tail_i``,
+    ``_rx_data``, ``_rx_tail``, ``_rx_cur`` (the message being copied out,
+    by sender), ``_posted`` and ``_unexpected`` (receives and early messages,
+    by sender and tag); ``_moved`` (bytes moved so far) and ``_ranks``.
+    Also reads ``_closed``; routes arriving messages with
+    :meth:`~.matching.Matching._match` and wakes peers with
+    :meth:`~.waking.Waking._wake`. Call with ``_lock`` held.
+    """
+
+    def _setup_rings(self) -> None:
+        lay, me = self._layout, self._segs[self.rank]
+        p = self.size
+        self._ring_bytes = lay.ring
+        # Sending to dst: ring (self.rank -> dst) lives in dst's segment.
+        self._tx_q = [s.q for s in self._segs]
+        self._tx_head_i = lay.head_index(self.rank)
+        self._tx_tail_i = lay.tail_index(self.rank)
+        self._tx_data = [s.mv[lay.ring_slice(self.rank)] for s in self._segs]
+        self._tx_head = [0] * p
+        self._tx_tail = [0] * p
+        self._tx_queue: list[collections.deque] = [collections.deque() for _ in range(p)]
+        self._tx_busy: set[int] = set()
+        # Receiving from src: ring (src -> self.rank) lives in this segment.
+        self._rx_q = me.q
+        self._rx_head_i = [lay.head_index(s) for s in range(p)]
+        self._rx_tail_i = [lay.tail_index(s) for s in range(p)]
+        self._rx_data = [me.mv[lay.ring_slice(s)] for s in range(p)]
+        self._rx_tail = [0] * p
+        self._rx_cur: list = [None] * p  # the Incoming message of each sender, or None
+        self._posted: list[dict[int, collections.deque]] = [{} for _ in range(p)]
+        self._unexpected: list[dict[int, collections.deque]] = [{} for _ in range(p)]
+        self._moved = 0
+        self._ranks = range(p)
+
+    def _push(self, dst: int) -> None:
+        """Copy as much of the queued sends to ``dst`` into its ring as fits."""
+        queue = self._tx_queue[dst]
+        size = self._ring_bytes
+        ring = self._tx_data[dst]
+        head = self._tx_head[dst]
+        tail = self._tx_tail[dst]
+        start = head
+        while queue:
+            req = queue[0]
+            free = size - (head - tail)
+            if free < req.wire - req.sent:
+                tail = self._tx_tail[dst] = self._tx_q[dst][self._tx_tail_i]
+                free = size - (head - tail)
+            if req.sent == 0:
+                if free < HEADER_BYTES:
+                    break
+                HEADER.pack_into(ring, head % size, req.tag, req.nbytes, *req.sig, 0)
+                head += HEADER_BYTES
+                free -= HEADER_BYTES
+                req.sent = HEADER_BYTES
+            lo = req.sent - HEADER_BYTES
+            n = min(req.nbytes - lo, free)
+            if n > 0:
+                pos = head % size
+                first = min(n, size - pos)
+                ring[pos:pos + first] = req.mv[lo:lo + first]
+                if first < n:
+                    ring[:n - first] = req.mv[lo + first:lo + n]
+                head += n
+                free -= n
+                req.sent += n
+            if req.sent - HEADER_BYTES >= req.nbytes:
+                pad = min(req.wire - req.sent, free)
+                head += pad
+                req.sent += pad
+            if req.sent < req.wire:
+                break
+            req.done = True
+            queue.popleft()
+        if head != start:
+            self._tx_head[dst] = head
+            q = self._tx_q[dst]
+            q[self._tx_head_i] = head
+            if q[Q_SLEEP]:
+                self._wake(dst)
+            self._moved += head - start
+        if not queue:
+            self._tx_busy.discard(dst)
+
+    def _pull(self, src: int) -> None:
+        """Copy whatever has arrived from ``src`` to its receives."""
+        q = self._rx_q
+        tail = self._rx_tail[src]
+        avail = q[self._rx_head_i[src]] - tail
+        if not avail:
+            return
+        start = tail
+        size = self._ring_bytes
+        ring = self._rx_data[src]
+        cur = self._rx_cur[src]
+        while avail:
+            if cur is None:
+                tag, nbytes, w0, w1, w2, _ = HEADER.unpack_from(ring, tail % size)
+                tail += HEADER_BYTES
+                avail -= HEADER_BYTES
+                cur = self._match(src, tag, nbytes, (w0, w1, w2))
+            n = min(cur.nbytes - cur.got, avail)
+            if n > 0:
+                dest = cur.dest
+                if dest is not None:
+                    pos = tail % size
+                    first = min(n, size - pos)
+                    lo = cur.got
+                    dest[lo:lo + first] = ring[pos:pos + first]
+                    if first < n:
+                        dest[lo + first:lo + n] = ring[:n - first]
+                tail += n
+                avail -= n
+                cur.got += n
+            if cur.got >= cur.nbytes:
+                pad = min(cur.wire - cur.got, avail)
+                tail += pad
+                avail -= pad
+                cur.got += pad
+            if cur.got < cur.wire:
+                break
+            if cur.target is not None:
+                cur.target.done = True
+            cur = None
+        self._rx_cur[src] = cur
+        self._rx_tail[src] = tail
+        q[self._rx_tail_i[src]] = tail
+        if self._tx_q[src][Q_SLEEP]:
+            self._wake(src)  # it may wait for room
+        self._moved += tail - start
+
+    def _progress(self) -> None:
+        """Push every queued send as far as it goes and pull whatever arrived."""
+        if self._tx_busy:
+            for dst in tuple(self._tx_busy):
+                self._push(dst)
+        q, heads, tails = self._rx_q, self._rx_head_i, self._rx_tail
+        for src in self._ranks:
+            if q[heads[src]] != tails[src]:
+                self._pull(src)
+
+    def _progress_locked(self) -> None:
+        with self._lock:
+            self._check_usable()
+            self._progress()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise BadArgument("the shared-memory transport is closed")
+
+    def _send_whole(self, dst: int, tag: int, mv: memoryview, sig: signature.Sig) -> bool:
+        """Fast path: put a whole message into an idle ring if it fits now."""
+        nbytes = len(mv)
+        wire = HEADER_BYTES + ((nbytes + 15) & ~15)
+        size = self._ring_bytes
+        head = self._tx_head[dst]
+        if size - (head - self._tx_tail[dst]) < wire:
+            tail = self._tx_tail[dst] = self._tx_q[dst][self._tx_tail_i]
+            if size - (head - tail) < wire:
+                return False
+        ring = self._tx_data[dst]
+        pos = head % size
+        HEADER.pack_into(ring, pos, tag, nbytes, *sig, 0)
+        if nbytes:
+            pos += HEADER_BYTES
+            first = min(nbytes, size - pos)
+            ring[pos:pos + first] = mv[:first] if first < nbytes else mv
+            if first < nbytes:
+                ring[:nbytes - first] = mv[first:]
+        head += wire
+        self._tx_head[dst] = head
+        q = self._tx_q[dst]
+        q[self._tx_head_i] = head
+        if q[Q_SLEEP]:
+            self._wake(dst)
+        self._moved += wire
+        return True
+
+    def _ready_payload(self, src: int, tag: int, nbytes: int, sig: signature.Sig) -> int:
+        """Ring offset of a whole message from ``src`` with ``tag`` and
+        ``nbytes`` waiting at the head of its ring, with nothing ahead of it
+        for this receive (no earlier posted receive, no early message, no
+        message half copied); -1 otherwise. Call with the lock held."""
+        if self._rx_cur[src] is not None or self._posted[src].get(tag) or self._unexpected[src].get(tag):
+            return -1
+        tail = self._rx_tail[src]
+        if self._rx_q[self._rx_head_i[src]] - tail < HEADER_BYTES + align(nbytes, 16):
+            return -1  # not all there yet (its padding included: a sender may add that last)
+        size = self._ring_bytes
+        got_tag, got_bytes, w0, w1, w2, _ = HEADER.unpack_from(self._rx_data[src], tail % size)
+        if got_tag != tag or got_bytes != nbytes or (w0, w1, w2) != sig:
+            return -1
+        return (tail + HEADER_BYTES) % size
+
+    def _consume(self, src: int, nbytes: int) -> None:
+        """Release the message just read at the head of ``src``'s ring."""
+        tail = self._rx_tail[src] + HEADER_BYTES + align(nbytes, 16)
+        self._rx_tail[src] = tail
+        self._rx_q[self._rx_tail_i[src]] = tail
+        if self._tx_q[src][Q_SLEEP]:
+            self._wake(src)  # it may wait for room
+        self._moved += HEADER_BYTES + align(nbytes, 16)

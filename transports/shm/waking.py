@@ -1,0 +1,134 @@
+"""Waking and waiting: the backoff policy, futex sleep words, waiting on a
+peer's counter.
+
+When every rank has a core of its own, a wait spins for
+:data:`OWN_CORE_SPIN_SECONDS`; when ranks share cores, it yields at once
+(a spin would only delay the rank it waits for) for
+:data:`SHARED_CORES_YIELD_SECONDS`. Then it blocks on a futex over its own
+``Q_SLEEP`` word, which a peer wakes (:meth:`Waking._wake`) after writing
+anything the sleeper may wait for (a ring's head or tail, the fence
+epoch, a window post, the closed and abort flags). Timed sleeps would cost
+50 to 100 us each (timer slack, the hypervisor's timer) and wake late; a
+woken block returns when the answer is there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collectives.errors import CollectiveTimeout
+from collectives.waiting import Backoff, futex_wait, futex_wake
+
+from .layout import Q_PID, Q_SLEEP
+from .records import WAIT_WINDOW
+
+__all__ = ["Waking", "OWN_CORE_SPIN_SECONDS", "SHARED_CORES_YIELD_SECONDS", "BLOCK_FIRST", "BLOCK_MAX",
+           "native_wait_ns"]
+
+#: Spin this long before yielding when every rank has a core of its own.
+OWN_CORE_SPIN_SECONDS = 50e-6
+#: The native window's waits, after that spin, yield this long before
+#: handing the wait back to Python (which blocks).
+OWN_CORE_YIELD_SECONDS = 20e-6
+#: When ranks share cores, yield this long before blocking.
+SHARED_CORES_YIELD_SECONDS = 200e-6
+#: A blocked wait sleeps until a peer wakes it, but at most this long at first,
+#: growing to BLOCK_MAX: the bound on a lost wake-up, and how often a blocked
+#: rank looks whether its peers are still alive.
+BLOCK_FIRST, BLOCK_MAX = 20e-6, 1e-3
+
+
+def spin_seconds(size: int, cores: int) -> float:
+    """How long a wait spins: :data:`OWN_CORE_SPIN_SECONDS` when the ``size``
+    ranks have a core each among ``cores``, else 0 (yield at once)."""
+    return OWN_CORE_SPIN_SECONDS if size <= cores else 0.0
+
+
+def native_wait_ns(spin: float) -> tuple[int, int]:
+    """(spin, yield) in nanoseconds of the native window's bounded waits, for
+    a transport that spins ``spin`` seconds (see :func:`spin_seconds`)."""
+    seconds = (OWN_CORE_SPIN_SECONDS, OWN_CORE_YIELD_SECONDS) if spin else (0.0, SHARED_CORES_YIELD_SECONDS)
+    return int(seconds[0] * 1e9), int(seconds[1] * 1e9)
+
+
+class Waking:
+    """Sleeping on this rank's ``Q_SLEEP`` word, waking peers, and waiting for
+    a peer's counter; mixed into :class:`~.transport.SharedMemoryTransport`.
+
+    Reads ``rank``, ``_segs`` (every rank's :class:`~.layout.Segment`),
+    ``_sleep_words`` (every rank's ``Q_SLEEP`` address), ``_spin`` (see
+    :func:`spin_seconds`) and ``_records``; writes ``Q_SLEEP`` words (its
+    own while it blocks, a peer's back to 0 when it wakes it). Waiting on a
+    counter checks peers through :meth:`~.liveness.Liveness._check_counter_peer`.
+    """
+
+    def _blocker(self, still_waiting) -> Any:
+        """A ``block(seconds)`` for :meth:`Backoff.pause`: mark this rank asleep,
+        check once more, then block on its sleep word until a peer wakes it
+        (:meth:`_wake`) or the time passes."""
+        own = self._segs[self.rank].q
+        word = self._sleep_words[self.rank]
+
+        def block(seconds: float) -> None:
+            own[Q_SLEEP] = 1
+            try:
+                if still_waiting():
+                    futex_wait(word, 1, seconds)
+            finally:
+                own[Q_SLEEP] = 0
+        return block
+
+    def _wake(self, rank: int) -> None:
+        """Wake ``rank`` if it sleeps (after this rank wrote something it may wait for)."""
+        q = self._segs[rank].q
+        if q[Q_SLEEP]:
+            q[Q_SLEEP] = 0  # a sleeper that has not blocked yet then returns at once
+            futex_wake(self._sleep_words[rank])
+
+    def _wake_all(self) -> None:
+        """Wake every peer that sleeps."""
+        for r, seg in enumerate(self._segs):
+            if r != self.rank and seg is not None:
+                self._wake(r)
+
+    def _backoff(self, deadline: float, block_now: bool = False) -> Backoff:
+        """The wait policy: spin first when every rank has a core of its own;
+        when ranks share cores, yield at once and for a while, then block
+        (at once with ``block_now``)."""
+        if block_now:
+            return Backoff(deadline, "", spins=0, yields=0, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
+        if self._spin:
+            return Backoff(deadline, "", spin_time=self._spin, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
+        return Backoff(deadline, "", spins=0, yield_time=SHARED_CORES_YIELD_SECONDS, first_sleep=BLOCK_FIRST,
+                       max_sleep=BLOCK_MAX)
+
+    def _wait_counter(self, q: memoryview, index: int, target: int, peer: int, deadline: float,
+                      what: str, block_now: bool = False) -> None:
+        """Wait until ``q[index] >= target`` (a counter owned by ``peer``);
+        ``block_now``: the caller has spun and yielded already.
+
+        Raises:
+            CollectiveTimeout past ``deadline`` (naming ``what`` and where every
+            rank is), or the error of a lost, aborted or diverging peer.
+        """
+        backoff = self._backoff(deadline, block_now)
+        block = None
+        below = lambda: q[index] < target  # noqa: E731
+        try:
+            while q[index] < target:
+                if block is None and backoff.count >= backoff.yields:
+                    block = self._blocker(below)
+                    if self._records is not None:
+                        self._records.waiting(WAIT_WINDOW, peer)
+                try:
+                    backoff.pause(block)
+                except CollectiveTimeout:
+                    where = f"; {self._records.diagnose(peer)}" if self._records is not None else ""
+                    raise CollectiveTimeout(f"rank {self.rank}: {what}: waited for rank {peer} "
+                                            f"(pid {self._segs[peer].q[Q_PID]}){where}") from None
+                if backoff.count > backoff.spins and q[index] < target:
+                    self._check_counter_peer(peer, below)
+        finally:
+            if block is not None and self._records is not None:
+                self._records.waiting(0, 0)
+
