@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="run the whole sweep (ours, then each peer) this many times, interleaved, and report "
                          "the median of the medians: steadier numbers on a busy machine")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before every rank is stopped")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write every rank's timeline to DIR (COLLECTIVES_TRACE; merge with "
+                         "'collectives trace merge DIR'); calls then take the full path, slower")
     return ap
 
 
@@ -234,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 when every result was right, 3 when one was wrong, 1 when our sweep failed.
     """
     ns = _parser().parse_args(argv)
+    if ns.trace:
+        os.environ["COLLECTIVES_TRACE"] = os.path.abspath(ns.trace)  # our ranks inherit it
     colls = _collectives(ns.collective)
     sizes = parse_sizes(ns.sizes, ns.factor)
     if detect_launch().launcher != "none":

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "calibrate": ("collectives.cost_models.calibrate", "measure alpha, beta, gamma and memory bandwidth of a transport"),
     "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice"),
     "model": ("collectives.cost_models.training_cli", "training-time what-if for P nodes"),
+    "trace": ("collectives.trace_cli", "analyze flight records (who is at fault), merge timelines"),
 }
 
 

@@ -24,26 +24,33 @@ Failures (the contract, in full in docs/failures.md):
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import native, signature
+from . import debug_log, flight_recorder, native, signature, tracing
 from .algorithms.barrier import dissemination
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES, CallContext
+from .flight_recorder import FlightRecorder
 from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
 from .handles import Handle, Lane, RequestHandle
 from .planning import ROOTED, Plan, Planner
 from .prepared import PreparedCalls, apart, flat_array, rooted_key
-from .selection import RuleSelector, Selector
+from .selection import RuleSelector, Selector, size_bucket
 from .signature import NO_SIG, REFUSED
 from .transport import Transport
 
 __all__ = ["Communicator", "live_communicators", "VERDICT_BYTES"]
 
+log = logging.getLogger("collectives")
+_select_log = logging.getLogger("collectives.select")
+_call_log = logging.getLogger("collectives.call")
+_now = time.monotonic
 _TAG_SPACE = 1 << 27
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 #: Bytes of a root's verdict on a rooted call over messages: a status byte, a reason.
@@ -80,7 +87,7 @@ class Communicator:
     """
 
     def __init__(self, transport: Transport, *, timeout: float = 60.0,
-                 selector: Selector | None = None, segment_bytes: int = SEGMENT_BYTES) -> None:
+                 selector: Selector | None = None, segment_bytes: int = SEGMENT_BYTES, job: str = "") -> None:
         self.transport = transport
         self.rank: int = transport.rank
         self.size: int = transport.size
@@ -97,6 +104,18 @@ class Communicator:
         self._broken: CollectiveError | None = None
         self._closed = False
         self._eager = False
+        self._chosen: set = set()
+        self._log_calls = _call_log.isEnabledFor(debug_log.TRACE)
+        n = flight_recorder.capacity()
+        self._recorder = (FlightRecorder(n, self.rank, self.size, transport.name, job or f"pid{os.getpid()}",
+                                         lambda: self._seq) if n else None)
+        where = tracing.trace_dir()
+        self._tracer = tracing.Tracer(where, self.rank, self.size, transport.name) if where else None
+        self._ring = None
+        if self._recorder is not None:
+            flight_recorder.install_dump_on_signal(self._recorder)
+            r = self._recorder
+            self._ring, self._ring_mask = (r.what, r.start, r.end), r.capacity - 1
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -112,7 +131,14 @@ class Communicator:
         self._prepared.clear()  # prepared calls follow the old choices
 
     def _choose(self, collective: str, nbytes: int, dtype: np.dtype) -> str:
-        return self._selector.choose(collective, nbytes, self.size, dtype, self._capabilities)
+        name = self._selector.choose(collective, nbytes, self.size, dtype, self._capabilities)
+        if _select_log.isEnabledFor(logging.INFO):
+            key = (collective, size_bucket(nbytes), dtype)
+            if key not in self._chosen:
+                self._chosen.add(key)
+                _select_log.info("rank %d: auto chose %s for %s of %d B (%s, %d ranks)", self.rank, name,
+                                 collective, nbytes, dtype, self.size)
+        return name
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, transport={self.transport.name!r})"
@@ -131,10 +157,25 @@ class Communicator:
         try:
             if not self._lane.idle:
                 self._lane.drain(self.timeout)
+            if self._tracer is not None:
+                try:
+                    self._tracer.write()
+                except OSError as err:
+                    log.warning("rank %d: cannot write the timeline: %s", self.rank, err)
         finally:
             self._lane.close()
             self.transport.close()
             _live.discard(self)
+
+    def flight_record(self) -> list[dict]:
+        """This rank's last calls, oldest first (see :mod:`.flight_recorder`);
+        empty when the recorder is off (``COLLECTIVES_FLIGHT_RECORDER=0``)."""
+        return self._recorder.records() if self._recorder is not None else []
+
+    def dump_flight_record(self, path: str | None = None) -> str | None:
+        """Write this rank's flight record as JSON to ``path`` (default: under
+        ``COLLECTIVES_DEBUG_DIR``); returns the path (None when it is off)."""
+        return self._recorder.dump(path, reason="asked") if self._recorder is not None else None
 
     @property
     def aborted(self) -> CollectiveError | None:
@@ -208,7 +249,7 @@ class Communicator:
         none or this call needs the full path."""
         entry = self._prepared.get(key)
         if entry is None or self._broken is not None or self._closed or self._lane.busy:
-            return False
+            return False  # (tracing keeps no prepared calls: every call takes the full path)
         writes = entry.writes
         flags = arrays[0].flags if arrays and arrays[0] is not None else None  # unrolled: one or two arrays
         if flags is not None and (not flags.c_contiguous or (writes[0] and not flags.writeable)):
@@ -222,6 +263,11 @@ class Communicator:
         start = time.monotonic()
         limit = self.timeout if timeout is None else float(timeout)
         self._seq = seq = (self._seq + 1) % _TAG_SPACE  # tags in step with the full path: ranks may mix both
+        ring = self._ring  # the flight recorder's hot path: see FlightRecorder
+        if ring is not None:
+            i = seq & self._ring_mask
+            ring[0][i] = entry.what if timeout is None else (entry.sig, entry.what[1], limit)
+            ring[1][i] = start
         try:
             direct = entry.direct
             if direct is not None:  # a native plan on the call's arrays as they are
@@ -236,17 +282,30 @@ class Communicator:
                 entry.func(ctx, *entry.args(arrays))
         except BaseException as exc:
             raise self._failed(entry.collective, entry.algo.name, seq, exc, start, limit) from None
+        if ring is not None:
+            ring[2][i] = _now()
         return True
 
     def _remember(self, key: tuple, plan: Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                   check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
+        if self._tracer is not None or self._log_calls:
+            return  # tracing and logging every call take the full path
         self._prepared.remember(key, plan, self.transport, self.segment_bytes, self._scratch, writes, args,
-                                bool(plan.write_backs), check, as_is)
+                                bool(plan.write_backs), check, as_is, self.timeout)
 
     def _execute(self, plan: Plan, seq: int, timeout: float) -> Any:
         start = time.monotonic()
         sig = signature.with_seq(plan.sig, seq) if self._signed else NO_SIG
         ctx = CallContext(self.transport, 2 * seq + 1, start + timeout, self.segment_bytes, self._scratch, sig)
+        rec, tracer = self._recorder, self._tracer
+        if rec is not None:
+            rec.begin(seq, plan.sig, plan.itemsize, start, timeout)
+        if self._log_calls:
+            _call_log.log(debug_log.TRACE, "rank %d: %s", self.rank, signature.describe(
+                signature.with_seq(plan.sig, seq)))
+        if tracer is not None:
+            tracer.begin(seq, plan.sig, plan.itemsize)
+            ctx.tracer = tracer
         try:
             self.transport.begin_call(seq, sig, plan.refusal)
             if plan.refusal is not None:
@@ -258,11 +317,17 @@ class Communicator:
                     self._root_verdict(ctx, plan)
                 plan.algo.func(ctx, *plan.args)
         except BaseException as exc:
+            if tracer is not None:
+                tracer.end(start, _now(), "failed")
             raise self._failed(plan.collective, plan.algo.name, seq, exc, start, timeout, plan.refusal) from None
+        if tracer is not None:
+            tracer.end(start, _now(), "completed")
         if plan.finalize is not None:
             plan.finalize()
         for write_back in plan.write_backs:
             write_back()
+        if rec is not None:
+            rec.end[seq & (rec.capacity - 1)] = _now()
         return plan.result
 
     def _refuse(self, ctx: CallContext, plan: Plan) -> None:
@@ -319,9 +384,12 @@ class Communicator:
         refused_alone = isinstance(exc, _Refused)
         if refused_alone:
             exc = exc.error
+        if self._recorder is not None:
+            self._recorder.fail(seq, exc)
         if not isinstance(exc, CollectiveError):
             self._abort_after(PeerLost(f"rank {self.rank}, {collective} #{seq}: {type(exc).__name__}: {exc}",
                                        self.rank), seq)
+            self._dump_after_failure(exc)
             return exc
         if isinstance(exc, CollectiveTimeout) and exc.collective is None and exc.origin is None:
             elapsed = time.monotonic() - start
@@ -331,7 +399,18 @@ class Communicator:
         if isinstance(exc, BadArgument) and not refused_alone and self._broken is None:
             return exc  # refused alike on every rank in this call: the communicator goes on
         self._abort_after(exc, seq)
+        self._dump_after_failure(exc)
         return exc
+
+    def _dump_after_failure(self, exc: BaseException) -> None:
+        """Write the flight record once, when the communicator is aborted."""
+        rec = self._recorder
+        if rec is not None and rec.dumped is None:
+            try:
+                path = rec.dump(reason=f"{type(exc).__name__}: {exc}")
+                log.info("rank %d: flight record written to %s", self.rank, path)
+            except OSError as err:
+                log.warning("rank %d: cannot write the flight record: %s", self.rank, err)
 
     def _abort_after(self, exc: CollectiveError, seq: int) -> None:
         """Abort the communicator after ``exc`` in call ``seq`` (the first reason stays)."""
@@ -360,6 +439,8 @@ class Communicator:
         timeout = self.timeout if timeout is None else float(timeout)
         seq = self._next_seq()
         handle = Handle(timeout)
+        if self._recorder is not None and not (self._eager and self._lane.idle):
+            self._recorder.schedule(seq)
         if self._eager and self._lane.idle:
             try:
                 result = self._execute(plan, seq, timeout)

@@ -36,7 +36,7 @@ class CallContext:
         segment_bytes: pipeline segment size for large messages.
     """
 
-    __slots__ = ("transport", "rank", "size", "tag", "sig", "deadline", "segment_bytes", "_scratch")
+    __slots__ = ("transport", "rank", "size", "tag", "sig", "deadline", "segment_bytes", "_scratch", "tracer")
 
     def __init__(self, transport: Transport, tag: int, deadline: float,
                  segment_bytes: int = SEGMENT_BYTES, scratch: dict | None = None, sig: Sig = NO_SIG) -> None:
@@ -45,6 +45,7 @@ class CallContext:
         self.size = transport.size
         self.tag = tag
         self.sig = sig
+        self.tracer = None  # the timeline's tracer while tracing (phases of the call)
         self.deadline = deadline
         self.segment_bytes = segment_bytes
         self._scratch = scratch if scratch is not None else {}
@@ -68,22 +69,49 @@ class CallContext:
         of ``out``'s size)."""
         return self.transport.irecv_reduce(out, mine, peer, self.tag, op, tmp, self.sig)
 
+    def wait(self, req: Request) -> None:
+        """Wait for one request of this call, within its deadline."""
+        if self.tracer is None:
+            req.wait(self.remaining())
+        else:
+            self._traced("receiving" if getattr(req, "kind", "receive") == "receive" else "sending",
+                         req.wait, self.remaining())
+
     def send(self, arr: np.ndarray, peer: int) -> None:
-        self.transport.isend(arr, peer, self.tag, self.sig).wait(self.remaining())
+        req = self.transport.isend(arr, peer, self.tag, self.sig)
+        if self.tracer is None:
+            req.wait(self.remaining())
+        else:
+            self._traced("sending", req.wait, self.remaining())
 
     def recv(self, arr: np.ndarray, peer: int) -> None:
-        self.transport.irecv(arr, peer, self.tag, self.sig).wait(self.remaining())
+        req = self.transport.irecv(arr, peer, self.tag, self.sig)
+        if self.tracer is None:
+            req.wait(self.remaining())
+        else:
+            self._traced("receiving", req.wait, self.remaining())
 
     def sendrecv(self, sendarr: np.ndarray, dst: int, recvarr: np.ndarray, src: int) -> None:
         """Send to ``dst`` and receive from ``src`` at the same time (the send
         first: the peer's message may then already be there to take)."""
         s = self.transport.isend(sendarr, dst, self.tag, self.sig)
         r = self.transport.irecv(recvarr, src, self.tag, self.sig)
-        self.transport.waitall((r, s), self.remaining())
+        self.waitall((r, s))
 
     def waitall(self, requests: Sequence[Request]) -> None:
         if requests:
-            self.transport.waitall(requests, self.remaining())
+            if self.tracer is None:
+                self.transport.waitall(requests, self.remaining())
+            else:
+                self._traced("exchanging", self.transport.waitall, requests, self.remaining())
+
+    def _traced(self, name: str, wait, *args) -> None:
+        """``wait(*args)``, timed as the call's phase ``name`` (tracing only)."""
+        t0 = time.monotonic()
+        try:
+            wait(*args)
+        finally:
+            self.tracer.phase(name, t0, time.monotonic())
 
     def scratch(self, count: int, dtype: np.dtype, slot: int = 0) -> np.ndarray:
         """A reusable scratch array of ``count`` elements of ``dtype``.

@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import debug_log
 from .communicator import Communicator, live_communicators
 from .errors import BadArgument, TransportUnavailable
 from .registry import transport_class
@@ -150,6 +151,7 @@ def init(rank: int | None = None, size: int | None = None, *, transport: str = "
     """
     info = detect_launch()
     rank = info.rank if rank is None else int(rank)
+    debug_log.configure(rank)
     size = info.size if size is None else int(size)
     if size < 1 or not 0 <= rank < size:
         raise BadArgument(f"rank {rank} is not in a world of {size} ranks")
@@ -165,4 +167,10 @@ def init(rank: int | None = None, size: int | None = None, *, transport: str = "
     tr = cls.open(rank, size, job=job or info.job, timeout=timeout, options=topts)
     log.debug("rank %d/%d: transport %s (launcher %s)", rank, size, name, info.launcher)
     _install_failure_hooks()
-    return Communicator(tr, timeout=timeout, **comm_opts)
+    comm = Communicator(tr, timeout=timeout, job=job or info.job, **comm_opts)
+    init_log = logging.getLogger("collectives.init")
+    if init_log.isEnabledFor(logging.INFO):
+        selector = comm.selector
+        profile = getattr(selector, "profile_source", None) or getattr(getattr(selector, "profile", None), "source", None)
+        init_log.info("%s", debug_log.init_summary(comm, info.launcher, profile))
+    return comm

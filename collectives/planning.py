@@ -60,6 +60,11 @@ class Plan:
         self.write_backs: list[Callable[[], None]] = []
 
     @property
+    def itemsize(self) -> int:
+        """Bytes per element of the call's data (0 for a barrier)."""
+        return signature.itemsize_of(self.sig)
+
+    @property
     def empty(self) -> bool:
         """Whether the call moves no data (a barrier aside): it then only
         checks, as a barrier, that every rank makes the same call."""

@@ -69,6 +69,7 @@ def _dtype_table() -> dict[np.dtype, int]:
 
 _DTYPE_CODE = _dtype_table()
 _DTYPE_NAME = {code: str(dt) for dt, code in _DTYPE_CODE.items()}
+_DTYPE_BY_NAME = {str(dt): dt for dt in _DTYPE_CODE}
 _DTYPE_OTHER = 255
 
 
@@ -86,6 +87,13 @@ def dtype_code(dtype: np.dtype | None) -> int:
     if dtype is None:
         return 0
     return _DTYPE_CODE.get(dtype, _DTYPE_OTHER)
+
+
+def itemsize_of(sig: Sig) -> int:
+    """Bytes per element of the dtype in ``sig`` (0 when it has none or one without a code)."""
+    code = (sig[0] >> 24) & 0xFF
+    name = _DTYPE_NAME.get(code)
+    return np.dtype(_DTYPE_BY_NAME[name]).itemsize if name else 0
 
 
 def algorithm_code(name: str) -> int:

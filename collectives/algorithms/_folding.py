@@ -139,20 +139,20 @@ def recv_reduce(ctx: CallContext, peer: int, tmp: np.ndarray, out: np.ndarray,
     """
     if not sends and out.nbytes <= ctx.segment_bytes:  # one piece (or none)
         if out.size:
-            ctx.irecv_reduce(out, mine, peer, op, tmp).wait(ctx.remaining())
+            ctx.wait(ctx.irecv_reduce(out, mine, peer, op, tmp))
         return
     seg = segment_elems(ctx, out.dtype)
     parts = pieces(out.size, seg)
     if sends and not all(s.test() for s in sends):
         reqs = [ctx.irecv(tmp[a:b], peer) for a, b in parts]
         for i, ((a, b), req) in enumerate(zip(parts, reqs)):
-            req.wait(ctx.remaining())
-            sends[i].wait(ctx.remaining())
+            ctx.wait(req)
+            ctx.wait(sends[i])
             op.reduce_into(out[a:b], mine[a:b], tmp[a:b])
         return
     reqs = [ctx.irecv_reduce(out[a:b], mine[a:b], peer, op, tmp[a:b]) for a, b in parts]
     for req in reqs:  # in order: piece i is reduced while piece i + 1 arrives
-        req.wait(ctx.remaining())
+        ctx.wait(req)
 
 
 def exchange_reduce(ctx: CallContext, peer: int, send: np.ndarray, keep: np.ndarray,
@@ -314,13 +314,13 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
             # What lands here was reduced from that very send, so a transport
             # that releases sends on delivery is done with the buffer by then.
             if req is not None and not early:
-                req.wait(ctx.remaining())
+                ctx.wait(req)
             posted.append(ctx.irecv(dest_of(block_at(t))[a:b], left))
 
     for i in range(min(window, len(units))):
         post(i)
     for i, (t, j, a, b) in enumerate(units):
-        posted[i].wait(ctx.remaining())
+        ctx.wait(posted[i])
         out = dest_of(block_at(t))[a:b]
         if i + window < len(units):
             post(i + window)
@@ -386,7 +386,7 @@ def binomial_reduce(ctx: CallContext, buf: np.ndarray, root: int, op: Op,
             out = buf[a:b]
         else:
             if k >= depth:
-                sends[k - depth].wait(ctx.remaining())
+                ctx.wait(sends[k - depth])
             out = rotate[(k % depth) * width:][:b - a]
         op.reduce_many(out, [buf[a:b]] + [tmp_piece(k, ci, b - a) for ci in range(nch)],
                        acc32[:b - a])
@@ -408,6 +408,6 @@ def binomial_bcast(ctx: CallContext, buf: np.ndarray, root: int) -> None:
     sends: list[Request] = []
     for k, (a, b) in enumerate(pieces(buf.size, seg)):
         if recvs:
-            recvs[k].wait(ctx.remaining())
+            ctx.wait(recvs[k])
         sends.extend(ctx.isend(buf[a:b], c) for c in children)
     ctx.waitall(sends)

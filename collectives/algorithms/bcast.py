@@ -75,7 +75,7 @@ def pipelined_chain(ctx: CallContext, buf: np.ndarray, root: int) -> None:
     sends = []
     for k, (a, b) in enumerate(segs):
         if recvs:
-            recvs[k].wait(ctx.remaining())
+            ctx.wait(recvs[k])
         if nxt is not None:
             sends.append(ctx.isend(buf[a:b], nxt))
     ctx.waitall(sends)

@@ -55,7 +55,7 @@ def reduce_scatter_recursive_halving(ctx: CallContext, sendbuf: np.ndarray, recv
     if fold.absorbs:  # hand the folded-out rank below its block
         send = ctx.isend(work[displs[rank - 1]:displs[rank]], rank - 1)
         native.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
-        send.wait(ctx.remaining())
+        ctx.wait(send)
     else:
         native.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
 

@@ -1,0 +1,184 @@
+"""The flight recorder: every rank's last N collective calls, on by default.
+
+Each communicator keeps a ring of its last ``COLLECTIVES_FLIGHT_RECORDER``
+calls (default 2000, rounded up to a power of two; 0 turns it off): sequence number, collective,
+algorithm, op, root, dtype, count, bytes, transport, ranks, state
+(scheduled, started, completed, failed), start and end times, timeout and
+the error if any. Recording a call costs a few list stores and one clock
+read: the signature of the call (see :mod:`collectives.signature`) already
+holds what it was, and is turned into words only when the ring is read.
+
+The ring is written as JSON (:meth:`FlightRecorder.dump`) when a call fails
+or times out, on SIGUSR1, and on demand (``comm.flight_record()``,
+``comm.dump_flight_record(path)``), to ``COLLECTIVES_DEBUG_DIR`` (default
+``$XDG_CACHE_HOME/collectives/flight`` or ``~/.cache/collectives/flight``),
+one file per rank: ``<job>/rank<r>.json``. ``collectives trace analyze
+DIR`` reads them all and names the rank at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from . import signature
+
+__all__ = ["FlightRecorder", "capacity", "debug_dir", "install_dump_on_signal", "STATES"]
+
+STATES = ("scheduled", "started", "completed", "failed")
+_MAX_FAILURES = 64
+
+
+def capacity() -> int:
+    """Calls each rank keeps (``COLLECTIVES_FLIGHT_RECORDER``; 0: off)."""
+    value = os.environ.get("COLLECTIVES_FLIGHT_RECORDER", "2000")
+    try:
+        return max(0, int(value))
+    except ValueError:
+        return 2000
+
+
+def debug_dir() -> str:
+    """Where dumps go (``COLLECTIVES_DEBUG_DIR``, else under the user's cache)."""
+    where = os.environ.get("COLLECTIVES_DEBUG_DIR")
+    if where:
+        return where
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "collectives", "flight")
+
+
+class FlightRecorder:
+    """The ring of one communicator's calls.
+
+    Args:
+        capacity: calls kept (at least 1).
+        rank, size: the communicator's.
+        transport: the transport's name.
+        job: the job's id (names the dump's directory).
+
+    Hot path (the communicator's): ``i = seq % capacity``, then
+    ``what[i] = (sig, itemsize, timeout)``, ``start[i] = t``, the call,
+    ``end[i] = clock()``. A slot whose end is before its start is a call
+    still running (or that failed: see ``failures``). The latest call number
+    is the communicator's (``last``, a callable).
+    """
+
+    def __init__(self, capacity: int, rank: int, size: int, transport: str, job: str, last) -> None:
+        self.capacity = 1 << max(0, capacity - 1).bit_length()  # a power of two: slots by seq & (capacity - 1)
+        self.rank, self.size, self.transport, self.job = rank, size, transport, job
+        n = self.capacity
+        self.what: list[Any] = [None] * n
+        self.start = [0.0] * n
+        self.end = [0.0] * n
+        self.scheduled: dict[int, float] = {}
+        self.failures: dict[int, str] = {}
+        self.last = last
+        self.dumped: str | None = None
+
+    # ------------------------------------------------------------ writing
+
+    def begin(self, seq: int, sig: signature.Sig, itemsize: int, start: float, timeout: float) -> None:
+        """Call ``seq`` starts (the path that is not the hot one)."""
+        i = seq & (self.capacity - 1)
+        self.what[i] = (sig, itemsize, timeout)
+        self.start[i] = start
+        if self.scheduled:
+            self.scheduled.pop(seq, None)
+
+    def schedule(self, seq: int) -> None:
+        """Nonblocking call ``seq`` is queued, not started yet."""
+        if len(self.scheduled) < 4 * self.capacity:
+            self.scheduled[seq] = time.monotonic()
+
+    def fail(self, seq: int, error: BaseException) -> None:
+        """Call ``seq`` failed with ``error``."""
+        if len(self.failures) >= _MAX_FAILURES:
+            self.failures.pop(next(iter(self.failures)))
+        self.failures[seq] = f"{type(error).__name__}: {error}"
+
+    # ------------------------------------------------------------ reading
+
+    def records(self) -> list[dict]:
+        """The calls kept, oldest first, as dicts (see the module docstring)."""
+        out = []
+        n, last = self.capacity, self.last()
+        for seq in range(max(1, last - n + 1), last + 1):
+            i = seq & (n - 1)
+            what = self.what[i]
+            if what is None:
+                continue
+            sig, itemsize, timeout = what
+            f = signature.fields(sig)
+            start, end = self.start[i], self.end[i]
+            failed = self.failures.get(seq)
+            state = "failed" if failed else ("completed" if end >= start else "started")
+            out.append({
+                "seq": seq, "collective": f["collective"], "algorithm": f["algorithm"], "op": f["op"],
+                "root": f["root"], "dtype": f["dtype"], "count": f["count"], "bytes": f["count"] * itemsize,
+                "counts_digest": f["counts"] or None, "refused": f["refused"], "transport": self.transport,
+                "ranks": self.size, "state": state, "start": start, "end": end if end >= start else None,
+                "timeout": timeout, "error": failed,
+            })
+        for seq, at in sorted(self.scheduled.items()):
+            out.append({"seq": seq, "state": "scheduled", "scheduled": at, "transport": self.transport,
+                        "ranks": self.size})
+        return out
+
+    def snapshot(self, reason: str = "") -> dict:
+        """The dump's content: who, when (both clocks, to align ranks) and the records."""
+        return {"rank": self.rank, "size": self.size, "host": socket.gethostname(), "pid": os.getpid(),
+                "job": self.job, "transport": self.transport, "reason": reason,
+                "monotonic": time.monotonic(), "time": time.time(), "records": self.records()}
+
+    def dump(self, path: str | None = None, reason: str = "") -> str:
+        """Write the ring as JSON to ``path`` (default: this rank's file under
+        :func:`debug_dir`); returns the path."""
+        if path is None:
+            path = os.path.join(debug_dir(), _safe(self.job), f"rank{self.rank}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.snapshot(reason), f, indent=1)
+        os.replace(tmp, path)
+        self.dumped = path
+        return path
+
+
+def _safe(job: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job)[:80] or "job"
+
+
+_recorders: "weakref.WeakSet[FlightRecorder]" = weakref.WeakSet()
+_installed = False
+_lock = threading.Lock()
+
+
+def install_dump_on_signal(recorder: FlightRecorder) -> None:
+    """Dump every live recorder of this process on SIGUSR1 (where the
+    signal is not taken already, and from the main thread only)."""
+    global _installed
+    _recorders.add(recorder)
+    with _lock:
+        if _installed or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+                return
+            signal.signal(signal.SIGUSR1, _dump_all)
+        except (ValueError, OSError, AttributeError):
+            return
+        _installed = True
+
+
+def _dump_all(signum, frame) -> None:
+    for rec in list(_recorders):
+        try:
+            rec.dump(reason="SIGUSR1")
+        except OSError:
+            pass

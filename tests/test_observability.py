@@ -1,0 +1,147 @@
+"""The flight recorder, its analysis, timelines and the debug log, on real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from collectives import CollectiveError
+from collectives.trace_analysis import analyze, load
+from collectives.tracing import merge
+from harness import run_ranks
+
+
+def a_few_calls(comm):
+    x = np.ones(10, np.float32)
+    comm.allreduce(x)
+    comm.bcast(x, 1)
+    h = comm.iallreduce(x, op="max")
+    h.wait()
+    comm.barrier()
+    return comm.flight_record()
+
+
+def test_the_flight_record_holds_every_call():
+    for r, records in enumerate(run_ranks(a_few_calls, 2, timeout=60)):
+        calls = [rec for rec in records if "collective" in rec]
+        assert [c["seq"] for c in calls] == [1, 2, 3, 4], records
+        assert [c["collective"] for c in calls] == ["allreduce", "bcast", "allreduce", "barrier"]
+        first = calls[0]
+        assert first["dtype"] == "float32" and first["count"] == 10 and first["bytes"] == 40
+        assert first["op"] == "sum" and first["algorithm"] == "shared_window" and first["transport"] == "shm"
+        assert calls[1]["root"] == 1 and calls[2]["op"] == "max"
+        assert all(c["state"] == "completed" and c["end"] >= c["start"] for c in calls), calls
+
+
+def _fault(comm, kind: str, where: str):
+    """Ten allreduces; one rank misbehaves at call 4. Returns where this rank's dump is."""
+    os.environ["COLLECTIVES_DEBUG_DIR"] = where  # read when a dump is written
+    x = np.ones(16, np.float32)
+    try:
+        for i in range(1, 11):
+            if i == 4 and comm.rank == 2:
+                if kind == "sleep":
+                    time.sleep(2.0)  # past the others' 1 s timeout
+                elif kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif kind == "skip":
+                    continue  # the bcast everyone else makes
+                elif kind == "dtype":
+                    comm.bcast(np.ones(16, np.float64), 0)
+                    continue
+            if i == 4:
+                comm.bcast(x, 0)
+            else:
+                comm.allreduce(x)
+    except CollectiveError as exc:
+        return type(exc).__name__, comm._recorder.dumped
+    return "ok", None
+
+
+@pytest.mark.parametrize("kind,culprit_kind", [("sleep", "late"), ("kill", "dead"), ("skip", "mismatch"),
+                                               ("dtype", "mismatch")])
+def test_every_surviving_rank_dumps_and_the_analysis_names_the_culprit(tmp_path, kind, culprit_kind):
+    outcomes = run_ranks(_fault, 3, kind, str(tmp_path), timeout=60, comm_timeout=1.0, expect_errors=True)
+    for o in outcomes:
+        if kind == "kill" and o.rank == 2:
+            continue
+        assert o.ok and o.value[0] != "ok" and o.value[1] and os.path.exists(o.value[1]), str(o)
+    verdict = analyze(load(str(tmp_path)))
+    assert verdict["culprit"] == 2 and verdict["seq"] == 4, verdict
+    assert verdict["kind"] == culprit_kind, verdict
+    text = "\n".join(verdict["lines"])
+    if kind == "dtype":
+        assert "dtype" in text and "float64" in text, text
+
+
+def _traced(comm, where: str):
+    x = np.ones(1000, np.float32)
+    for _ in range(10):
+        if comm.rank == 1:
+            time.sleep(0.02)  # always the last to arrive
+        comm.allreduce(x)
+    comm.bcast(x, 0, algorithm="binomial")
+    return comm.rank
+
+
+def test_timelines_merge_on_one_clock_and_name_the_late_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_TRACE", str(tmp_path))
+    run_ranks(_traced, 3, str(tmp_path), timeout=60)
+    for r in range(3):
+        with open(tmp_path / f"rank{r}.json") as f:
+            doc = json.load(f)
+        calls = [e for e in doc["traceEvents"] if e.get("cat") == "collective"]
+        assert [e["args"]["seq"] for e in calls] == list(range(1, 12)), calls
+        assert calls[-1]["name"] == "bcast" and calls[-1]["args"]["algorithm"] == "binomial"
+        phases = [e for e in doc["traceEvents"] if e.get("cat") == "phase"]
+        if r != 0:  # the binomial bcast's receivers wait for a message
+            assert phases and all(e["args"]["seq"] == 11 for e in phases), phases
+    summary = merge(str(tmp_path), str(tmp_path / "timeline.json"))
+    assert summary["ranks"] == 3 and summary["last_most_often"] == 1, summary
+    skews = [s for s in summary["skews"] if s["collective"] == "allreduce"]
+    assert len(skews) == 10 and all(s["last"] == 1 and s["skew_us"] > 10_000 for s in skews), skews
+    with open(tmp_path / "timeline.json") as f:
+        merged = json.load(f)
+    assert {e["pid"] for e in merged["traceEvents"]} == {0, 1, 2}
+
+
+def _logged(comm, where: str):
+    x = np.ones(8, np.float32)
+    comm.allreduce(x)
+    comm.allreduce(x)
+    return comm.rank
+
+
+def test_the_debug_log_prefixes_lines_and_says_how_each_rank_started(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_DEBUG", "INFO")
+    monkeypatch.setenv("COLLECTIVES_DEBUG_SUBSYS", "init,select")
+    monkeypatch.setenv("COLLECTIVES_DEBUG_FILE", str(tmp_path / "%h-%p-r%r.log"))
+    run_ranks(_logged, 2, str(tmp_path), timeout=60)
+    logs = sorted(os.listdir(tmp_path))
+    assert len(logs) == 2 and logs[0].endswith("-r0.log") and logs[1].endswith("-r1.log"), logs
+    for name in logs:
+        text = (tmp_path / name).read_text()
+        rank = name.rsplit("-r", 1)[1].split(".")[0]
+        assert f":{rank} collectives.init INFO init: rank {rank} of 2, transport shm" in text, text
+        assert "auto chose shared_window for allreduce of 32 B" in text, text
+        assert text.count("auto chose") == 1, text  # once per collective and size
+
+
+def _signalled(comm, where: str):
+    os.environ["COLLECTIVES_DEBUG_DIR"] = where
+    x = np.ones(4)
+    comm.allreduce(x)
+    comm.barrier()
+    if comm.rank == 0:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    comm.barrier()
+    return os.path.exists(os.path.join(where, os.environ["COLLECTIVES_JOB"], "rank0.json"))
+
+
+def test_sigusr1_dumps_the_flight_record(tmp_path):
+    assert run_ranks(_signalled, 2, str(tmp_path), timeout=60)[0] is True
