@@ -255,7 +255,16 @@ typedef struct {
     uint64_t **sleeps;             /* every rank's sleep word (a futex on its low 32 bits) */
     uint64_t *inbox;               /* this rank's abort inbox: rank + 1 of a peer that aborted */
     int checks;                    /* 0: no signature records (to measure what they cost) */
+    double *t_calls;               /* the flight recorder's ring (NULL: none): a cache line per call, */
+    uint64_t t_mask;               /* [start, end, signature x 3, ...]; its length - 1 (a power of two) */
+    PyObject *t_owner;             /* keeps the arrays alive */
 } WindowObject;
+
+static inline double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 /* rank r's signature record of call seq: three words after its post counter */
 static inline uint64_t *record(WindowObject *w, int r, uint64_t seq) {
@@ -407,7 +416,35 @@ static PyObject *stopped(int r, int kind) {
     return Py_BuildValue("(iiK)", r, kind, 0ULL);
 }
 
+/* .record_calls(ring): write each plan run's start and end (seconds of
+ * CLOCK_MONOTONIC, as time.monotonic()) as doubles 0 and 1, and its
+ * signature record (word 0 with the call number) as words 2 to 4, of row
+ * [seq & (n - 1)] of ring (n rows of 8 float64, 64 bytes each: one cache
+ * line per call; n a power of two: a flight recorder's); None: stop. */
+static PyObject *Window_record_calls(WindowObject *w, PyObject *ring) {
+    Py_CLEAR(w->t_owner);
+    w->t_calls = NULL;
+    w->t_mask = 0;
+    if (ring == Py_None) Py_RETURN_NONE;
+    Py_buffer a;
+    if (PyObject_GetBuffer(ring, &a, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t n = a.len / 64;
+    int ok = a.len % 64 == 0 && n > 0 && (n & (n - 1)) == 0;
+    double *p = a.buf;
+    PyBuffer_Release(&a);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "record_calls: a power-of-two number of 64-byte rows");
+        return NULL;
+    }
+    Py_INCREF(ring);
+    w->t_owner = ring;
+    w->t_calls = p;
+    w->t_mask = (uint64_t)(n - 1);
+    Py_RETURN_NONE;
+}
+
 static void Window_dealloc(WindowObject *w) {
+    Py_CLEAR(w->t_owner);
     for (int k = 0; k < K_COUNT; k++) PyMem_Free(w->counters[k]);
     PyMem_Free(w->sleeps);
     Py_TYPE(w)->tp_free((PyObject *)w);
@@ -441,6 +478,9 @@ static int Window_init(WindowObject *w, PyObject *args, PyObject *kwds) {
     w->spin_ns = spin_ns;
     w->yield_ns = yield_ns;
     w->epoch = w->turn = 0;
+    w->t_calls = NULL;
+    w->t_mask = 0;
+    Py_CLEAR(w->t_owner);
     static const char *names[K_COUNT] = {"epochs", "posts", "dones"};
     for (int k = 0; k < K_COUNT; k++) {
         PyMem_Free(w->counters[k]);
@@ -758,6 +798,7 @@ static PyObject *advance(PlanObject *pl, char *const *bases) {
     if (a) return stopped(a - 1, K_ABORTED);
     do_after(pl, bases, pl->half);
     publish(w, K_DONE, k);
+    if (w->t_calls) w->t_calls[8 * (pl->seq & w->t_mask) + 1] = now_seconds();
     Py_RETURN_NONE;
 }
 
@@ -780,6 +821,14 @@ static PyObject *Plan_run(PlanObject *pl, PyObject *const *args, Py_ssize_t narg
     for (int i = 0; i < 3; i++) pl->sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(args[2], i));
     if (PyErr_Occurred()) return NULL;
     WindowObject *w = pl->window;
+    if (w->t_calls) {  /* the flight recorder's: this call, and when it started */
+        double *row = w->t_calls + 8 * (pl->seq & w->t_mask);
+        uint64_t *words = (uint64_t *)row;
+        row[0] = now_seconds();
+        words[2] = (pl->sig[0] & ~(SIG_SEQ_MASK << SIG_SEQ_SHIFT)) | ((pl->seq & SIG_SEQ_MASK) << SIG_SEQ_SHIFT);
+        words[3] = pl->sig[1];
+        words[4] = pl->sig[2];
+    }
     int a = aborted_by(w, pl->seq);
     if (a) return stopped(a - 1, K_ABORTED);
     PyObject *arrays = args[0];
@@ -884,6 +933,8 @@ static PyMethodDef Window_methods[] = {
      "step() -> None or (rank, kind, value): the next step through the halves, once its half is free."},
     {"arrive", (PyCFunction)Window_arrive, METH_O,
      "arrive(seq) -> None or (rank, kind, value): post the current step, wait for all, verify records."},
+    {"record_calls", (PyCFunction)Window_record_calls, METH_O,
+     "record_calls(ring): write each plan run's times and signature in row seq & (n - 1); None: stop."},
     {"verify", (PyCFunction)Window_verify, METH_O,
      "verify(seq) -> int: -1 when every rank's signature record of call seq agrees, else a rank."},
     {"plan", (PyCFunction)Window_plan, METH_VARARGS,

@@ -44,6 +44,7 @@ from .prepared import PreparedCalls, apart, flat_array, rooted_key
 from .selection import RuleSelector, Selector, size_bucket
 from .signature import NO_SIG, REFUSED
 from .transport import Transport
+from .window_contract import NATIVE_PLANS
 
 __all__ = ["Communicator", "live_communicators", "VERDICT_BYTES"]
 
@@ -108,14 +109,15 @@ class Communicator:
         self._log_calls = _call_log.isEnabledFor(debug_log.TRACE)
         n = flight_recorder.capacity()
         self._recorder = (FlightRecorder(n, self.rank, self.size, transport.name, job or f"pid{os.getpid()}",
-                                         lambda: self._seq) if n else None)
+                                         lambda: self._seq, self.timeout) if n else None)
         where = tracing.trace_dir()
         self._tracer = tracing.Tracer(where, self.rank, self.size, transport.name) if where else None
-        self._ring = None
         if self._recorder is not None:
             flight_recorder.install_dump_on_signal(self._recorder)
-            r = self._recorder
-            self._ring, self._ring_mask = (r.what, r.start, r.end), r.capacity - 1
+            window = transport.window
+            if window is not None and NATIVE_PLANS in window.features:
+                r = self._recorder  # native plans record their own calls
+                window.record_calls(r.ring)
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -260,38 +262,46 @@ class Communicator:
                 return False
             if entry.check is not None and not entry.check(arrays):
                 return False
-        start = time.monotonic()
         limit = self.timeout if timeout is None else float(timeout)
         self._seq = seq = (self._seq + 1) % _TAG_SPACE  # tags in step with the full path: ranks may mix both
-        ring = self._ring  # the flight recorder's hot path: see FlightRecorder
-        if ring is not None:
-            i = seq & self._ring_mask
-            ring[0][i] = entry.what if timeout is None else (entry.sig, entry.what[1], limit)
-            ring[1][i] = start
-        try:
-            direct = entry.direct
-            if direct is not None:  # a native plan on the call's arrays as they are
+        rec = self._recorder
+        direct = entry.direct
+        if direct is not None:  # a native plan on the call's arrays as they are; it records itself
+            if timeout is not None and rec is not None:
+                rec.timed(seq, limit)
+            try:
                 late = direct[0](arrays, seq, entry.sig)
-                if late is not None:
-                    direct[1](arrays, late, start + limit)
-            else:
-                ctx = entry.ctx
-                ctx.tag, ctx.deadline = 2 * seq + 1, start + limit
-                ctx.sig = signature.with_seq(entry.sig, seq)
-                self.transport.begin_call(seq, ctx.sig)
-                entry.func(ctx, *entry.args(arrays))
+                if late is not None:  # the deadline counts from the plan's own start where recorded
+                    direct[1](arrays, late, self._started(seq) + limit)
+            except BaseException as exc:
+                raise self._failed(entry.collective, entry.algo.name, seq, exc, self._started(seq), limit) from None
+            return True
+        start = _now()
+        if rec is not None:
+            rec.begin(seq, entry.sig, start, limit)
+        try:
+            ctx = entry.ctx
+            ctx.tag, ctx.deadline = 2 * seq + 1, start + limit
+            ctx.sig = signature.with_seq(entry.sig, seq)
+            self.transport.begin_call(seq, ctx.sig)
+            entry.func(ctx, *entry.args(arrays))
         except BaseException as exc:
             raise self._failed(entry.collective, entry.algo.name, seq, exc, start, limit) from None
-        if ring is not None:
-            ring[2][i] = _now()
+        if rec is not None:
+            rec.finish(seq, _now())
         return True
+
+    def _started(self, seq: int) -> float:
+        """When call ``seq`` started, as its native plan recorded it (now, where nothing did)."""
+        rec = self._recorder
+        return float(rec.start[seq & (rec.capacity - 1)]) if rec is not None else _now()
 
     def _remember(self, key: tuple, plan: Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                   check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
         if self._tracer is not None or self._log_calls:
             return  # tracing and logging every call take the full path
         self._prepared.remember(key, plan, self.transport, self.segment_bytes, self._scratch, writes, args,
-                                bool(plan.write_backs), check, as_is, self.timeout)
+                                bool(plan.write_backs), check, as_is)
 
     def _execute(self, plan: Plan, seq: int, timeout: float) -> Any:
         start = time.monotonic()
@@ -299,7 +309,7 @@ class Communicator:
         ctx = CallContext(self.transport, 2 * seq + 1, start + timeout, self.segment_bytes, self._scratch, sig)
         rec, tracer = self._recorder, self._tracer
         if rec is not None:
-            rec.begin(seq, plan.sig, plan.itemsize, start, timeout)
+            rec.begin(seq, plan.sig, start, timeout)
         if self._log_calls:
             _call_log.log(debug_log.TRACE, "rank %d: %s", self.rank, signature.describe(
                 signature.with_seq(plan.sig, seq)))
@@ -327,7 +337,7 @@ class Communicator:
         for write_back in plan.write_backs:
             write_back()
         if rec is not None:
-            rec.end[seq & (rec.capacity - 1)] = _now()
+            rec.finish(seq, _now())
         return plan.result
 
     def _refuse(self, ctx: CallContext, plan: Plan) -> None:

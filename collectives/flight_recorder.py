@@ -27,6 +27,8 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
+
 from . import signature
 
 __all__ = ["FlightRecorder", "capacity", "debug_dir", "install_dump_on_signal", "STATES"]
@@ -57,25 +59,37 @@ class FlightRecorder:
     """The ring of one communicator's calls.
 
     Args:
-        capacity: calls kept (at least 1).
+        capacity: calls kept (rounded up to a power of two).
         rank, size: the communicator's.
         transport: the transport's name.
         job: the job's id (names the dump's directory).
+        last: ``last()`` is the latest call number (the communicator's).
+        timeout: the communicator's default timeout.
 
-    Hot path (the communicator's): ``i = seq % capacity``, then
-    ``what[i] = (sig, itemsize, timeout)``, ``start[i] = t``, the call,
-    ``end[i] = clock()``. A slot whose end is before its start is a call
-    still running (or that failed: see ``failures``). The latest call number
-    is the communicator's (``last``, a callable).
+    Row ``seq & (capacity - 1)`` of ``ring`` (8 float64, one cache line)
+    holds call ``seq``: its start and end (``start``, ``end``: seconds of the
+    monotonic clock; an end before the start: still running, or failed, see
+    ``failures``) and its signature record (``sigs``, three uint64 words,
+    word 0 with the call number, so that a row of an older call is told
+    apart). A shared window's
+    native plans fill their calls' slots themselves (the repeated small
+    calls: nothing is done for them in Python); other calls go through
+    :meth:`begin` and :meth:`finish`.
     """
 
-    def __init__(self, capacity: int, rank: int, size: int, transport: str, job: str, last) -> None:
-        self.capacity = 1 << max(0, capacity - 1).bit_length()  # a power of two: slots by seq & (capacity - 1)
+    def __init__(self, capacity: int, rank: int, size: int, transport: str, job: str, last,
+                 timeout: float = 60.0) -> None:
+        self.capacity = 1 << max(0, capacity - 1).bit_length()
         self.rank, self.size, self.transport, self.job = rank, size, transport, job
         n = self.capacity
-        self.what: list[Any] = [None] * n
-        self.start = [0.0] * n
-        self.end = [0.0] * n
+        raw = np.zeros(n * 8 + 8, np.float64)  # one 64-byte row per call, on cache-line bounds
+        skip = (-raw.ctypes.data % 64) // 8
+        self.ring = raw[skip:skip + n * 8].reshape(n, 8)
+        self.start = self.ring[:, 0]
+        self.end = self.ring[:, 1]
+        self.sigs = self.ring.view(np.uint64)[:, 2:5]
+        self.timeouts: dict[int, float] = {}  # calls whose timeout is not the default
+        self.default_timeout = timeout
         self.scheduled: dict[int, float] = {}
         self.failures: dict[int, str] = {}
         self.last = last
@@ -83,13 +97,25 @@ class FlightRecorder:
 
     # ------------------------------------------------------------ writing
 
-    def begin(self, seq: int, sig: signature.Sig, itemsize: int, start: float, timeout: float) -> None:
-        """Call ``seq`` starts (the path that is not the hot one)."""
+    def begin(self, seq: int, sig: signature.Sig, start: float, timeout: float) -> None:
+        """Call ``seq`` (signature ``sig`` without its number) starts."""
         i = seq & (self.capacity - 1)
-        self.what[i] = (sig, itemsize, timeout)
+        self.sigs[i] = signature.with_seq(sig, seq)
         self.start[i] = start
+        if timeout != self.default_timeout:
+            self.timed(seq, timeout)
         if self.scheduled:
             self.scheduled.pop(seq, None)
+
+    def finish(self, seq: int, end: float) -> None:
+        """Call ``seq`` completed."""
+        self.end[seq & (self.capacity - 1)] = end
+
+    def timed(self, seq: int, timeout: float) -> None:
+        """Call ``seq`` has its own timeout."""
+        if len(self.timeouts) >= self.capacity:
+            self.timeouts.pop(next(iter(self.timeouts)))
+        self.timeouts[seq] = timeout
 
     def schedule(self, seq: int) -> None:
         """Nonblocking call ``seq`` is queued, not started yet."""
@@ -110,20 +136,20 @@ class FlightRecorder:
         n, last = self.capacity, self.last()
         for seq in range(max(1, last - n + 1), last + 1):
             i = seq & (n - 1)
-            what = self.what[i]
-            if what is None:
-                continue
-            sig, itemsize, timeout = what
+            sig = tuple(int(w) for w in self.sigs[i])
+            if not sig[0] or ((sig[0] >> signature.SEQ_SHIFT) & signature.SEQ_MASK) != seq & signature.SEQ_MASK:
+                continue  # no call, or an older one, in this slot
             f = signature.fields(sig)
-            start, end = self.start[i], self.end[i]
+            start, end = float(self.start[i]), float(self.end[i])
             failed = self.failures.get(seq)
             state = "failed" if failed else ("completed" if end >= start else "started")
             out.append({
                 "seq": seq, "collective": f["collective"], "algorithm": f["algorithm"], "op": f["op"],
-                "root": f["root"], "dtype": f["dtype"], "count": f["count"], "bytes": f["count"] * itemsize,
-                "counts_digest": f["counts"] or None, "refused": f["refused"], "transport": self.transport,
-                "ranks": self.size, "state": state, "start": start, "end": end if end >= start else None,
-                "timeout": timeout, "error": failed,
+                "root": f["root"], "dtype": f["dtype"], "count": f["count"],
+                "bytes": f["count"] * signature.itemsize_of(sig), "counts_digest": f["counts"] or None,
+                "refused": f["refused"], "transport": self.transport, "ranks": self.size, "state": state,
+                "start": start, "end": end if end >= start else None,
+                "timeout": self.timeouts.get(seq, self.default_timeout), "error": failed,
             })
         for seq, at in sorted(self.scheduled.items()):
             out.append({"seq": seq, "state": "scheduled", "scheduled": at, "transport": self.transport,

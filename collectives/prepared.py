@@ -44,7 +44,7 @@ class Prepared:
             None if it has none.
     """
 
-    __slots__ = ("algo", "collective", "sig", "writes", "args", "func", "ctx", "check", "direct", "what")
+    __slots__ = ("algo", "collective", "sig", "writes", "args", "func", "ctx", "check", "direct")
 
     def __init__(self, algo: Algorithm, sig: Sig, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                  func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None,
@@ -52,7 +52,6 @@ class Prepared:
         self.algo, self.collective, self.sig = algo, algo.collective, sig
         self.writes, self.args, self.func, self.ctx, self.check = writes, args, func, ctx, check
         self.direct = direct
-        self.what: tuple = (sig, 0, 0.0)  # the flight recorder's (signature, item size, timeout)
 
 
 class PreparedCalls(dict):
@@ -61,8 +60,7 @@ class PreparedCalls(dict):
 
     def remember(self, key: tuple, plan: Plan, transport: Any, segment_bytes: int, scratch: dict,
                  writes: tuple[bool, ...], args: Callable[[tuple], tuple], staged: bool,
-                 check: Callable[[tuple], bool] | None = None, as_is: bool = True,
-                 timeout: float = 0.0) -> None:
+                 check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
         """Keep ``plan`` (just validated) for repeated calls of ``key``, with the
         algorithm's own persistent plan where it offers one. ``as_is``: the
         call's arrays are the algorithm's array arguments, in order (so a
@@ -81,7 +79,6 @@ class PreparedCalls(dict):
             ctx = CallContext(transport, 0, 0.0, segment_bytes, scratch)
             entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check,
                              getattr(func, "on_arrays", None) if as_is else None)
-            entry.what = (plan.sig, plan.itemsize, timeout)
         if len(self) >= CAPACITY:
             for old in list(self)[:CAPACITY // 2]:
                 del self[old]

@@ -252,6 +252,15 @@ class SharedWindow(abc.ABC):
         """
         raise NotImplementedError("this window has no native plans")
 
+    def record_calls(self, ring: Any) -> None:
+        """("native_plans") Have every plan run record itself in row
+        ``seq & (n - 1)`` of ``ring``, n rows of 8 float64 (one cache line
+        each; n a power of two: a flight recorder's ring): its start and end
+        (seconds of the monotonic clock, as ``time.monotonic()``) as elements
+        0 and 1, and its signature (word 0 with the call number, as in a
+        record) as elements 2 to 4 seen as uint64; None stops it. A window may
+        ignore it (its calls are then recorded from Python)."""
+
     def settle(self, plan: WindowPlan, arrays: tuple, late: Any, deadline: float) -> None:
         """Finish a :meth:`WindowPlan.run` that returned ``late``: wait, resume,
         until it is done (feature ``"native_plans"``).

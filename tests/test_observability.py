@@ -26,6 +26,22 @@ def a_few_calls(comm):
     return comm.flight_record()
 
 
+def repeated_calls(comm):
+    x = np.ones(4, np.float32)
+    for _ in range(6):  # after the first, prepared calls: a native plan records itself
+        comm.allreduce(x)
+    comm.allreduce(x, timeout=7.5)
+    return comm.flight_record()
+
+
+def test_the_flight_record_holds_repeated_calls_too():
+    for records in run_ranks(repeated_calls, 2, timeout=60):
+        assert [c["seq"] for c in records] == list(range(1, 8)), records
+        assert all(c["collective"] == "allreduce" and c["count"] == 4 and c["state"] == "completed"
+                   and c["end"] >= c["start"] > 0 for c in records), records
+        assert [c["timeout"] for c in records] == [20.0] * 6 + [7.5]
+
+
 def test_the_flight_record_holds_every_call():
     for r, records in enumerate(run_ranks(a_few_calls, 2, timeout=60)):
         calls = [rec for rec in records if "collective" in rec]

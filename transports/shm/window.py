@@ -280,6 +280,15 @@ class ShmWindow(SharedWindow):
             raise NotImplementedError("the native window is off (COLLECTIVES_NATIVE=0, or a rank without it)")
         return self._native.plan(narrays, before, after, reduce, sources)
 
+    def record_calls(self, ring: np.ndarray | None) -> None:
+        """Have every native plan run record itself in row ``seq & (n - 1)``
+        of ``ring`` (n rows of 8 float64, a power of two of them: a flight
+        recorder's): its start and end times (seconds of the monotonic clock)
+        as elements 0 and 1, its signature (word 0 with the call number) as
+        elements 2 to 4, seen as uint64; None stops it."""
+        if self._native is not None:
+            self._native.record_calls(ring)
+
     def settle(self, plan: WindowPlan, arrays: tuple, late: Any, deadline: float) -> None:
         """Finish a plan's run that had to wait or stopped: block, resume,
         until done; raise the verdict of a run that stopped for good."""
