@@ -80,6 +80,9 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument("--transport", default=None, help="transport name (default: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
     ap.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    ap.add_argument("--on-failure", choices=("stop", "continue"), default="stop",
+                    help="when a rank fails: stop every rank (default), or let the others go on, e.g. to "
+                         "shrink to the survivors (the job's status is then the first failure's)")
     ap.add_argument("--bind", choices=("auto", "core", "none"), default=None,
                     help="bind rank i to core i (round robin): auto (default, COLLECTIVES_BIND) when the "
                          "ranks outnumber the cores, core always, none never")
@@ -95,6 +98,7 @@ def run_main(argv: Sequence[str]) -> int:
         print(f"collectives run: {exc}", file=sys.stderr)
         return 127
     return launch(cmd, ns.nprocs, transport=ns.transport, prefix=not ns.no_prefix, timeout=ns.timeout,
+                  on_failure=ns.on_failure,
                   bind=ns.bind)
 
 

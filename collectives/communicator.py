@@ -88,7 +88,8 @@ class Communicator:
     """
 
     def __init__(self, transport: Transport, *, timeout: float = 60.0,
-                 selector: Selector | None = None, segment_bytes: int = SEGMENT_BYTES, job: str = "") -> None:
+                 selector: Selector | None = None, segment_bytes: int = SEGMENT_BYTES, job: str = "",
+                 options: dict[str, Any] | None = None) -> None:
         self.transport = transport
         self.rank: int = transport.rank
         self.size: int = transport.size
@@ -105,6 +106,14 @@ class Communicator:
         self._broken: CollectiveError | None = None
         self._closed = False
         self._eager = False
+        self._job = job or f"pid{os.getpid()}"
+        self._options = dict(options or {})
+        self._known_failed: set[int] = set()
+        self._agreements = 0
+        #: Shrinks since the job started (0: the original communicator).
+        self.epoch = 0
+        #: Rank in the original communicator of each rank of this one.
+        self.original_ranks: list[int] = list(range(self.size))
         self._chosen: set = set()
         self._log_calls = _call_log.isEnabledFor(debug_log.TRACE)
         n = flight_recorder.capacity()
@@ -178,6 +187,62 @@ class Communicator:
         """Write this rank's flight record as JSON to ``path`` (default: under
         ``COLLECTIVES_DEBUG_DIR``); returns the path (None when it is off)."""
         return self._recorder.dump(path, reason="asked") if self._recorder is not None else None
+
+    # ------------------------------------------------------ surviving failures
+
+    def failed_ranks(self) -> set[int]:
+        """The ranks this rank knows to have failed (their process exited or
+        they left), as of the last agreement and what the transport sees now."""
+        if "agree" in self._capabilities and not self._closed:
+            return self._known_failed | self.transport.failed_peers(closed_too=False)
+        return set(self._known_failed)
+
+    def agree(self, flag: bool = True, *, timeout: float | None = None) -> bool:
+        """A fault-tolerant AND of ``flag`` over the surviving ranks (as ULFM's
+        agree): every survivor gets the same answer and the same set of failed
+        ranks (:meth:`failed_ranks`), even if another rank fails meanwhile.
+        Collective over the survivors; works on an aborted communicator.
+
+        Raises:
+            BadArgument: the transport cannot agree (see docs/failures.md).
+            CollectiveTimeout: a rank neither took part nor failed in time.
+            PeerLost: the survivors count this rank as failed.
+        """
+        if "agree" not in self._capabilities:
+            raise BadArgument(f"rank {self.rank}: the {self.transport.name} transport cannot agree among "
+                              "survivors; shared memory and TCP can")
+        if self._closed:
+            raise BadArgument(f"rank {self.rank}: the communicator is closed")
+        self._agreements += 1
+        deadline = _now() + (self.timeout if timeout is None else float(timeout))
+        failed, result = self.transport.agree(self._agreements, self._known_failed | self.transport.failed_peers(),
+                                              bool(flag), deadline)
+        self._known_failed = set(failed)
+        return result
+
+    def shrink(self, *, timeout: float | None = None) -> "Communicator":
+        """A new communicator of the surviving ranks, after a failure: the
+        survivors agree on who failed (:meth:`agree`), then each gets dense
+        ranks 0..q-1 in the old order, a new epoch and a transport of its own
+        (nothing sent on this communicator reaches the new one). Collective
+        over the survivors. Close this communicator when done with it.
+
+        Raises:
+            As :meth:`agree`; and what opening the new transport raises.
+        """
+        self.agree(True, timeout=timeout)
+        survivors = [r for r in range(self.size) if r not in self._known_failed]
+        job = f"{self._job}.e{self.epoch + 1}.{self._agreements}"
+        tr = type(self.transport).open(survivors.index(self.rank), len(survivors), job=job,
+                                       timeout=self.timeout if timeout is None else float(timeout),
+                                       options=self._options)
+        new = Communicator(tr, timeout=self.timeout, selector=self.selector, segment_bytes=self.segment_bytes,
+                           job=job, options=self._options)
+        new.epoch = self.epoch + 1
+        new.original_ranks = [self.original_ranks[r] for r in survivors]
+        log.info("rank %d: shrank to %d ranks (failed: %s), now rank %d of epoch %d", self.rank, len(survivors),
+                 sorted(self._known_failed), new.rank, new.epoch)
+        return new
 
     @property
     def aborted(self) -> CollectiveError | None:

@@ -167,7 +167,7 @@ def init(rank: int | None = None, size: int | None = None, *, transport: str = "
     tr = cls.open(rank, size, job=job or info.job, timeout=timeout, options=topts)
     log.debug("rank %d/%d: transport %s (launcher %s)", rank, size, name, info.launcher)
     _install_failure_hooks()
-    comm = Communicator(tr, timeout=timeout, job=job or info.job, **comm_opts)
+    comm = Communicator(tr, timeout=timeout, job=job or info.job, options=topts, **comm_opts)
     init_log = logging.getLogger("collectives.init")
     if init_log.isEnabledFor(logging.INFO):
         selector = comm.selector

@@ -285,23 +285,34 @@ def _start_pumps(procs: Sequence[subprocess.Popen], prefix: bool) -> list[thread
     return pumps
 
 
-def _supervise(procs: Sequence[subprocess.Popen], timeout: float | None, received: list[int]) -> int:
-    """Wait until every rank succeeded, one failed, the timeout passed or the
-    launcher got a stop signal; returns the job's exit status."""
+def _supervise(procs: Sequence[subprocess.Popen], timeout: float | None, received: list[int],
+               on_failure: str = "stop") -> int:
+    """Wait until every rank succeeded, one failed (with ``on_failure``
+    ``"stop"``; with ``"continue"``, until every rank ended), the timeout
+    passed or the launcher got a stop signal; returns the job's exit status."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    told: set[int] = set()
     while True:
         if received:
             _say(f"{_signal_name(received[0])}; stopping every rank")
             return 128 + received[0]
         codes = [_returncode(p) for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
+        if failed and on_failure == "stop":
             r, code = failed[0]
             rest = "; stopping the other ranks" if None in codes else ""
             _say(f"rank {r} {_describe_end(code)}{rest}")
             return shell_status(code)
-        if all(c == 0 for c in codes):
-            return 0
+        for r, code in failed:
+            if r not in told:  # --on-failure continue: say so, let the others go on
+                told.add(r)
+                _say(f"rank {r} {_describe_end(code)}; the other ranks go on (--on-failure continue)")
+        if None not in codes:
+            if not failed:
+                return 0
+            _say(f"{len(failed)} of {len(codes)} ranks failed: " + ", ".join(
+                f"rank {r} {_describe_end(c)}" for r, c in failed))
+            return shell_status(failed[0][1])
         if deadline is not None and time.monotonic() > deadline:
             _say(f"timeout after {timeout}s; stopping every rank")
             return 124
@@ -314,7 +325,8 @@ def _say(message: str) -> None:
 
 
 def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
-           prefix: bool = True, timeout: float | None = None, bind: str | None = None) -> int:
+           prefix: bool = True, timeout: float | None = None, bind: str | None = None,
+           on_failure: str = "stop") -> int:
     """Run ``command`` as ``nprocs`` local ranks and return the job's exit status.
 
     Args:
@@ -324,6 +336,9 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
         prefix: prefix each output line with ``[rank N]``.
         timeout: seconds after which every rank is stopped (status 124).
         bind: ``auto``, ``core`` or ``none`` (see the module docstring).
+        on_failure: ``"stop"`` (stop every rank when one fails, as torchrun)
+            or ``"continue"`` (the others go on, e.g. to shrink to the
+            survivors; the job fails at the end if any rank failed).
 
     Returns:
         0 if every rank succeeded, else the first failing rank's status as a
@@ -348,7 +363,9 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
             _say(f"cannot start rank {len(procs)}: {command[0]}: {exc.strerror or exc}")
             return 127 if exc.errno == errno.ENOENT else 126
         pumps = _start_pumps(procs, prefix)  # after the forks: no thread of ours runs across one
-        return _supervise(procs, timeout, received)
+        if on_failure not in ("stop", "continue"):
+            raise ValueError(f"on_failure must be 'stop' or 'continue', got {on_failure!r}")
+        return _supervise(procs, timeout, received, on_failure)
     finally:
         _stop(procs)
         watchdog.release()

@@ -29,7 +29,7 @@ from .matching import Matching
 from .pool import Pool
 from .requests import RequestWaits
 from .rings import Rings
-from . import segments
+from . import agreement, segments
 from .segments import SegmentSetup, affinity, shm_free_bytes
 from .waking import Waking, spin_seconds
 from .window import ShmWindow
@@ -50,7 +50,7 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
     """
 
     name = "shm"
-    capabilities = frozenset({"window"})
+    capabilities = frozenset({"window", "agree"})
     released_on_delivery = True  # see Transport
 
     # ------------------------------------------------------------------ setup
@@ -128,6 +128,28 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._records.publish(seq, sig, refusal)
         if self._window is not None:
             self._window.arm(seq)
+
+    # ------------------------------------------------------ surviving failures
+
+    def failed_peers(self, closed_too: bool = True) -> set[int]:
+        """Peers that will take no further part: their process exited, or (with
+        ``closed_too``) they closed their transport."""
+        if self._closed:
+            return set()
+        dead = self._watch.dead() if self._watch is not None else set()
+        if not closed_too:
+            return dead
+        return dead | {r for r, seg in enumerate(self._segs) if r != self.rank and seg.q[Q_CLOSED]}
+
+    def agree(self, number: int, failed: set[int], flag: bool, deadline: float) -> tuple[set[int], bool]:
+        """Agreement ``number`` among the survivors (see :mod:`.agreement`):
+        the failed ranks and the AND of the survivors' flags, the same on
+        every survivor."""
+        if self._closed:
+            raise BadArgument(f"rank {self.rank}: the shared-memory transport is closed")
+        qs = [seg.q for seg in self._segs]
+        return agreement.agree(self.rank, self.size, qs, number, set(failed) | self.failed_peers(), flag,
+                               self.failed_peers, lambda: time.sleep(2e-4), deadline)
 
     # ------------------------------------------------------------- lifecycle
 

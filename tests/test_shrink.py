@@ -1,0 +1,148 @@
+"""Surviving a lost rank: agree, shrink to the survivors and carry on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from collectives import PeerLost
+from harness import run_ranks
+
+TIMEOUT = 5.0
+
+
+def loop_until_a_rank_dies(comm, victim: int, at: int, second: int | None):
+    """Allreduces; ``victim`` dies at step ``at``; the survivors shrink and go on
+    to 40 steps; ``second`` (if any) dies while the others shrink."""
+    x = np.ones(1000, np.float32)
+    step, t_fail, shrink_s = 0, None, None
+    while step < 40:
+        if comm.rank == victim and step == at and comm.epoch == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            x[:] = comm.rank + 1
+            comm.allreduce(x)
+            want = sum(r + 1 for r in range(comm.size))
+            if not np.all(x == want):
+                return "wrong", float(x[0]), want
+            step += 1
+        except PeerLost:
+            t_fail = time.monotonic()
+            if second is not None and comm.rank == second:
+                threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            new = comm.shrink()
+            shrink_s = time.monotonic() - t_fail
+            comm.close()
+            comm = new
+    return "done", comm.rank, comm.size, comm.original_ranks, comm.epoch, shrink_s
+
+
+@pytest.mark.parametrize("p,victim", [(4, 2), (4, 0), (3, 1)])
+def test_survivors_shrink_and_finish_with_correct_results(p, victim):
+    outcomes = run_ranks(loop_until_a_rank_dies, p, victim, 10, None, timeout=90, comm_timeout=TIMEOUT,
+                         expect_errors=True)
+    survivors = [o for o in outcomes if o.rank != victim]
+    assert not outcomes[victim].ok
+    assert sorted(o.value[1] for o in survivors) == list(range(p - 1)), [str(o) for o in outcomes]
+    for o in survivors:
+        assert o.ok and o.value[0] == "done", str(o)
+        _, rank, size, original, epoch, shrink_s = o.value
+        assert size == p - 1 and epoch == 1 and original == [r for r in range(p) if r != victim]
+        assert original[rank] == o.rank  # the old order
+        assert shrink_s < TIMEOUT + 2, shrink_s
+
+
+def test_a_second_failure_during_the_shrink_still_converges():
+    outcomes = run_ranks(loop_until_a_rank_dies, 4, 2, 10, 1, timeout=90, comm_timeout=TIMEOUT,
+                         expect_errors=True)
+    done = [o for o in outcomes if o.ok and o.value[0] == "done"]
+    assert {o.rank for o in done} == {0, 3}, [str(o) for o in outcomes]
+    for o in done:
+        _, rank, size, original, epoch, _ = o.value
+        assert size == 2 and original == [0, 3] and epoch in (1, 2), o.value
+
+
+def agree_among_survivors(comm):
+    """Rank 3 dies; the others agree on (rank != 1) and on who failed."""
+    x = np.ones(4)
+    comm.allreduce(x)
+    if comm.rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(x)
+    except PeerLost:
+        pass
+    all_true = comm.agree(True)
+    one_false = comm.agree(comm.rank != 1)
+    return all_true, one_false, sorted(comm.failed_ranks())
+
+
+def test_agree_is_an_and_over_the_survivors_with_the_same_failed_set():
+    outcomes = run_ranks(agree_among_survivors, 4, timeout=60, comm_timeout=TIMEOUT, expect_errors=True)
+    for o in outcomes[:3]:
+        assert o.ok and o.value == (True, False, [3]), str(o)
+
+
+def old_epoch_messages(comm):
+    """After a shrink, a message sent on the old communicator never reaches the new one."""
+    x = np.ones(8)
+    comm.allreduce(x)
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(x)
+    except PeerLost:
+        pass
+    new = comm.shrink()
+    if comm.rank == 0:  # an old-epoch message with the new epoch's first collective tag, to rank 1
+        comm.transport.isend(np.full(8, 99.0), 1, 3)
+    y = np.full(8, new.rank + 1.0)
+    new.allreduce(y)
+    new.barrier()
+    return float(y[0])
+
+
+def test_old_epoch_messages_are_never_delivered_into_the_new_one():
+    outcomes = run_ranks(old_epoch_messages, 3, timeout=60, comm_timeout=TIMEOUT, expect_errors=True)
+    assert [o.value for o in outcomes[:2]] == [3.0, 3.0], [str(o) for o in outcomes]
+
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, numpy as np, collectives
+    from collectives import PeerLost
+    comm = collectives.init(timeout=5)
+    x = np.ones(100, np.float32)
+    step = 0
+    while step < 30:
+        if comm.rank == 1 and step == 5 and comm.epoch == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            x[:] = 1
+            comm.allreduce(x)
+            assert x[0] == comm.size
+            step += 1
+        except PeerLost:
+            new = comm.shrink()
+            comm.close()
+            comm = new
+    print(f"DONE {comm.original_ranks[comm.rank]} {comm.size}", flush=True)
+""")
+
+
+def test_the_launcher_lets_survivors_carry_on_and_reports_the_failure(tmp_path):
+    script = tmp_path / "elastic.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "4", "--on-failure", "continue",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    done = sorted(line.split()[-2:] for line in proc.stdout.splitlines() if "DONE" in line)
+    assert done == [["0", "3"], ["2", "3"], ["3", "3"]], proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "rank 1 was killed by SIGKILL" in proc.stderr and "1 of 4 ranks failed" in proc.stderr, proc.stderr
