@@ -230,12 +230,18 @@ class Communicator:
         Raises:
             As :meth:`agree`; and what opening the new transport raises.
         """
-        self.agree(True, timeout=timeout)
-        survivors = [r for r in range(self.size) if r not in self._known_failed]
-        job = f"{self._job}.e{self.epoch + 1}.{self._agreements}"
-        tr = type(self.transport).open(survivors.index(self.rank), len(survivors), job=job,
-                                       timeout=self.timeout if timeout is None else float(timeout),
-                                       options=self._options)
+        while True:
+            self.agree(True, timeout=timeout)
+            survivors = [r for r in range(self.size) if r not in self._known_failed]
+            job = f"{self._job}.e{self.epoch + 1}.{self._agreements}"
+            options = {**self._options, **self.transport.reopen_options(survivors)}
+            try:
+                tr = type(self.transport).open(survivors.index(self.rank), len(survivors), job=job,
+                                               timeout=self.timeout if timeout is None else float(timeout),
+                                               options=options)
+                break
+            except PeerLost as exc:  # a survivor died before it joined: agree again, without it
+                log.info("rank %d: %s; the survivors agree again", self.rank, exc)
         new = Communicator(tr, timeout=self.timeout, selector=self.selector, segment_bytes=self.segment_bytes,
                            job=job, options=self._options)
         new.epoch = self.epoch + 1

@@ -82,7 +82,9 @@ def agree_among_survivors(comm):
         pass
     all_true = comm.agree(True)
     one_false = comm.agree(comm.rank != 1)
-    return all_true, one_false, sorted(comm.failed_ranks())
+    failed = sorted(comm.failed_ranks())
+    comm.agree(True)  # nobody leaves (and looks failed) before every survivor looked
+    return all_true, one_false, failed
 
 
 def test_agree_is_an_and_over_the_survivors_with_the_same_failed_set():

@@ -39,7 +39,8 @@ from typing import Callable, Sequence
 
 from collectives.errors import CollectiveTimeout, PeerLost
 
-from .layout import Q_AGREE, Q_AGREE_DECIDED, Q_AGREE_FLAG, Q_AGREE_STATE, Q_AGREE_VIEW, VIEW_WORDS
+from .layout import (Q_AGREE, Q_AGREE_DECIDED, Q_AGREE_DECIDED_FLAG, Q_AGREE_DECIDED_VIEW, Q_AGREE_FLAG,
+                     Q_AGREE_STATE, Q_AGREE_VIEW, VIEW_WORDS)
 
 __all__ = ["agree", "MAX_RANKS"]
 
@@ -59,19 +60,29 @@ def _view_of(words: Sequence[int]) -> set[int]:
 
 
 class _Peer:
-    """What one rank published about agreement ``number`` (None: nothing yet)."""
+    """What one rank published about agreement ``number``: its decision
+    (``decided``), or its round, phase, view and flag (``state`` None:
+    nothing yet). A rank is never more than one agreement ahead of a
+    survivor still in the last (it waits for it in the next), so its last
+    decision is that of ``number`` whenever it has moved on."""
 
     def __init__(self, q, number: int) -> None:
-        agreement = int(q[Q_AGREE])
-        decided = int(q[Q_AGREE_DECIDED])
-        self.decided = decided == number
-        if agreement != number and not self.decided:
+        self.decided = int(q[Q_AGREE_DECIDED]) == number
+        if self.decided:
+            self.state, self.round, self.phase = -1, 0, _READY
+            self.flag = bool(q[Q_AGREE_DECIDED_FLAG])
+            self.view = _view_of([q[Q_AGREE_DECIDED_VIEW + i] for i in range(VIEW_WORDS)])
+            return
+        if int(q[Q_AGREE]) != number:
             self.state = None
             return
         state = int(q[Q_AGREE_STATE])
         self.round, self.phase = state >> 1, state & 1
         self.flag = bool(q[Q_AGREE_FLAG])
         self.view = _view_of([q[Q_AGREE_VIEW + i] for i in range(VIEW_WORDS)])
+        if int(q[Q_AGREE]) != number or int(q[Q_AGREE_STATE]) != state:  # changed while read: look again
+            self.state = None
+            return
         self.state = state
 
 
@@ -119,7 +130,7 @@ def agree(rank: int, size: int, qs: Sequence, number: int, view: set[int], flag:
         if all(p.view == view and p.phase == _READY and p.round == rnd for p in peers.values()):
             flag = flag and all(p.flag for p in peers.values())
             _publish(own, number, rnd, _READY, view, flag)
-            own[Q_AGREE_DECIDED] = number
+            _decide(own, number, view, flag)
             return set(view), flag
         view = set(view).union(*(p.view for p in peers.values())) - {rank}
 
@@ -137,9 +148,16 @@ def _adopt(own, rank: int, number: int, peer: _Peer) -> tuple[set[int], bool]:
     """Take a peer's decision as this rank's."""
     if rank in peer.view:
         raise PeerLost(f"rank {rank}: the other ranks decided that this rank failed", rank)
-    _publish(own, number, peer.round, _READY, peer.view, peer.flag)
-    own[Q_AGREE_DECIDED] = number
+    _decide(own, number, peer.view, peer.flag)
     return set(peer.view), peer.flag
+
+
+def _decide(q, number: int, view: set[int], flag: bool) -> None:
+    """Publish this rank's decision of agreement ``number`` (its number last)."""
+    for i, w in enumerate(_view_words(view)):
+        q[Q_AGREE_DECIDED_VIEW + i] = w
+    q[Q_AGREE_DECIDED_FLAG] = 1 if flag else 0
+    q[Q_AGREE_DECIDED] = number
 
 
 def _gather(rank: int, size: int, qs: Sequence, number: int, rnd: int, phase: int, view: set[int],

@@ -55,9 +55,11 @@ Q_WAITING = 73
 Q_REFUSAL_LEN = 74
 Q_CPUS, CPU_WORDS = 96, 16  # lines 12 and 13: the cores this rank may run on (a bit each)
 # lines 14 and 15: the survivors' agreement (:mod:`.agreement`): its number, this rank's
-# round << 1 | phase, its flag, the last agreement it decided, and its view of the
-# failed ranks (a bitmask of VIEW_WORDS words)
-Q_AGREE, Q_AGREE_STATE, Q_AGREE_FLAG, Q_AGREE_DECIDED, Q_AGREE_VIEW, VIEW_WORDS = 112, 113, 114, 115, 116, 5
+# round << 1 | phase, its flag and its view of the failed ranks (a bitmask of VIEW_WORDS
+# words); then the last agreement it decided, with its flag and view
+VIEW_WORDS = 5
+Q_AGREE, Q_AGREE_STATE, Q_AGREE_FLAG, Q_AGREE_VIEW = 112, 113, 114, 115
+Q_AGREE_DECIDED, Q_AGREE_DECIDED_FLAG, Q_AGREE_DECIDED_VIEW = 120, 121, 122
 REASON_OFFSET, REASON_MAX = 1024, 1536    # bytes of the abort reason
 REFUSAL_OFFSET, REFUSAL_MAX = 2560, 1536  # bytes of the refusal reason
 

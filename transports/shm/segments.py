@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from collectives import native
-from collectives.errors import BadArgument, CollectiveTimeout
+from collectives.errors import BadArgument, CollectiveTimeout, PeerLost
 from collectives.waiting import Backoff
 
 from . import cma
@@ -220,12 +220,17 @@ class SegmentSetup:
         missing = [r for r in range(self.size) if r != self.rank]
         backoff = Backoff(deadline, f"rank {self.rank}: shared-memory rendezvous of job {self._job!r}",
                           max_sleep=5e-3)
+        pids = getattr(self, "_rank_pids", None) or []
         while missing:
             for r in list(missing):
                 seg = _attach(self._job, r, self._layout, self._secret)
                 if seg is not None:
                     segs[r] = seg
                     missing.remove(r)
+            for r in missing:  # a rank whose process is known (a shrink's survivors) and died
+                if r < len(pids) and pids[r] and not _alive(pids[r]):
+                    raise PeerLost(f"rank {self.rank}: rank {r} (pid {pids[r]}) died before it joined job "
+                                   f"{self._job!r}", r)
             if missing:
                 try:
                     backoff.pause()

@@ -23,7 +23,7 @@ from collectives import signature
 from collectives.errors import BadArgument, TransportUnavailable
 from collectives.transport import Transport
 
-from .layout import Q_CLOSED, Layout
+from .layout import Q_CLOSED, Q_PID, Layout
 from .liveness import Liveness
 from .matching import Matching
 from .pool import Pool
@@ -85,11 +85,12 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         if size < 1 or not 0 <= rank < size:
             raise BadArgument(f"rank {rank} is not in a world of {size} ranks")
         s = segments.settings(size, job, options)
-        return cls(rank, size, job, float(timeout), s.layout, s.secret, s.cma, s.adopt)
+        return cls(rank, size, job, float(timeout), s.layout, s.secret, s.cma, s.adopt, options.get("rank_pids"))
 
     def __init__(self, rank: int, size: int, job: str, timeout: float, layout: Layout, secret: int,
-                 cma: bool = True, adopt: bool = True) -> None:
+                 cma: bool = True, adopt: bool = True, rank_pids: list[int] | None = None) -> None:
         self.rank, self.size, self.timeout = rank, size, timeout
+        self._rank_pids = rank_pids  # known processes of the ranks (a shrink's): their death ends the rendezvous
         self._layout = layout
         self._job = job
         self._secret = secret & 0x7FFFFFFFFFFFFFFF
@@ -140,6 +141,11 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         if not closed_too:
             return dead
         return dead | {r for r, seg in enumerate(self._segs) if r != self.rank and seg.q[Q_CLOSED]}
+
+    def reopen_options(self, survivors: list[int]) -> dict[str, Any]:
+        """Options for opening the survivors' transport: their processes, so
+        that one that dies before it joins ends the rendezvous at once."""
+        return {"rank_pids": [int(self._segs[r].q[Q_PID]) for r in survivors]}
 
     def agree(self, number: int, failed: set[int], flag: bool, deadline: float) -> tuple[set[int], bool]:
         """Agreement ``number`` among the survivors (see :mod:`.agreement`):
