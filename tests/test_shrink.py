@@ -148,3 +148,14 @@ def test_the_launcher_lets_survivors_carry_on_and_reports_the_failure(tmp_path):
     assert done == [["0", "3"], ["2", "3"], ["3", "3"]], proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert "rank 1 was killed by SIGKILL" in proc.stderr and "1 of 4 ranks failed" in proc.stderr, proc.stderr
+
+
+def test_the_elastic_numpy_example_finishes_on_the_survivors():
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "elastic_numpy.py")
+    proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "3", "--on-failure", "continue",
+                           example, "--steps", "60", "--kill-rank", "1", "--kill-step", "20"],
+                          capture_output=True, text=True, timeout=120)
+    finals = [line for line in proc.stdout.splitlines() if "final loss" in line]
+    assert len(finals) == 2 and all("of 2" in line and "epoch 1" in line for line in finals), proc.stdout
+    losses = {line.rsplit(" ", 1)[1] for line in finals}
+    assert len(losses) == 1 and float(losses.pop()) < 1e-3, finals  # the same model on both survivors
