@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice"),
     "model": ("collectives.cost_models.training_cli", "training-time what-if for P nodes"),
     "trace": ("collectives.trace_cli", "analyze flight records (who is at fault), merge timelines"),
+    "settings": ("collectives.config", "every COLLECTIVES_* environment variable, its type, default and meaning"),
 }
 
 

@@ -20,6 +20,8 @@ import os
 import socket
 import sys
 
+from . import config
+
 __all__ = ["configure", "TRACE", "init_summary", "SUBSYSTEMS"]
 
 #: Below DEBUG: every call.
@@ -52,19 +54,20 @@ def configure(rank: int | None = None) -> None:
     """Set up the ``collectives`` loggers from the environment (once per rank;
     nothing when ``COLLECTIVES_DEBUG`` is unset)."""
     global _configured
-    level_name = os.environ.get("COLLECTIVES_DEBUG", "").upper()
+    level_name = (config.get("DEBUG") or "").upper()
     if not level_name:
         return
-    rank = rank if rank is not None else int(os.environ.get("COLLECTIVES_RANK", os.environ.get("RANK", "0")) or 0)
-    key = (level_name, rank, os.environ.get("COLLECTIVES_DEBUG_SUBSYS"), os.environ.get("COLLECTIVES_DEBUG_FILE"))
+    if rank is None:
+        rank = config.get("RANK") or int(os.environ.get("RANK", "0") or 0)
+    key = (level_name, rank, config.get("DEBUG_SUBSYS"), config.get("DEBUG_FILE"))
     if _configured == key:
         return
     _configured = key
     level = _LEVELS.get(level_name, logging.INFO)
-    subsys = [s.strip() for s in (os.environ.get("COLLECTIVES_DEBUG_SUBSYS") or "").split(",") if s.strip()]
+    subsys = [s.strip() for s in (config.get("DEBUG_SUBSYS") or "").split(",") if s.strip()]
     keep = {s for s in subsys if not s.startswith("^")} or None
     drop = {s[1:] for s in subsys if s.startswith("^")}
-    target = os.environ.get("COLLECTIVES_DEBUG_FILE")
+    target = config.get("DEBUG_FILE")
     if target:
         path = target.replace("%h", socket.gethostname()).replace("%p", str(os.getpid())).replace("%r", str(rank))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import debug_log
+from . import config, debug_log
 from .communicator import Communicator, live_communicators
 from .errors import BadArgument, TransportUnavailable
 from .registry import transport_class
@@ -152,6 +152,7 @@ def init(rank: int | None = None, size: int | None = None, *, transport: str = "
     info = detect_launch()
     rank = info.rank if rank is None else int(rank)
     debug_log.configure(rank)
+    config.log_settings(logging.getLogger("collectives.init"))
     size = info.size if size is None else int(size)
     if size < 1 or not 0 <= rank < size:
         raise BadArgument(f"rank {rank} is not in a world of {size} ranks")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import signature
+from . import config, signature
 
 __all__ = ["FlightRecorder", "capacity", "debug_dir", "install_dump_on_signal", "STATES"]
 
@@ -39,16 +39,12 @@ _MAX_FAILURES = 64
 
 def capacity() -> int:
     """Calls each rank keeps (``COLLECTIVES_FLIGHT_RECORDER``; 0: off)."""
-    value = os.environ.get("COLLECTIVES_FLIGHT_RECORDER", "2000")
-    try:
-        return max(0, int(value))
-    except ValueError:
-        return 2000
+    return max(0, config.get("FLIGHT_RECORDER"))
 
 
 def debug_dir() -> str:
     """Where dumps go (``COLLECTIVES_DEBUG_DIR``, else under the user's cache)."""
-    where = os.environ.get("COLLECTIVES_DEBUG_DIR")
+    where = config.get("DEBUG_DIR")
     if where:
         return where
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -122,7 +122,10 @@ def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock
 def rank_cpus(nprocs: int, bind: str | None = None) -> list[set[int]] | None:
     """The cores each of ``nprocs`` ranks is bound to, or None (unbound); see
     the module docstring for ``bind`` (default: ``COLLECTIVES_BIND`` or auto)."""
-    bind = bind or os.environ.get("COLLECTIVES_BIND", "auto")
+    if bind is None:
+        from collectives import config  # here: the watchdog runs this file with the standard library only
+
+        bind = config.get("BIND")
     if bind not in BIND_CHOICES:
         raise ValueError(f"bind must be one of {', '.join(BIND_CHOICES)}, got {bind!r}")
     try:

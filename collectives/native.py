@@ -32,7 +32,9 @@ built = native is not None
 def enabled() -> Any:
     """The extension module, or None when it is not built or is turned off
     (``COLLECTIVES_NATIVE=0``)."""
-    return native if os.environ.get("COLLECTIVES_NATIVE", "1") != "0" else None
+    from . import config
+
+    return native if native is not None and config.get("NATIVE") else None
 
 if native is not None:
     _DTYPES = {np.dtype(t): getattr(native, "DT_" + c) for t, c in (

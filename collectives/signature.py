@@ -77,9 +77,9 @@ def checks_enabled() -> bool:
     """Whether calls carry and check signatures: ``COLLECTIVES_SIGNATURE_CHECKS=0``
     turns them off, for measuring what they cost (never for real work:
     mismatched calls then go unnoticed)."""
-    import os
+    from . import config
 
-    return os.environ.get("COLLECTIVES_SIGNATURE_CHECKS", "1") != "0"
+    return bool(config.get("SIGNATURE_CHECKS"))
 
 
 def dtype_code(dtype: np.dtype | None) -> int:

@@ -33,7 +33,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
-from . import signature
+from . import config, signature
 
 __all__ = ["Tracer", "trace_dir", "phase", "merge", "arrival_skew", "active"]
 
@@ -43,7 +43,7 @@ _current = threading.local()
 
 def trace_dir() -> str | None:
     """Where timelines go (``COLLECTIVES_TRACE``), or None when tracing is off."""
-    return os.environ.get("COLLECTIVES_TRACE") or None
+    return config.get("TRACE") or None
 
 
 def active() -> "Tracer | None":

@@ -73,6 +73,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from collectives import config
 from .model import Params
 from .timing import slowest_best, slowest_best_each
 
@@ -102,7 +103,7 @@ def _cache_dir() -> Path:
 
 def profile_path(transport: str, host: str | None = None) -> Path:
     """Where the profile of ``transport`` on ``host`` (default: this host) lives."""
-    override = os.environ.get("COLLECTIVES_PROFILE")
+    override = config.get("PROFILE")
     if override and override.endswith(".json"):
         return Path(override)
     folder = Path(override) if override else _cache_dir()

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from collectives import config
 from ..errors import BadArgument, TransportUnavailable
 
 __all__ = ["CudaError", "CudaRuntime", "runtime", "probe", "device_pointer", "DevicePointer",
@@ -91,7 +92,7 @@ class CudaError(RuntimeError):
 
 def _candidates() -> list[str]:
     """Places libcudart may be, in the order they are tried."""
-    found = [os.environ.get("COLLECTIVES_CUDART", "")]
+    found = [config.get("CUDART") or ""]
     found.append(ctypes.util.find_library("cudart") or "")
     homes = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
     homes += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)

@@ -17,6 +17,7 @@ import os
 import threading
 from typing import Any
 
+from collectives import config
 from ..errors import TransportUnavailable
 
 __all__ = ["CDEF", "LAYOUT_CHECKS", "Verbs", "load", "probe", "VerbsError"]
@@ -236,7 +237,7 @@ def load() -> Any:
     f = ffi()
     with _lock:
         if _lib is None:
-            name = os.environ.get("COLLECTIVES_IBVERBS") or ctypes.util.find_library("ibverbs")
+            name = config.get("IBVERBS") or ctypes.util.find_library("ibverbs")
             if not name:
                 raise TransportUnavailable(
                     "libibverbs is not installed (Debian/Ubuntu: apt-get install rdma-core "
@@ -315,7 +316,7 @@ class Verbs:
         self.port_attr = self.ffi.new("struct ibv_port_attr *")
         self._check(self.lib.ibv_query_port(self.ctx, self.port, self.port_attr), "ibv_query_port")
         self.gid = self.ffi.new("union ibv_gid *")
-        self.gid_index = int(os.environ.get("COLLECTIVES_IB_GID_INDEX", "0"))
+        self.gid_index = config.get("IB_GID_INDEX")
         self._check(self.lib.ibv_query_gid(self.ctx, self.port, self.gid_index, self.gid), "ibv_query_gid")
         self.pd = self._nonnull(self.lib.ibv_alloc_pd(self.ctx), "ibv_alloc_pd")
         self.cq = self._nonnull(self.lib.ibv_create_cq(self.ctx, cq_entries, self.ffi.NULL, self.ffi.NULL, 0),

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from collectives import native
+from collectives import config
 from collectives.errors import BadArgument, CollectiveTimeout, PeerLost
 from collectives.waiting import Backoff
 
@@ -71,13 +72,15 @@ def affinity() -> set[int]:
 
 
 def _env_int(options: dict[str, Any], key: str, default: int) -> int:
+    """``options[key]``, else the setting ``COLLECTIVES_<KEY>`` (:mod:`collectives.config`), else ``default``."""
     value = options.get(key)
     if value is None:
-        value = os.environ.get("COLLECTIVES_" + key.upper())
+        value = config.get(key.upper())
+        return default if value is None else int(value)
     try:
-        return int(value) if value not in (None, "") else default
-    except ValueError:
-        raise BadArgument(f"{key} must be an integer number of bytes, got {value!r}") from None
+        return int(value)
+    except (TypeError, ValueError):
+        raise BadArgument(f"{key} must be an integer, got {value!r}") from None
 
 
 class Settings(NamedTuple):

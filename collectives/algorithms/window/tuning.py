@@ -7,6 +7,8 @@ the cost models (:mod:`collectives.cost_models.window`) use the same rules.
 
 from __future__ import annotations
 
+from ... import config
+
 import os
 
 __all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "NATIVE_REDUCE_BYTES", "DIRECT_FROM",
@@ -46,9 +48,9 @@ def direct_from(collective: str, p: int, cores: int) -> int:
     a core each) reads peers' buffers directly (see :data:`DIRECT_FROM`);
     ``COLLECTIVES_WINDOW_DIRECT_BYTES``, when set, replaces it for every
     collective (all ranks must agree)."""
-    forced = os.environ.get("COLLECTIVES_WINDOW_DIRECT_BYTES")
-    if forced:
-        return int(forced)
+    forced = config.get("WINDOW_DIRECT_BYTES")
+    if forced is not None:
+        return forced
     nbytes, power, _ = DIRECT_FROM[collective]
     per_core = -(-p // cores) if cores else 1
     return nbytes * per_core ** power if power >= 0 else nbytes // per_core ** -power
@@ -57,4 +59,4 @@ def direct_from(collective: str, p: int, cores: int) -> int:
 def wants_huge_pages(collective: str) -> bool:
     """Whether ``collective`` reads private buffers directly only when they lie
     in huge pages (not when ``COLLECTIVES_WINDOW_DIRECT_BYTES`` forces the size)."""
-    return DIRECT_FROM[collective][2] and not os.environ.get("COLLECTIVES_WINDOW_DIRECT_BYTES")
+    return DIRECT_FROM[collective][2] and not config.is_set("WINDOW_DIRECT_BYTES")

@@ -1,0 +1,220 @@
+"""Every ``COLLECTIVES_*`` environment variable, declared once.
+
+Each setting is declared here with its name, type, default and one line of
+documentation (as NCCL's ``NCCL_PARAM(Name, "ENV", default)`` declares its
+knobs), read through one typed accessor (:func:`get`), whose error names
+the variable, and listed in ``docs/environment.md``, which
+``collectives settings --write-docs`` generates from these declarations (a test checks the file is current). :func:`log_settings`
+logs, at debug level, the ones that are set.
+
+Launcher-set variables (rank, size, job, secret, ...) are read by
+:mod:`collectives.environment` and the launcher; they are declared here too,
+so that every name the library reads has one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["Setting", "SETTINGS", "get", "is_set", "log_settings", "markdown"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable.
+
+    Attributes:
+        name: without the ``COLLECTIVES_`` prefix.
+        kind: ``bool``, ``int``, ``float``, ``str`` or ``bytes`` (an integer
+            number of bytes; ``K``, ``M``, ``G`` suffixes allowed).
+        default: the value when unset (None: no default, "unset").
+        doc: one line.
+        group: where the docs list it.
+        choices: the values a ``str`` may take (None: any).
+    """
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    group: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def variable(self) -> str:
+        return "COLLECTIVES_" + self.name
+
+
+def _settings() -> dict[str, Setting]:
+    s = [
+        # launching (set by `collectives run`; read by collectives.init)
+        Setting("RANK", "int", None, "this process's rank (set by the launcher)", "launch"),
+        Setting("SIZE", "int", None, "the number of ranks (set by the launcher)", "launch"),
+        Setting("JOB", "str", None, "an id shared by the ranks of one job (set by the launcher)", "launch"),
+        Setting("SECRET", "str", None, "the job's secret: every connection proves it knows it (set by the launcher)",
+                "launch"),
+        Setting("LOCAL", "bool", True, "every rank runs on this host (set by the launcher)", "launch"),
+        Setting("TRANSPORT", "str", "auto", "the transport: auto, shm, zmq, mpi, rdma, sim", "launch"),
+        Setting("BIND", "str", "auto", "bind ranks to cores: auto (when they outnumber the cores), core, none",
+                "launch", ("auto", "core", "none")),
+        Setting("SOCKET_IFNAME", "str", None, "the network interface TCP listens on", "launch"),
+        # shared memory
+        Setting("SHM_RING_BYTES", "bytes", None, "bytes of each sender's ring (default 1 MiB up to 4 ranks, "
+                "less above, never below 64 KiB); all ranks must agree", "shm"),
+        Setting("SHM_WINDOW_BYTES", "bytes", None, "bytes of data in each rank's shared window (default 4 MiB, "
+                "less when /dev/shm is small); all ranks must agree", "shm"),
+        Setting("SHM_ALLOC_BYTES", "bytes", 1 << 30, "address space of each rank's shared allocation pool "
+                "(sparse: pages cost memory only once touched)", "shm"),
+        Setting("SHM_CMA", "bool", True, "read and write peers' private memory directly (cross-memory attach) "
+                "where permitted", "shm"),
+        Setting("SHM_ADOPT", "bool", True, "move buffers used again and again into the shared pool in place", "shm"),
+        Setting("WINDOW_DIRECT_BYTES", "bytes", None, "read peers' buffers directly from this size on, for every "
+                "collective (default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
+        Setting("NATIVE", "bool", True, "use the C fast path when it is built", "shm"),
+        # TCP
+        Setting("ZMQ_LANES", "bool", True, "carry the data of TCP jobs on direct lanes (not over ZeroMQ)", "tcp"),
+        Setting("ZMQ_REUSE_BUFFERS", "bool", True, "let glibc reuse libzmq's receive buffers", "tcp"),
+        # RDMA and GPUs
+        Setting("IBVERBS", "str", None, "the path of libibverbs to load", "rdma"),
+        Setting("IB_GID_INDEX", "int", 0, "the GID index of RDMA over Ethernet", "rdma"),
+        Setting("CUDART", "str", None, "the path of libcudart to load", "gpu"),
+        # algorithms
+        Setting("PROFILE", "str", None, "the calibration profile (a path) the cost-model selector uses",
+                "algorithms"),
+        # trust and observability
+        Setting("SIGNATURE_CHECKS", "bool", True, "check every call's signature: turn off only to measure "
+                "what the checks cost (mismatched calls then go unnoticed)", "observability"),
+        Setting("FLIGHT_RECORDER", "int", 2000, "calls each rank keeps in its flight recorder (0: off)",
+                "observability"),
+        Setting("DEBUG_DIR", "str", None, "where flight records are written (default "
+                "$XDG_CACHE_HOME/collectives/flight or ~/.cache/collectives/flight)", "observability"),
+        Setting("TRACE", "str", None, "a directory: every rank writes its timeline there (Chrome trace JSON)",
+                "observability"),
+        Setting("DEBUG", "str", None, "the debug log's level: WARN, INFO or TRACE", "observability",
+                ("WARN", "WARNING", "INFO", "DEBUG", "TRACE", "ERROR")),
+        Setting("DEBUG_SUBSYS", "str", None, "the debug log's subsystems, e.g. init,shm,tcp,select (^x drops x)",
+                "observability"),
+        Setting("DEBUG_FILE", "str", None, "the debug log's file (%h host, %p pid, %r rank), default stderr",
+                "observability"),
+        # the test suite and benches
+        Setting("SUITE_TIMEOUT", "float", None, "seconds per test of torch's suite (python -m "
+                "collectives.bench.torch_suite)", "benches"),
+        Setting("SUITE_BACKEND", "str", None, "set by the torch suite's driver for its ranks", "benches"),
+        Setting("SUITE_SPAWN_ALL", "bool", False, "set by the torch suite's driver for its ranks", "benches"),
+        Setting("SUITE_PROFILE_CHECKS", "bool", True, "set by the torch suite's driver for its ranks", "benches"),
+    ]
+    return {x.name: x for x in s}
+
+
+SETTINGS: dict[str, Setting] = _settings()
+
+_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _parse(setting: Setting, raw: str) -> Any:
+    kind = setting.kind
+    if kind == "bool":
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError("expected 1/0, true/false, yes/no or on/off")
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    if kind == "bytes":
+        text = raw.strip().upper().removesuffix("B").removesuffix("I")
+        mult = _SUFFIX.get(text[-1:], 1)
+        return int(float(text[:-1] if mult > 1 else text) * mult)
+    if setting.choices is not None and raw.upper() not in setting.choices and raw not in setting.choices:
+        raise ValueError(f"expected one of {', '.join(setting.choices)}")
+    return raw
+
+
+def get(name: str, default: Any = None, env: dict[str, str] | None = None) -> Any:
+    """The value of ``COLLECTIVES_<name>`` as its declared type, its default
+    when unset (or ``default`` where given).
+
+    Raises:
+        KeyError: ``name`` is not declared (a bug in the caller).
+        BadArgument: the value is not of the declared type (naming the variable).
+    """
+    setting = SETTINGS[name]
+    raw = (os.environ if env is None else env).get(setting.variable)
+    if raw is None or (raw == "" and setting.kind not in ("str", "bool")):
+        return setting.default if default is None else default
+    try:
+        return _parse(setting, raw)
+    except ValueError as exc:
+        from .errors import BadArgument
+
+        raise BadArgument(f"{setting.variable}={raw!r}: {exc} (a {setting.kind} setting: {setting.doc})") from None
+
+
+def is_set(name: str) -> bool:
+    """Whether ``COLLECTIVES_<name>`` is set (to anything but an empty string)."""
+    return bool(os.environ.get(SETTINGS[name].variable))
+
+
+def log_settings(log: logging.Logger) -> None:
+    """Log, at debug level, every declared variable that is set, and any
+    ``COLLECTIVES_*`` variable that is not declared (a typo?)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    for key, value in sorted(os.environ.items()):
+        if key.startswith("COLLECTIVES_"):
+            name = key[len("COLLECTIVES_"):]
+            shown = "(set)" if name == "SECRET" else value
+            if name in SETTINGS:
+                log.debug("setting %s=%s", key, shown)
+            else:
+                log.debug("setting %s=%s is not a setting of this library (a typo?)", key, shown)
+
+
+_GROUPS = {"launch": "Launching", "shm": "Shared memory", "tcp": "TCP", "rdma": "RDMA", "gpu": "GPUs",
+           "algorithms": "Algorithms", "observability": "Trust and observability", "benches": "Benches"}
+
+
+def markdown() -> str:
+    """docs/environment.md, from the declarations."""
+    lines = ["# Environment variables", "",
+             "Every setting the library reads from the environment, generated from "
+             "`collectives/config.py` (`collectives settings --write-docs`). Booleans take "
+             "1/0, true/false, yes/no or on/off; byte counts take K, M and G suffixes.", ""]
+    for group, title in _GROUPS.items():
+        members = [s for s in SETTINGS.values() if s.group == group]
+        if not members:
+            continue
+        lines += [f"## {title}", "", "| variable | type | default | what |", "|---|---|---|---|"]
+        for s in members:
+            default = "unset" if s.default is None else (
+                str(int(s.default)) if s.kind == "bool" else str(s.default))
+            lines.append(f"| `{s.variable}` | {s.kind} | {default} | {s.doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``collectives settings [--write-docs]``: print the settings (or write docs/environment.md)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "environment.md")
+    if argv[:1] == ["--write-docs"]:
+        with open(path, "w") as f:
+            f.write(markdown())
+        print(f"wrote {path}")
+        return 0
+    print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
