@@ -765,6 +765,12 @@ class Communicator:
         return self._call(self._plan(self._planner.reduce_scatter, sendbuf, recvbuf, op, algorithm, counts),
                           timeout)
 
+    def ireduce_scatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], op: Any = "sum", *,
+                         algorithm: str = "auto", timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`reduce_scatterv`."""
+        return self._post(self._plan(self._planner.reduce_scatter, sendbuf, recvbuf, op, algorithm, counts),
+                          timeout)
+
     def alltoall(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
                  timeout: float | None = None) -> Any:
         """Block j of rank i's ``sendbuf`` becomes block i of rank j's ``recvbuf``.

@@ -27,7 +27,9 @@ __all__ = ["configure", "TRACE", "init_summary", "SUBSYSTEMS"]
 #: Below DEBUG: every call.
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
-SUBSYSTEMS = ("init", "shm", "tcp", "mpi", "select", "call", "torch")
+SUBSYSTEMS = ("init", "select", "call", "shm", "tcp", "mpi", "torch")
+#: Subsystem names users type, by the logger each one is (``collectives.<logger>``).
+_LOGGERS = {"tcp": "zmq"}
 _LEVELS = {"WARN": logging.WARNING, "WARNING": logging.WARNING, "INFO": logging.INFO, "DEBUG": logging.DEBUG,
            "TRACE": TRACE, "ERROR": logging.ERROR}
 _configured: tuple | None = None
@@ -65,8 +67,8 @@ def configure(rank: int | None = None) -> None:
     _configured = key
     level = _LEVELS.get(level_name, logging.INFO)
     subsys = [s.strip() for s in (config.get("DEBUG_SUBSYS") or "").split(",") if s.strip()]
-    keep = {s for s in subsys if not s.startswith("^")} or None
-    drop = {s[1:] for s in subsys if s.startswith("^")}
+    keep = {_LOGGERS.get(s, s) for s in subsys if not s.startswith("^")} or None
+    drop = {_LOGGERS.get(s[1:], s[1:]) for s in subsys if s.startswith("^")}
     target = config.get("DEBUG_FILE")
     if target:
         path = target.replace("%h", socket.gethostname()).replace("%p", str(os.getpid())).replace("%r", str(rank))

@@ -73,11 +73,13 @@ def detect_launch(env: dict[str, str] | None = None) -> LaunchInfo:
         local = _int(env, "LOCAL_WORLD_SIZE")
         job = _job_from(env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""),
                         env.get("TORCHELASTIC_RUN_ID", ""))
-        return LaunchInfo(_int(env, "RANK"), size, "torchrun", job, local == size, opts)
+        return LaunchInfo(_int(env, "RANK"), size, "torchrun", job, local == size, opts,
+                          env.get("COLLECTIVES_TRANSPORT") or None)
     for rk, sk in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
         if _int(env, rk) is not None:
-            return LaunchInfo(_int(env, rk), _int(env, sk) or 1, "mpiexec", "mpi", False, opts)
-    return LaunchInfo(0, 1, "none", f"single-{os.getpid()}", True, opts)
+            return LaunchInfo(_int(env, rk), _int(env, sk) or 1, "mpiexec", "mpi", False, opts,
+                              env.get("COLLECTIVES_TRANSPORT") or None)
+    return LaunchInfo(0, 1, "none", f"single-{os.getpid()}", True, opts, env.get("COLLECTIVES_TRANSPORT") or None)
 
 
 def _choose_transport(info: LaunchInfo) -> str:
@@ -172,6 +174,7 @@ def init(rank: int | None = None, size: int | None = None, *, transport: str = "
     init_log = logging.getLogger("collectives.init")
     if init_log.isEnabledFor(logging.INFO):
         selector = comm.selector
-        profile = getattr(selector, "profile_source", None) or getattr(getattr(selector, "profile", None), "source", None)
+        params = getattr(selector, "params", None)  # a cost-model selector's calibration profile
+        profile = getattr(params, "source", None)
         init_log.info("%s", debug_log.init_summary(comm, info.launcher, profile))
     return comm

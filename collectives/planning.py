@@ -174,10 +174,6 @@ class Planner:
              count: int, counts: Sequence[int] | None = None) -> Sig:
         return signature.make(collective, algo.name, op, root, dtype, count, counts)
 
-    @staticmethod
-    def _op_name(op: Any) -> str:
-        return op if isinstance(op, str) else get_op(op).name
-
     def _refused(self, collective: str, algo: Algorithm, sig: Sig, result: Any, reason: str,
                  root: int | None = None) -> Plan:
         return Plan(collective, algo, None, result, signature.refused(sig), root=root, refusal=reason)
@@ -201,7 +197,7 @@ class Planner:
             arr, why = self.flat(buf, writable=False, what="buf"), None
         o = self.op(op, arr.dtype)
         algo = self.pick("reduce", algorithm, arr.nbytes, arr.dtype)
-        sig = self._sig("reduce", algo, self._op_name(op), root, arr.dtype, arr.size)
+        sig = self._sig("reduce", algo, o.name, root, arr.dtype, arr.size)
         if why is not None:
             return self._refused("reduce", algo, sig, buf, f"on the root: {why}", root)
         fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" and self.rank == root else None
@@ -216,7 +212,7 @@ class Planner:
             arr, why = self.written(out, "out")
         o = self.op(op, src.dtype)
         algo = self.pick("allreduce", algorithm, src.nbytes, src.dtype)
-        sig = self._sig("allreduce", algo, self._op_name(op), None, src.dtype, src.size)
+        sig = self._sig("allreduce", algo, o.name, None, src.dtype, src.size)
         result = buf if out is None else out
         if out is not None and (arr.shape != src.shape or arr.dtype != src.dtype):
             return self._refused("allreduce", algo, sig, result,
@@ -319,7 +315,7 @@ class Planner:
             counts = [send.size // self.size] * self.size
         counts, _ = self.counts(counts)
         algo = self.pick("reduce_scatter", algorithm, sum(counts) * send.itemsize, send.dtype)
-        sig = self._sig("reduce_scatter", algo, self._op_name(op), None, send.dtype, sum(counts),
+        sig = self._sig("reduce_scatter", algo, o.name, None, send.dtype, sum(counts),
                         _even(counts) if v else None)
         if recv.dtype != send.dtype:
             return self._refused("reduce_scatter", algo, sig, recvbuf,

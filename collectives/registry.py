@@ -82,6 +82,12 @@ def register(collective: str, name: str, needs: tuple[str, ...] = (),
         raise ValueError(f"unknown collective {collective!r}")
 
     def deco(func: Callable) -> Callable:
+        from .signature import algorithm_code
+
+        clash = [n for n in _ALGORITHMS[collective] if n != name and algorithm_code(n) == algorithm_code(name)]
+        if clash:  # signatures carry an 8-bit code of the name: two names must not share one
+            raise ValueError(f"{collective} algorithm {name!r} has the signature code of {clash[0]!r}; "
+                             "choose another name")
         doc = description or (func.__doc__ or "").strip().split("\n")[0]
         _ALGORITHMS[collective][name] = Algorithm(collective, name, func, frozenset(needs), doc,
                                                    prepare)

@@ -92,14 +92,21 @@ def _disagreement(seq: int, present: dict, calls: dict, lines: list[str]) -> dic
     groups: dict[tuple, list[int]] = {}
     for r, rec in present.items():
         groups.setdefault(_key(rec), []).append(r)
+    sizes = sorted(len(g) for g in groups.values())
     odd = min(groups.values(), key=len)
-    culprit = odd[0] if len(odd) == 1 else None
-    majority = max(groups.values(), key=len)
+    # the culprit: the one rank against all the others (no one when the split is even, as 1 against 1)
+    culprit = odd[0] if len(odd) == 1 and (len(sizes) == 1 or sizes[1] > 1) else None
+    majority = max(groups.values(), key=len) if culprit is not None else next(g for g in groups.values()
+                                                                                if g is not odd)
     ref = present[majority[0]]
     lines.append(f"call #{seq}: the ranks made different calls")
     for key, ranks in groups.items():
         lines.append(f"  ranks {ranks}: {_what(present[ranks[0]])}")
     kind = "mismatch"
+    if culprit is None:
+        a, b = present[odd[0]], ref
+        diffs = [k for k in _FIELDS if a.get(k) != b.get(k)]
+        lines.append(f"no single rank differs from the others; they differ in {', '.join(diffs)}")
     if culprit is not None:
         mine = calls[culprit]
         theirs = calls[majority[0]]

@@ -83,6 +83,8 @@ a rank ends early, measured on one host:
 
 from __future__ import annotations
 
+import logging
+
 import collections
 import struct
 import time

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import platform
 import sys
 from typing import Any, NamedTuple
 
@@ -51,6 +52,9 @@ def available() -> tuple[bool, str]:
         return False, "shared-memory transport needs Linux (/dev/shm)"
     if not os.access(SHM_DIR, os.W_OK):
         return False, f"{SHM_DIR} is not writable"
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False, (f"the shared-memory transport relies on x86's store order, and this is "
+                       f"{platform.machine()}: use zmq or mpi")
     return True, ""
 
 

@@ -12,6 +12,7 @@ window (:mod:`.window`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -35,6 +36,8 @@ from .waking import Waking, spin_seconds
 from .window import ShmWindow
 
 __all__ = ["SharedMemoryTransport"]
+
+log = logging.getLogger("collectives.shm")
 
 
 class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, SegmentSetup, Transport):
@@ -118,6 +121,9 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._setup_rings()
         self._pool = Pool(layout.pool)
         self._window = ShmWindow(self, adopt)
+        log.info("rank %d: shared memory of job %s up: %d ranks on %d cores, rings of %d B, a window of %d B, "
+                 "cross-memory attach %s, native plans %s", rank, job, size, self.cores, layout.ring, layout.window,
+                 "on" if self.cma else "off", "on" if "native_plans" in self._window.features else "off")
 
     def begin_call(self, seq: int, sig: signature.Sig, refusal: str | None = None) -> None:
         """Publish this rank's record of call ``seq`` (peers check it before
