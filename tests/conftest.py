@@ -1,30 +1,55 @@
-"""Test-suite wide checks: nothing is left in /dev/shm by the library."""
+"""Test-suite wide checks: the library leaves nothing in /dev/shm.
+
+Only this library's segments count (``coll-<job>-<rank>``, see
+``collectives.transports.shm.layout``), only those that appeared during this
+run, and only those whose creator has exited: another job running beside
+this suite (another suite, a benchmark) keeps its live segments to itself.
+"""
 
 from __future__ import annotations
 
 import os
+import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 SHM = "/dev/shm"
+PREFIX = "coll-"
+_PID_WORD = 1  # the creator's process id: word 1 of a segment's control page
 
 
-def _shm_entries() -> set[str]:
+def _ours() -> set[str]:
     try:
-        # MPICH's own segments (mpich_shm_*) are left by any aborted mpiexec
-        # job, ours or not; the check is about this library's segments.
-        return {n for n in os.listdir(SHM) if not n.startswith(("sem.", "mpich_shm_"))}
+        return {n for n in os.listdir(SHM) if n.startswith(PREFIX)}
     except FileNotFoundError:
         return set()
 
 
+def _creator_alive(name: str) -> bool:
+    try:
+        with open(os.path.join(SHM, name), "rb") as f:
+            f.seek(8 * _PID_WORD)
+            (pid,) = struct.unpack("<q", f.read(8))
+    except (OSError, struct.error):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def pytest_sessionstart(session):
-    session.config._shm_before = _shm_entries()
+    session.config._shm_before = _ours()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    left = sorted(_shm_entries() - session.config._shm_before)
+    left = sorted(n for n in _ours() - session.config._shm_before if not _creator_alive(n))
     if left:
-        sys.stderr.write(f"\nERROR: the test suite left files in {SHM}: {left[:10]}\n")
+        sys.stderr.write(f"\nERROR: the test suite left segments in {SHM}: {left[:10]}\n")
         session.exitstatus = 1

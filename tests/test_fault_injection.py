@@ -9,6 +9,7 @@ TCP and MPI transports have their own fault tests.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
@@ -340,15 +341,16 @@ def test_a_rank_that_leaves_between_calls_is_named(how):
         assert elapsed < (0.5 if how == "abort" else 3.0), f"rank {o.rank}: {elapsed:.2f} s"
 
 
-def abort_reaches_waiting_peers(comm):
+def abort_reaches_waiting_peers(comm, waiting):
     """Rank 0 waits in a call; rank 1 aborts: rank 0 raises within 100 ms of it."""
     x = np.ones(8, np.float32)
     comm.allreduce(x)
     if comm.rank == 1:
-        time.sleep(0.3)  # rank 0 is waiting by now (it is only timed from the abort)
+        assert waiting.wait(30)  # rank 0 is entering its call (it is timed from the abort either way)
         at = time.time()
         comm.abort("the application gave up")
         return at
+    waiting.set()
     try:
         comm.allreduce(x)
     except CollectiveError as exc:
@@ -357,7 +359,8 @@ def abort_reaches_waiting_peers(comm):
 
 
 def test_abort_reaches_a_waiting_peer_within_100_ms():
-    (seen, kind, message), aborted_at = run_ranks(abort_reaches_waiting_peers, 2, timeout=60)
+    waiting = multiprocessing.get_context("fork").Event()
+    (seen, kind, message), aborted_at = run_ranks(abort_reaches_waiting_peers, 2, waiting, timeout=60)
     assert kind == "PeerLost" and "the application gave up" in message and "rank 1" in message
     assert seen - aborted_at < 0.1, f"{(seen - aborted_at) * 1000:.0f} ms"
 

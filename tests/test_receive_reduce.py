@@ -8,7 +8,7 @@ and many segments, in place and out of place, several dtypes and ops.
 
 from __future__ import annotations
 
-import time
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -28,14 +28,15 @@ def _mine(n: int, dtype: str, k: int) -> np.ndarray:
     return ((np.arange(n) * 5 + 2 * k) % 13).astype(dtype)
 
 
-def exchange_and_reduce(comm, early: bool) -> int:
+def exchange_and_reduce(comm, early: bool, sent) -> int:
     t = comm.transport
     if comm.rank == 0:
-        for k, (n, dtype, _) in enumerate(CASES):
-            t.isend(_sent(n, dtype, k), 1, 100 + k).wait(30)
+        reqs = [t.isend(_sent(n, dtype, k), 1, 100 + k) for k, (n, dtype, _) in enumerate(CASES)]
+        sent.set()  # every message is on its way (what fits has arrived) before any receive is posted
+        t.waitall(reqs, 30)
         return 0
     if early:
-        time.sleep(0.5)  # every message has arrived before its receive is posted
+        assert sent.wait(30)
     checked = 0
     for k, (n, dtype, opname) in enumerate(CASES):
         op = get_op(opname)
@@ -52,7 +53,8 @@ def exchange_and_reduce(comm, early: bool) -> int:
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
 @pytest.mark.parametrize("early", [False, True])
 def test_receive_and_reduce(transport, early):
-    assert run_ranks(exchange_and_reduce, 2, early, transport=transport, timeout=120)[1] == len(CASES)
+    sent = multiprocessing.get_context("fork").Event()
+    assert run_ranks(exchange_and_reduce, 2, early, sent, transport=transport, timeout=120)[1] == len(CASES)
 
 
 def many_small_messages(comm, rounds: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import multiprocessing
 import os
 import secrets
 import signal
@@ -39,7 +40,7 @@ def test_large_messages_both_ways_do_not_deadlock():
     assert run_ranks(bidirectional_large, 2, timeout=60) == [True, True]
 
 
-def many_tags_out_of_order(comm):
+def many_tags_out_of_order(comm, sent):
     # point-to-point tags (even): any number may be in flight at once, unlike
     # a collective call's (odd), of which a rank runs one at a time
     t = comm.transport
@@ -48,9 +49,10 @@ def many_tags_out_of_order(comm):
         reqs = [t.isend(_pattern(n, tag), 1, 2 * tag) for tag, n in enumerate(sizes)]
         # three messages with one tag must arrive in the order sent
         reqs += [t.isend(np.full(3, i, np.int32), 1, 198) for i in range(3)]
+        sent.set()  # every message is on its way before any receive is posted
         t.waitall(reqs, 20)
         return True
-    time.sleep(0.2)  # let everything arrive unexpected first
+    assert sent.wait(20)
     bufs = {tag: np.zeros(n, np.uint8) for tag, n in enumerate(sizes)}
     reqs = [t.irecv(bufs[tag], 0, 2 * tag) for tag in reversed(range(len(sizes)))]
     fifo = [np.zeros(3, np.int32) for _ in range(3)]
@@ -61,7 +63,8 @@ def many_tags_out_of_order(comm):
 
 
 def test_many_tags_in_flight_out_of_order_and_fifo_per_tag():
-    assert run_ranks(many_tags_out_of_order, 2, timeout=60) == [True, True]
+    sent = multiprocessing.get_context("fork").Event()
+    assert run_ranks(many_tags_out_of_order, 2, sent, timeout=60) == [True, True]
 
 
 def ring_exchange(comm):
@@ -83,14 +86,15 @@ def test_zero_byte_small_and_self_messages(p):
     assert all(run_ranks(ring_exchange, p, timeout=60))
 
 
-def size_mismatch(comm, early: bool):
+def size_mismatch(comm, early: bool, sent):
     t = comm.transport
     if comm.rank == 0:
         t.isend(np.zeros(10, np.uint8), 1, 5).wait(10)
         t.isend(np.ones(4, np.uint8), 1, 6).wait(10)
+        sent.set()
         return "sent"
     if early:
-        time.sleep(0.1)
+        assert sent.wait(10)  # both messages are in the ring before the receive is posted
     try:
         t.irecv(np.zeros(12, np.uint8), 0, 5).wait(10)
     except MismatchedCollective:
@@ -102,7 +106,8 @@ def size_mismatch(comm, early: bool):
 
 @pytest.mark.parametrize("early", [False, True])
 def test_size_mismatch_raises(early):
-    assert run_ranks(size_mismatch, 2, early, timeout=60) == ["sent", "mismatch"]
+    sent = multiprocessing.get_context("fork").Event()
+    assert run_ranks(size_mismatch, 2, early, sent, timeout=60) == ["sent", "mismatch"]
 
 
 def killed_peer(comm):
