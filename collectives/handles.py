@@ -1,9 +1,9 @@
 """Handles of nonblocking operations and the lane that runs collectives in order.
 
 Every rank must run its collectives in the same order (as in MPI). A
-communicator's :class:`Lane` runs blocking calls inline when nothing is
-queued and otherwise hands them, like nonblocking calls, to one FIFO worker
-thread, so calls complete in the order they were made.
+communicator's :class:`CallQueue` runs blocking calls inline when nothing
+is queued and otherwise hands them, like nonblocking calls, to one FIFO
+worker thread, so calls complete in the order they were made.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable
 from .errors import CollectiveTimeout
 from .transport import Request
 
-__all__ = ["Handle", "RequestHandle", "Lane"]
+__all__ = ["Handle", "RequestHandle", "CallQueue"]
 
 
 class Handle:
@@ -95,7 +95,7 @@ class RequestHandle:
         return self._request.test()
 
 
-class Lane:
+class CallQueue:
     """Runs tasks one at a time, in submission order.
 
     A communicator is used from one thread at a time (like
