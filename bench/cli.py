@@ -237,6 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 when every result was right, 3 when one was wrong, 1 when our sweep failed.
     """
     ns = _parser().parse_args(argv)
+    if ns.plot:  # before the sweep, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("collectives bench: --plot needs matplotlib: pip install 'collectives[plot]'", file=sys.stderr)
+            return 2
     if ns.trace:
         os.environ["COLLECTIVES_TRACE"] = os.path.abspath(ns.trace)  # our ranks inherit it
     colls = _collectives(ns.collective)

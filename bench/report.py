@@ -23,12 +23,17 @@ from typing import Any, Sequence
 
 __all__ = ["merge_repeats", "table", "summary_table", "results_document", "load_schema", "validate", "baseline_table"]
 
-_HEAD = (f"{'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4} {'algorithm':>38} "
-         f"{'mode':>8} {'time(us)':>11} {'min':>10} {'max':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}")
+_HEAD = (f"{'size(B)':>11} {'algorithm':>26} {'mode':>8} {'time(us)':>10} {'min(us)':>9} {'max(us)':>9} "
+         f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}")
 
 
 def _key(row: dict[str, Any]) -> tuple:
     return (row["collective"], row["size"], row["mode"])
+
+
+def _short(algorithm: str) -> str:
+    """An algorithm's name in at most 26 characters (``auto:`` kept: it says what auto chose)."""
+    return algorithm if len(algorithm) <= 26 else algorithm[:25] + "~"
 
 
 def _base(algorithm: str) -> str:
@@ -44,11 +49,15 @@ def table(rows: Sequence[dict[str, Any]], peers: Sequence[str] = ()) -> str:
     out = []
     for coll in dict.fromkeys(r["collective"] for r in ours):
         extra = "".join(f" {peer + '(us)':>11} {'ratio':>6}" for peer in peers)
-        out += [f"# {coll}", "#" + _HEAD[1:] + extra]
+        first = next(r for r in ours if r["collective"] == coll)
+        what = f"dtype {first['dtype']}" + (f", op {first['op']}" if first["op"] not in ("", "-", "none", None)
+                                             and coll in ("allreduce", "reduce", "reduce_scatter") else "") \
+            + (f", root {first['root']}" if first["root"] not in (-1, None) else "")
+        out += [f"# {coll} ({what})", "#" + _HEAD[1:] + extra]
         for r in (r for r in ours if r["collective"] == coll):
-            line = (f"{r['size']:>11d} {r['count']:>10d} {r['dtype']:>8} {r['op']:>5} {r['root']:>4} "
-                    f"{r['algorithm']:>38} {r['mode']:>8} {r['time_us']:>11.2f} {r['time_us_min']:>10.2f} "
-                    f"{r['time_us_max']:>10.2f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['wrong']:>6d}")
+            line = (f"{r['size']:>11d} {_short(r['algorithm']):>26} {r['mode']:>8} {r['time_us']:>10.2f} "
+                    f"{r['time_us_min']:>9.2f} {r['time_us_max']:>9.2f} {r['algbw']:>11.3f} {r['busbw']:>11.3f} "
+                    f"{r['wrong']:>6d}")
             for peer in peers:
                 t = theirs.get((peer,) + _key(r))
                 line += (f" {t['time_us']:>11.2f} {r['time_us'] / t['time_us']:>6.2f}"

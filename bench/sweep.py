@@ -235,9 +235,11 @@ def run_sweep(runner: Any, collectives: Sequence[str], sizes: Sequence[int], *, 
                     row = measure(runner, coll, algo, size, dtype=dtype, op=op, root=root, mode=mode,
                                   iters=iters, warmup=warmup)
                     rows.append(row)
-                    if progress and runner.rank == 0:
-                        print(f"  {runner.name:5s} {coll:14s} {algo:38s} {mode:8s} {size:>11d} B "
-                              f"{row['time_us']:11.2f} us", file=sys.stderr, flush=True)
+                    if progress and runner.rank == 0 and sys.stderr.isatty():  # one line, rewritten
+                        print(f"\r  {runner.name} {coll} {algo} {mode} {size} B: {row['time_us']:.2f} us"
+                              .ljust(100)[:100], end="", file=sys.stderr, flush=True)
+    if progress and runner.rank == 0 and sys.stderr.isatty():
+        print("\r" + " " * 100 + "\r", end="", file=sys.stderr, flush=True)
     return rows
 
 

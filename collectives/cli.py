@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "bench": ("collectives.bench.cli", "OSU / nccl-tests style microbenchmarks"),
     "calibrate": ("collectives.cost_models.calibrate", "measure alpha, beta, gamma and memory bandwidth of a transport"),
     "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice"),
-    "model": ("collectives.cost_models.training_cli", "training-time what-if for P nodes"),
+    "model": ("collectives.cost_models.training.cli", "training-time what-if for P nodes"),
     "trace": ("collectives.trace_cli", "analyze flight records (who is at fault), merge timelines"),
     "settings": ("collectives.config", "every COLLECTIVES_* environment variable, its type, default and meaning"),
 }
@@ -106,11 +106,19 @@ def run_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``collectives`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: collectives SUBCOMMAND [options]\n\nsubcommands:")
-        for name, (_, help_) in SUBCOMMANDS.items():
-            print(f"  {name:10s} {help_}")
+    if argv[:1] in (["--version"], ["-V"]):
+        from . import __version__, native
+
+        print(f"collectives {__version__} (native fast path {'built' if native.built else 'not built'}, "
+              f"Python {sys.version.split()[0]})")
         return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        out = sys.stdout if argv else sys.stderr  # no subcommand is a mistake: usage on stderr, status 2
+        print("usage: collectives [--version] SUBCOMMAND [options]\n\nsubcommands:", file=out)
+        for name, (_, help_) in SUBCOMMANDS.items():
+            print(f"  {name:10s} {help_}", file=out)
+        print("\n'collectives SUBCOMMAND --help' tells more.", file=out)
+        return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"collectives: unknown subcommand {name!r}; try collectives --help", file=sys.stderr)

@@ -339,13 +339,16 @@ class Communicator(CallExecution, Survival):
         """Nonblocking :meth:`gatherv`."""
         return self._post(self._plan(self._planner.gatherv, sendbuf, recvbuf, counts, root, algorithm), timeout)
 
-    def allgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
+    def allgather(self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto",
                   timeout: float | None = None) -> Any:
         """Every rank's ``sendbuf`` becomes block i of every rank's ``recvbuf``.
 
-        ``sendbuf`` may be None when the rank's block is already in place.
+        ``sendbuf`` may be None when the rank's block is already in place;
+        without ``recvbuf`` a new numpy array of p blocks is made.
         Returns ``recvbuf``.
         """
+        if recvbuf is None:
+            recvbuf = self._gathered(sendbuf)
         key = None
         if flat_array(recvbuf) and (sendbuf is None or flat_array(sendbuf)):
             key = ("allgather", algorithm, recvbuf.dtype, recvbuf.size,
@@ -366,11 +369,21 @@ class Communicator(CallExecution, Survival):
             self._remember(key, plan, (True, False), args, as_is=False)
         return self._call(plan, timeout)
 
-    def iallgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
+    def iallgather(self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto",
                    timeout: float | None = None) -> Handle:
         """Nonblocking :meth:`allgather`."""
+        if recvbuf is None:
+            recvbuf = self._gathered(sendbuf)
         counts = self._even_counts(element_count(recvbuf), "recvbuf")
         return self._post(self._plan(self._planner.allgatherv, sendbuf, recvbuf, counts, algorithm, False), timeout)
+
+    def _gathered(self, sendbuf: Any) -> np.ndarray:
+        """A new array for every rank's ``sendbuf`` (an allgather without ``recvbuf``)."""
+        if sendbuf is None:
+            raise BadArgument(f"rank {self.rank}, allgather: sendbuf and recvbuf are both None; pass the "
+                              "block to send, or the buffer that holds it in place")
+        arr = flat(sendbuf, writable=False, what="sendbuf")
+        return np.empty(arr.size * self.size, arr.dtype)
 
     def allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], *,
                    algorithm: str = "auto", timeout: float | None = None) -> Any:
