@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -119,7 +120,8 @@ def test_every_collective_with_one_slow_link(hosts):
 def test_cut_link_becomes_peer_lost_on_every_surviving_rank(hosts, tmp_path):
     """Host 2's link goes down in the middle of a stream of allreduces: the
     ranks on hosts 0 and 1 raise PeerLost within the heartbeat timeout (plus
-    the grace period and scheduling slack), and the cut-off rank fails too."""
+    the grace period and scheduling slack), saying that nothing came from
+    rank 2 (a cut link, not a dead process), and the cut-off rank fails too."""
     heartbeat = 2.0
     ready = str(tmp_path / "ready")
     placement = [0, 1, 2]
@@ -139,5 +141,7 @@ def test_cut_link_becomes_peer_lost_on_every_surviving_rank(hosts, tmp_path):
     results = _collect(procs, 90)
     for res in results[:2]:
         assert res["error"] == "PeerLost", res
+        assert re.search(r"no traffic from rank 2 \(host [^)]*\) for 2 s: the link is cut", res["message"]), res
+        assert "died" not in res["message"], res
         assert res["at"] - cut_at <= heartbeat + 4.0, (res, cut_at)
     assert results[2]["error"] in ("PeerLost", "CollectiveTimeout"), results[2]

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from collectives import CollectiveTimeout, MismatchedCollective, PeerLost
+from collectives.transports import zmq as zmq_transport
 from harness import run_ranks
 from test_collectives import CHECKS
 
@@ -258,7 +259,8 @@ def allreduce_loop_while_strangers_knock(comm, endpoint_file: str, seconds: floa
 
 
 def _knock(endpoint: str) -> None:
-    """Connect to ``endpoint`` the ways a stranger would: garbage, no credentials, a wrong secret."""
+    """Connect to ``endpoint`` the ways a stranger would: garbage, no credentials, a wrong
+    secret; what it sends looks like data, an abort and a status query of rank 0's."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(4096))
@@ -272,8 +274,10 @@ def _knock(endpoint: str) -> None:
             if password is not None:
                 d.plain_username, d.plain_password = b"collectives", password
             d.connect(endpoint)
-            header = (1).to_bytes(1, "little") + bytes(24)
-            d.send(header + b"junk")
+            d.send(zmq_transport.HEADER.pack(zmq_transport.KIND_DATA, 3, 4, 0, 0, 0, 0) + b"junk")
+            d.send(zmq_transport.HEADER.pack(zmq_transport.KIND_ABORT, -1, 0, 0, 0, 0, 0)
+                   + b"PeerLost\x1fa stranger says stop")
+            d.send(zmq_transport.HEADER.pack(zmq_transport.KIND_QUERY, 1, 0, 0, 0, 0, 0))
             time.sleep(0.3)
             d.close(0)
     finally:

@@ -17,11 +17,30 @@ that fails it (a stranger, a wrong secret, garbage, silence) is logged and
 dropped, and the acceptor goes on waiting for its peers; once every peer is
 connected, the listening socket is closed.
 
-The lanes deliver into the transport's matching through ``handler``:
-``start(peer, tag, total) -> request`` (a receive or an unexpected
+Frames: a header ``(tag, total bytes, signature)`` (the signature's three
+words, see :mod:`collectives.signature`) and the payload. Two negative
+tags are the lane's own: ``BYE_TAG`` (the peer closes cleanly; its end of
+file follows) and ``ABORT_TAG`` (the peer aborted; the payload is the
+abort's text, the signature's first word one more than the first call the
+aborting rank did not complete, its second word one more than the aborting
+rank when the peer only relays that rank's abort, 0 when unknown or the
+peer itself). A lane that ends without a goodbye (end of file, a reset,
+any socket error, a malformed frame) means the peer's process died or
+dropped the connection: the transport hears of it at once, never through
+an exception other than :class:`~collectives.errors.PeerLost`. A write
+that fails only stops the sending (queued sends are dropped, marked lost):
+the lane is read on, so that what the peer sent before it went (an abort,
+a goodbye) arrives before its end.
+
+The lanes deliver into the transport's matching through callbacks:
+``start(peer, tag, total, sig) -> request`` (a receive or an unexpected
 message, see :class:`~collectives.transports.zmq._RecvRequest`), then the
 request's ``target(offset, n)`` and ``feed(offset, data, n, landed)``;
-``lost(peer)`` when a lane ends (end of file or a reset).
+``lost(peer, said_bye)`` once when a lane ends; ``aborted(peer, text,
+first, origin)`` when an abort arrives (``first``: the first call the
+aborting rank did not complete, -1 when unknown; ``origin``: the aborting
+rank, -1 when it is ``peer`` itself). Callbacks run outside the lanes'
+send lock.
 """
 
 from __future__ import annotations
@@ -41,12 +60,19 @@ from typing import Any, Callable, ContextManager, Sequence
 import numpy as np
 
 from collectives.errors import CollectiveTimeout, PeerLost
+from collectives.signature import NO_SIG, Sig
 
-__all__ = ["Lanes", "LaneSend"]
+__all__ = ["Lanes", "LaneSend", "BYE_TAG", "ABORT_TAG"]
 
 log = logging.getLogger("collectives.zmq")
 
-HEADER = struct.Struct("<qQ")  # tag, total bytes
+HEADER = struct.Struct("<qQQQQ")  # tag, total bytes, signature (three words)
+#: The peer closes its transport cleanly (its end of file follows).
+BYE_TAG = -1
+#: The peer aborted; the payload is the abort's text.
+ABORT_TAG = -2
+#: Longest abort text a lane accepts (a longer one is garbage: the lane ends).
+ABORT_BYTES = 4096
 HELLO = struct.Struct("<8sI16s32s")  # magic, rank, connector's nonce, mac
 MAGIC = b"CLLANE01"
 NONCE = 16
@@ -67,11 +93,12 @@ def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
 class LaneSend:
     """A send whose bytes are not all in the kernel yet (see :meth:`Lanes.send`)."""
 
-    __slots__ = ("parts", "done", "buf")
+    __slots__ = ("parts", "done", "lost", "buf")
 
     def __init__(self, parts: list[memoryview], buf: Any) -> None:
         self.parts = parts
         self.done = False
+        self.lost = False  # done because the lane ended, not delivered
         self.buf = buf  # kept alive until sent
 
 
@@ -86,8 +113,27 @@ class _Incoming:
         self.fill = 0
 
 
+class _Text:
+    """The payload of an abort frame, collected whole (and its call number)."""
+
+    __slots__ = ("buf", "first", "origin")
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = np.zeros(nbytes, np.uint8)
+        self.first = self.origin = -1
+
+    def target(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.buf[offset:offset + nbytes]
+
+    def feed(self, offset: int, data: Any, nbytes: int, landed: bool) -> None:
+        pass
+
+    def text(self) -> str:
+        return self.buf.tobytes().decode("utf-8", "replace")
+
+
 class _Lane:
-    __slots__ = ("peer", "sock", "out", "header", "header_got", "cur", "open", "scratch")
+    __slots__ = ("peer", "sock", "out", "header", "header_got", "cur", "open", "sendable", "scratch", "bye")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
@@ -96,8 +142,10 @@ class _Lane:
         self.header = bytearray(HEADER.size)
         self.header_got = 0
         self.cur: _Incoming | None = None
-        self.open = True
+        self.open = True  # still read (until end of file or an error)
+        self.sendable = True  # a write has not failed
         self.scratch = bytearray(CHUNK)  # chunks a posted receive consumes at once (it reduces them)
+        self.bye = False  # the peer said goodbye on this lane
 
 
 class Lanes:
@@ -106,34 +154,39 @@ class Lanes:
     Args:
         rank: this rank.
         socks: the authenticated socket of every peer (None for this rank).
-        start: ``start(peer, tag, total)`` -> the request a new message fills.
-        lost: ``lost(peer)``, called once when a lane ends.
+        start: ``start(peer, tag, total, sig)`` -> the request a new message fills.
+        lost: ``lost(peer, said_bye)``, called once when a lane ends.
         matching: held while arrivals are delivered (the transport's lock
             over its receives; one thread reads the lanes at a time).
+        aborted: ``aborted(peer, text, first, origin)``, called when an abort arrives.
     """
 
     def __init__(self, rank: int, socks: Sequence[socket.socket | None],
-                 start: Callable[[int, int, int], Any], lost: Callable[[int], None],
-                 matching: ContextManager) -> None:
+                 start: Callable[[int, int, int, Sig], Any], lost: Callable[[int, bool], None],
+                 matching: ContextManager, aborted: Callable[[int, str, int, int], None] | None = None) -> None:
         self.rank = rank
         self._lanes = {p: _Lane(p, s) for p, s in enumerate(socks) if s is not None}
         self._start = start
         self._lost = lost
+        self._aborted = aborted or (lambda peer, text, first, origin: None)
         self._matching = matching
-        self._out_lock = threading.Lock()  # senders and the reading thread both push
+        self._out_lock = threading.Lock()  # senders and the reading thread both push and end lanes
         self._sending = False  # a LaneSend is queued on some lane
         self._chunks: list[np.ndarray] = []  # pooled CHUNK-sized buffers for early messages
+        self._ended: collections.deque[tuple[int, bool]] = collections.deque()  # to tell the transport
 
     # -- opening -------------------------------------------------------------
 
     @classmethod
     def connect(cls, rank: int, size: int, address: str, key: bytes, job: str,
                 publish: Callable[[str], None], lookup: Callable[[int, float], str], timeout: float,
-                start: Callable[[int, int, int], Any], lost: Callable[[int], None],
-                matching: ContextManager) -> "Lanes":
+                start: Callable[[int, int, int, Sig], Any], lost: Callable[[int, bool], None],
+                matching: ContextManager, aborted: Callable[[int, str, int, int], None] | None = None,
+                name: Callable[[int], str] = lambda peer: f"rank {peer}") -> "Lanes":
         """Listen on ``address``, ``publish`` "host:port", connect to every lower
         rank (``lookup(rank, seconds)`` gives its "host:port") and accept every
-        higher one, each authenticated with ``key``.
+        higher one, each authenticated with ``key``. ``name(peer)`` says who a
+        peer is in errors.
 
         Raises:
             CollectiveTimeout: a peer did not connect in time.
@@ -151,12 +204,12 @@ class Lanes:
             job_id = job.encode()
             for peer in range(rank):
                 socks[peer] = _connect_to(peer, rank, lookup(peer, max(deadline - time.monotonic(), 0.0)),
-                                          key, job_id, deadline)
+                                          key, job_id, deadline, name(peer))
             while any(socks[p] is None for p in range(rank + 1, size)):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = [p for p in range(rank + 1, size) if socks[p] is None]
-                    raise CollectiveTimeout(f"rank {rank}: ranks {missing} did not open their TCP lanes "
+                    missing = ", ".join(name(p) for p in range(rank + 1, size) if socks[p] is None)
+                    raise CollectiveTimeout(f"rank {rank}: {missing} did not open their TCP lanes "
                                             f"within {timeout:.3g}s")
                 ready, _, _ = select.select([listener], [], [], min(left, 0.5))
                 if ready:
@@ -180,39 +233,47 @@ class Lanes:
         for s in socks:
             if s is not None:
                 _tune(s)
-        return cls(rank, socks, start, lost, matching)
+        return cls(rank, socks, start, lost, matching, aborted)
 
     # -- sending -------------------------------------------------------------
 
-    def send(self, peer: int, tag: int, data: memoryview, buf: Any) -> LaneSend | None:
-        """Send ``data`` (bytes) to ``peer``: None when every byte is in the
-        kernel already, else the :class:`LaneSend` that :meth:`progress`
-        completes (``buf`` is kept alive until then)."""
+    def send(self, peer: int, tag: int, data: memoryview, buf: Any, sig: Sig = NO_SIG) -> LaneSend | None:
+        """Send ``data`` (bytes) to ``peer`` with the call's signature ``sig``:
+        None when every byte is in the kernel already, else the
+        :class:`LaneSend` that :meth:`progress` completes (``buf`` is kept
+        alive until then).
+
+        Raises:
+            PeerLost: the lane has ended (the peer is gone).
+        """
         lane = self._lanes[peer]
-        parts = [memoryview(HEADER.pack(tag, data.nbytes))]
+        parts = [memoryview(HEADER.pack(tag, data.nbytes, sig[0], sig[1], sig[2]))]
         if data.nbytes:
             parts.append(data)
         with self._out_lock:
-            if not lane.open:
-                raise PeerLost(f"rank {self.rank}: the TCP lane to rank {peer} is closed", peer)
-            if not lane.out:
-                parts = self._write(lane, parts)
-                if not parts:
-                    return None
-            pending = LaneSend(parts, buf)
-            lane.out.append(pending)
-            self._sending = True
-        return pending
+            if lane.sendable:
+                if not lane.out:
+                    parts = self._write(lane, parts)
+                    if not parts and lane.sendable:
+                        return None
+                if lane.sendable:
+                    pending = LaneSend(parts, buf)
+                    lane.out.append(pending)
+                    self._sending = True
+                    return pending
+        self._report()
+        raise PeerLost(f"rank {self.rank}: the TCP lane to rank {peer} has ended", peer)
 
     def _write(self, lane: _Lane, parts: list[memoryview]) -> list[memoryview]:
-        """Write what the kernel takes now; return what is left."""
+        """Write what the kernel takes now; return what is left ([] also when
+        the write failed: check ``lane.sendable``)."""
         while parts:
             try:
                 n = lane.sock.sendmsg(parts)
             except (BlockingIOError, InterruptedError):
                 return parts
-            except OSError as exc:
-                self._end(lane, exc)
+            except OSError:
+                self._drop_sends(lane)
                 return []
             while n and parts:
                 if n >= parts[0].nbytes:
@@ -230,9 +291,11 @@ class Lanes:
         done, queued = 0, False
         with self._out_lock:
             for lane in self._lanes.values():
-                while lane.out:
+                while lane.out and lane.sendable:
                     head = lane.out[0]
-                    head.parts = self._write(lane, head.parts) if lane.open else []
+                    head.parts = self._write(lane, head.parts)
+                    if not lane.sendable:  # the write failed, which dropped the queue
+                        break
                     if head.parts:
                         queued = True
                         break
@@ -240,7 +303,24 @@ class Lanes:
                     lane.out.popleft()
                     done += 1
             self._sending = queued
+        if self._ended:
+            self._report()
         return done
+
+    def abort(self, text: str, first: int = -1, origin: int = -1) -> None:
+        """Queue an abort frame carrying ``text`` and ``first`` (the first
+        call the aborting rank did not complete; -1: unknown) on every open
+        lane, after what is queued there (so that it arrives whole); never
+        raises. ``origin``: the aborting rank when this rank relays its
+        abort (-1: this rank aborts)."""
+        payload = text.encode("utf-8", "replace")[:ABORT_BYTES]
+        for peer, lane in list(self._lanes.items()):
+            if lane.sendable:
+                try:
+                    self.send(peer, ABORT_TAG, memoryview(payload), payload,
+                              (max(first, -1) + 1, max(origin, -1) + 1, 0))
+                except PeerLost:
+                    pass
 
     # -- receiving -----------------------------------------------------------
 
@@ -248,12 +328,17 @@ class Lanes:
         """The open lanes' sockets (to poll)."""
         return [lane.sock for lane in self._lanes.values() if lane.open]
 
+    def socket_of(self, peer: int) -> socket.socket | None:
+        """``peer``'s lane socket, open or not (None: no lane to that peer)."""
+        lane = self._lanes.get(peer)
+        return None if lane is None else lane.sock
+
     def sending(self) -> list[socket.socket]:
         """The sockets of open lanes with queued sends (to poll for room)."""
         if not self._sending:
             return []
         with self._out_lock:
-            return [lane.sock for lane in self._lanes.values() if lane.out and lane.open]
+            return [lane.sock for lane in self._lanes.values() if lane.out and lane.sendable]
 
     def progress(self) -> int:
         """Read whatever has arrived on every lane and deliver it; push
@@ -264,9 +349,14 @@ class Lanes:
             for lane in self._lanes.values():
                 if lane.open:
                     moved += self._read(lane)
+        if self._ended:
+            self._report()
         return moved
 
     def _read(self, lane: _Lane) -> int:
+        """Read and deliver what has arrived on ``lane``; a lane that ends
+        (end of file, a reset, any socket error, a malformed frame) is ended
+        here and never raises."""
         total = 0
         sock = lane.sock
         while True:
@@ -275,15 +365,19 @@ class Lanes:
                 if cur is None:
                     n = sock.recv_into(memoryview(lane.header)[lane.header_got:])
                     if n == 0:
-                        self._end(lane, None)
+                        self._end(lane)
                         return total
                     total += n
                     lane.header_got += n
                     if lane.header_got < HEADER.size:
                         continue
                     lane.header_got = 0
-                    tag, size = HEADER.unpack(lane.header)
-                    cur = lane.cur = _Incoming(tag, size, self._start(lane.peer, tag, size))
+                    tag, size, w0, w1, w2 = HEADER.unpack(lane.header)
+                    if tag < 0:
+                        if not self._begin_control(lane, tag, size, w0, w1):
+                            return total
+                        continue
+                    cur = lane.cur = _Incoming(tag, size, self._start(lane.peer, tag, size, (w0, w1, w2)))
                     if size == 0:
                         cur.req.feed(0, None, 0, True)
                         lane.cur = None
@@ -291,11 +385,43 @@ class Lanes:
                 total += self._payload(lane, cur)
                 if cur.got >= cur.total:
                     lane.cur = None
+                    if cur.tag < 0:
+                        self._controlled(lane, cur)
             except (BlockingIOError, InterruptedError):
                 return total
-            except ConnectionError as exc:
-                self._end(lane, exc)
+            except OSError:  # a reset, a timeout of keepalive, a socket closed under us
+                self._end(lane)
                 return total
+
+    def _begin_control(self, lane: _Lane, tag: int, size: int, first: int, origin: int) -> bool:
+        """A frame of the lanes' own starts (False: it is malformed and the lane ended)."""
+        text = self._control(tag, size)
+        if text is None:
+            log.warning("rank %d: a malformed frame (tag %d, %d bytes) on the TCP lane of rank %d",
+                        self.rank, tag, size, lane.peer)
+            self._end(lane)
+            return False
+        text.first, text.origin = first - 1, origin - 1
+        cur = lane.cur = _Incoming(tag, size, text)
+        if size == 0:
+            lane.cur = None
+            self._controlled(lane, cur)
+        return True
+
+    def _control(self, tag: int, size: int) -> Any:
+        """What a lane frame with a negative tag fills (None: malformed)."""
+        if tag == BYE_TAG and size == 0:
+            return _Text(0)
+        if tag == ABORT_TAG and size <= ABORT_BYTES:
+            return _Text(size)
+        return None
+
+    def _controlled(self, lane: _Lane, cur: _Incoming) -> None:
+        """A lane frame of the lanes' own arrived whole."""
+        if cur.tag == BYE_TAG:
+            lane.bye = True
+        elif cur.tag == ABORT_TAG:
+            self._aborted(lane.peer, cur.req.text(), cur.req.first, cur.req.origin)
 
     def _payload(self, lane: _Lane, cur: _Incoming) -> int:
         """Read more of the current message's payload (raises BlockingIOError when none is there)."""
@@ -304,7 +430,7 @@ class Lanes:
         if target is not None:
             n = lane.sock.recv_into(memoryview(target).cast("B"))
             if n == 0:
-                self._end(lane, None)
+                self._end(lane)
                 raise BlockingIOError
             cur.req.feed(cur.got, None, n, True)
             cur.got += n
@@ -315,7 +441,7 @@ class Lanes:
             cur.fill = 0
         n = lane.sock.recv_into(memoryview(cur.chunk)[cur.fill:])
         if n == 0:
-            self._end(lane, None)
+            self._end(lane)
             raise BlockingIOError
         cur.fill += n
         if cur.fill == len(cur.chunk):  # a whole chunk: reduce it or keep it
@@ -337,42 +463,74 @@ class Lanes:
             if isinstance(b, np.ndarray) and b.nbytes == CHUNK and len(self._chunks) < POOLED_CHUNKS:
                 self._chunks.append(b)
 
-    def _end(self, lane: _Lane, exc: BaseException | None) -> None:
-        """The lane ended (end of file, a reset): queued sends are dropped (the
-        peer is gone) and the transport hears of it."""
-        if lane.open:
+    @staticmethod
+    def _drop_sends(lane: _Lane) -> None:
+        """No more sending on ``lane`` (a write failed: the peer closed or
+        reset; or the lane ended): queued sends are dropped and marked lost.
+        A lane whose write failed is still read: what the peer sent before
+        it went (an abort, a goodbye) and its end of file decide how the
+        transport hears of it. Call with the send lock held."""
+        lane.sendable = False
+        for pending in lane.out:
+            pending.done, pending.lost, pending.buf = True, True, None
+        lane.out.clear()
+
+    def _end(self, lane: _Lane) -> None:
+        """The lane ended (end of file, a reset, an error): queued sends are
+        dropped and marked lost (the peer is gone), and the transport hears
+        of it once (see :meth:`_report`)."""
+        with self._out_lock:
+            if not lane.open:
+                return
             lane.open = False
-            for pending in lane.out:
-                pending.done, pending.buf = True, None
-            lane.out.clear()
+            self._drop_sends(lane)
             try:
                 lane.sock.close()
             except OSError:
                 pass
-            self._lost(lane.peer)
+            self._ended.append((lane.peer, lane.bye))
+
+    def _report(self) -> None:
+        """Tell the transport of lanes that ended (outside the send lock:
+        the transport takes its own)."""
+        while self._ended:
+            try:
+                peer, bye = self._ended.popleft()
+            except IndexError:  # another thread took it
+                return
+            self._lost(peer, bye)
 
     def is_open(self, peer: int) -> bool:
         """Whether ``peer``'s lane still runs (it ends when the peer closes or dies)."""
         lane = self._lanes.get(peer)
         return lane is not None and lane.open
 
-    def close(self, deadline: float) -> None:
-        """Push what is queued (until ``deadline``), then close every lane."""
+    def close(self, deadline: float, bye: bool = True) -> None:
+        """Say goodbye on every lane (``bye``), push what is queued (until
+        ``deadline``), then close every lane."""
+        if bye:
+            for peer, lane in list(self._lanes.items()):
+                if lane.sendable:
+                    try:
+                        self.send(peer, BYE_TAG, memoryview(b""), None)
+                    except PeerLost:
+                        pass
         while self._sending and time.monotonic() < deadline:
             if not self.flush():
-                socks = [lane.sock for lane in self._lanes.values() if lane.out and lane.open]
+                socks = self.sending()
                 if socks:
-                    select.select([], socks, [], 0.01)
+                    select.select([], socks, [], min(0.01, max(deadline - time.monotonic(), 0.0)))
         with self._out_lock:
             lanes = list(self._lanes.values())
-        for lane in lanes:
-            if lane.open:
-                lane.open = False
-                try:
-                    lane.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                lane.sock.close()
+            for lane in lanes:
+                if lane.open:
+                    lane.open = False
+                    self._drop_sends(lane)
+                    try:
+                        lane.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    lane.sock.close()
 
 
 def _tune(sock: socket.socket) -> None:
@@ -399,12 +557,14 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes | None:
     return bytes(data)
 
 
-def _connect_to(peer: int, rank: int, where: str, key: bytes, job: bytes, deadline: float) -> socket.socket:
+def _connect_to(peer: int, rank: int, where: str, key: bytes, job: bytes, deadline: float,
+                name: str = "") -> socket.socket:
     host, _, port = where.rpartition(":")
+    name = name or f"rank {peer}"
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise CollectiveTimeout(f"rank {rank}: could not open a TCP lane to rank {peer} at {where}")
+            raise CollectiveTimeout(f"rank {rank}: could not open a TCP lane to {name} at {where}")
         try:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=min(left, HANDSHAKE_SECONDS))
             break
@@ -421,7 +581,7 @@ def _connect_to(peer: int, rank: int, where: str, key: bytes, job: bytes, deadli
             if answer is not None and hmac.compare_digest(
                     answer, _mac(key, b"lane-accept", job, b"%d" % peer, mine, theirs)):
                 return sock
-        raise PeerLost(f"rank {rank}: rank {peer} refused this rank's TCP lane (do all ranks have the same "
+        raise PeerLost(f"rank {rank}: {name} refused this rank's TCP lane (do all ranks have the same "
                        "job secret?)", peer)
     except BaseException:
         sock.close()

@@ -12,9 +12,11 @@ Ranks find each other the way torchrun users expect (``RANK``,
 * otherwise rank 0 serves a small store on ``MASTER_PORT`` (a ZeroMQ ROUTER,
   authenticated like every other socket of the job) and the others connect.
 
-Each rank then publishes the endpoint it listens on and reads everyone
-else's. The listening address comes from ``options["addr"]``, else from the
-interface ``options["ifname"]`` / ``COLLECTIVES_SOCKET_IFNAME`` (like
+Each rank then publishes the endpoint it listens on, with its host name and
+process id (:func:`exchange_peers`), and reads everyone else's, so that
+errors name a peer by rank, host and pid rather than by address. The
+listening address comes from ``options["addr"]``, else from the interface
+``options["ifname"]`` / ``COLLECTIVES_SOCKET_IFNAME`` (like
 ``GLOO_SOCKET_IFNAME``), else it is the local address that routes to
 ``MASTER_ADDR``.
 
@@ -37,6 +39,7 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import zmq
@@ -46,7 +49,7 @@ from collectives.errors import BadArgument, CollectiveTimeout, TransportUnavaila
 
 __all__ = ["KeyValueStore", "JobCredentials", "ZapHandler", "StoreServer", "StoreClient",
            "LocalStore", "TorchStoreAdapter", "open_store", "choose_address", "exchange_endpoints",
-           "wait_for_key"]
+           "exchange_peers", "PeerInfo", "wait_for_key"]
 
 log = logging.getLogger("collectives.zmq")
 
@@ -186,6 +189,9 @@ class ZapHandler:
         except zmq.ContextTerminated:
             pass
         finally:
+            with self._watch_lock:  # a socket handed to watch() just before the stop, too
+                self._watched.extend(self._pending_watch)
+                self._pending_watch.clear()
             for mon, _ in self._watched:
                 mon.close(0)
             self._zap.close(0)
@@ -505,6 +511,63 @@ def exchange_endpoints(store: Any, prefix: str, rank: int, size: int, endpoint: 
             raise CollectiveTimeout(f"rendezvous: rank {r} did not publish its address within {timeout:.3g}s")
         endpoints.append(wait_for_key(store, f"{prefix}/endpoint/{r}", left).decode())
     return endpoints
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """Where a rank listens and who it is (for errors that name it)."""
+
+    rank: int
+    endpoint: str
+    host: str = ""
+    pid: int = 0
+
+    @property
+    def address(self) -> str:
+        """The IP address of ``endpoint`` (``tcp://ip:port``), or ""."""
+        where = self.endpoint.removeprefix("tcp://").rpartition(":")[0]
+        return where.strip("[]")
+
+    def name(self, pid: bool = True) -> str:
+        """``rank 2 (host h, pid 123)``; without ``pid``, ``rank 2 (host h at 10.0.0.3)``."""
+        host = self.host or "unknown host"
+        if pid and self.pid:
+            return f"rank {self.rank} (host {host}, pid {self.pid})"
+        at = f" at {self.address}" if self.address and not pid else ""
+        return f"rank {self.rank} (host {host}{at})"
+
+    def encode(self) -> bytes:
+        """``endpoint``, host and pid, one a line (what the store holds)."""
+        return f"{self.endpoint}\n{self.host}\n{self.pid}".encode()
+
+    @classmethod
+    def decode(cls, rank: int, value: bytes) -> "PeerInfo":
+        """The inverse of :meth:`encode` (a bare endpoint is accepted too)."""
+        parts = value.decode(errors="replace").split("\n")
+        pid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0
+        return cls(rank, parts[0], parts[1] if len(parts) > 1 else "", pid)
+
+
+def exchange_peers(store: Any, prefix: str, rank: int, size: int, endpoint: str,
+                   timeout: float) -> list[PeerInfo]:
+    """Publish this rank's endpoint, host name and pid and read every rank's.
+
+    Returns:
+        Every rank's :class:`PeerInfo`, in rank order.
+
+    Raises:
+        CollectiveTimeout: a rank did not publish in time.
+    """
+    mine = PeerInfo(rank, endpoint, socket.gethostname(), os.getpid())
+    store.set(f"{prefix}/peer/{rank}", mine.encode())
+    deadline = time.monotonic() + timeout
+    peers = []
+    for r in range(size):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeout(f"rendezvous: rank {r} did not publish its address within {timeout:.3g}s")
+        peers.append(PeerInfo.decode(r, wait_for_key(store, f"{prefix}/peer/{r}", left)))
+    return peers
 
 
 def wait_for_key(store: Any, key: str, timeout: float) -> bytes:
