@@ -31,7 +31,7 @@ fastest algorithm and of ``auto``.
 
 ``--json FILE`` writes the host, platform, transport, versions, options,
 the calibration profile of the transport when
-``collectives.cost_models.calibrate.load_profile`` offers one, and every
+``collectives.cost_models.profile.load_profile`` offers one, and every
 row; ``schema.json`` documents it and :func:`collectives.bench.report.validate`
 checks it. ``--baseline FILE`` prints each row's change against an earlier
 run. ``--plot STEM`` draws busbw and time versus size (log axes), a line

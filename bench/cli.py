@@ -189,7 +189,7 @@ def _run_here(ns: argparse.Namespace, colls: list[str], sizes: list[int]) -> int
 def _profile(transport: str) -> Any:
     """The transport's cost-model parameters (calibrated or defaults), or None."""
     try:
-        from collectives.cost_models.calibrate import load_profile
+        from collectives.cost_models.profile import load_profile
 
         return load_profile(transport)
     except Exception:

@@ -142,7 +142,7 @@ def _versions() -> dict[str, str]:
 
 def _model(transport: str) -> dict[str, Any] | None:
     try:
-        from collectives.cost_models.calibrate import load_profile
+        from collectives.cost_models.profile import load_profile
     except ImportError:
         return None
     try:

@@ -10,7 +10,7 @@ same network (derived from the live module), with:
   rank computes at the same time (``gemm_calibrated_busy``: what sharing
   the host's cores and memory costs);
 - the link from the transport's calibration profile when one exists
-  (``collectives.cost_models.calibrate.load_profile``), otherwise fitted on
+  (``collectives.cost_models.profile.load_profile``), otherwise fitted on
   the spot from a ping-pong of the process group (alpha + n beta); and,
   in ``gemm_calibrated_busy_group_link``, the link fitted to the process
   group's own ``all_reduce`` times, which include the framework's per-call
@@ -41,10 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from collectives.cost_models.clusters import profile_link
-from collectives.cost_models.networks import Network, from_torch
-from collectives.cost_models.training import (SKYLAKE_BLOCKING, Cluster, Gemm, Link, Node, allreduce_time, layer_gemms,
-                                              predict)
+from collectives.cost_models.training import (SKYLAKE_BLOCKING, Cluster, Gemm, Link, Network, Node, allreduce_time,
+                                              from_torch, layer_gemms, predict, profile_link)
 
 
 def build_model() -> Any:

@@ -16,7 +16,7 @@ import numpy as np
 
 from collectives.registry import COLLECTIVES
 
-from .calibrate import load_profile
+from .profile import load_profile
 from .selector import Explanation, ModelSelector
 
 __all__ = ["main", "explain", "parse_bytes", "transport_capabilities"]

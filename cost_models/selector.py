@@ -87,14 +87,14 @@ class ModelSelector:
 
     Args:
         params: model parameters; default: the calibration profile of
-            ``transport`` (see :func:`collectives.cost_models.calibrate.load_profile`),
+            ``transport`` (see :func:`collectives.cost_models.profile.load_profile`),
             or the documented defaults.
         transport: name of the transport whose profile to load.
     """
 
     def __init__(self, params: Params | None = None, transport: str | None = None) -> None:
         if params is None:
-            from .calibrate import load_profile
+            from .profile import load_profile
 
             params = load_profile(transport or "shm")
         self.params = params

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from collectives.cost_models import MODELS, Params, _load, predict
-from collectives.cost_models.calibrate import (DEFAULTS, PROBES, PROBE_BYTES, fit_line, fit_overheads, fit_piecewise,
-                                              load_profile, profile_path)
+from collectives.cost_models.calibration_fits import fit_line, fit_overheads, fit_piecewise
+from collectives.cost_models.calibration_measurements import PROBE_BYTES, PROBES
 from collectives.cost_models.explain import main as explain_main, parse_bytes
+from collectives.cost_models.profile import DEFAULTS, load_profile, profile_path
 from collectives.cost_models.selector import ModelSelector
 from collectives.registry import all_algorithms, algorithms_for
 
@@ -219,7 +220,8 @@ def test_stretch_table_interpolates_and_scales() -> None:
 
 
 def test_fit_stretch_recovers_known_factors() -> None:
-    from collectives.cost_models.calibrate import STRETCH_BYTES, WINDOW_PROBES, fit_stretch
+    from collectives.cost_models.calibration_fits import fit_stretch
+    from collectives.cost_models.calibration_measurements import STRETCH_BYTES, WINDOW_PROBES
     from collectives.cost_models.model import split_terms
 
     base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=8e9, fence=1e-6, overhead=2e-6)
@@ -323,7 +325,7 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
 
 
 def test_exchange_steps_cost_the_exchange_factor() -> None:
-    from collectives.cost_models.calibrate import fit_exchange
+    from collectives.cost_models.calibration_fits import fit_exchange
 
     base = Params(alpha=5e-6, beta=2e-10, gamma=0.0, mem_bandwidth=8e9)
     doubled = Params(**{**base.__dict__, "exchange": 2.0})

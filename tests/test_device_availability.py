@@ -11,8 +11,9 @@ import pytest
 
 import collectives
 from collectives import BadArgument, TransportUnavailable
+from collectives.devices import cuda
 from collectives.environment import LaunchInfo, _choose_transport
-from collectives.transports import cuda, verbs
+from collectives.transports import verbs
 from harness import run_ranks
 
 RDMA_OK, RDMA_WHY = verbs.probe()

@@ -180,9 +180,7 @@ MISMATCH_WORDS = {"dtype": ("float32", "int32"), "op": ("op", "sum", "max"), "co
 def test_mismatches_with_equal_byte_counts_through_the_communicator(p, tmp_path):
     run = launch(tmp_path, p, "mismatch")
     assert run.returncode == 0, run.output[-3000:]
-    if not run.ranks[0]["signed"]:
-        pytest.skip("the Communicator does not pass call signatures to the transport (ctx.sig is NO_SIG); "
-                    "the transport-level checks run in test_transport_checks_explicit_signatures")
+    assert run.ranks[0]["signed"], "the calls carried no signature"
     from mpi_failure_main import MISMATCH_CASES
 
     for kind, algorithm in MISMATCH_CASES:

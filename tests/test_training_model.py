@@ -7,9 +7,7 @@ import math
 
 import pytest
 
-from collectives.cost_models import training_cli
-from collectives.cost_models.clusters import calibrated, skylake
-from collectives.cost_models.networks import Layer, fc_network, from_torch, get_network
+from collectives.cost_models.training import cli as training_cli
 from collectives.cost_models.training import (
     Blocking,
     Cluster,
@@ -21,6 +19,8 @@ from collectives.cost_models.training import (
     mesh_dims,
     predict,
 )
+from collectives.cost_models.training.clusters import calibrated, skylake
+from collectives.cost_models.training.networks import Layer, fc_network, from_torch, get_network
 
 # A two-layer FC network 4 -> 3 -> 2 at batch 2 on a node of 1000 flop/s and
 # 100 B/s with the unblocked intensity: every GEMM is memory-bound, so its

@@ -15,8 +15,9 @@ from dataclasses import replace
 from typing import Sequence
 
 from .clusters import PRESETS, get_cluster
+from .communication import ALLREDUCE_MODELS, LIBRARY_ALLREDUCES, MODEL_SETS, TOPOLOGIES
+from .model import StepPrediction, scan
 from .networks import NETWORKS, get_network
-from .training import ALLREDUCE_MODELS, LIBRARY_ALLREDUCES, MODEL_SETS, TOPOLOGIES, StepPrediction, scan
 
 __all__ = ["main", "parse_nodes", "format_table"]
 

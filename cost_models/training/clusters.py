@@ -5,7 +5,7 @@
   per cycle and core: 4.48 TFLOP/s; 128 GB/s memory), dual-rail EDR
   InfiniBand (200 Gb/s, 0.5 us).
 - ``calibrated``: this machine. The link (alpha, beta, gamma) comes from a
-  calibration profile of a transport when ``collectives.cost_models.calibrate``
+  calibration profile of a transport when ``collectives.cost_models.profile``
   offers ``load_profile``; otherwise from the fallback constants
   :data:`FALLBACK_LINK` (shared memory between processes of one host). The
   node (attainable FP32 GEMM rate, memory bandwidth) is measured with numpy.
@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .training import SKYLAKE_BLOCKING, Cluster, Link, Node
+from .communication import Link
+from .compute import SKYLAKE_BLOCKING, Node
+from .model import Cluster
 
 __all__ = ["skylake", "calibrated", "measure_node", "profile_link", "FALLBACK_LINK", "PRESETS", "get_cluster"]
 
@@ -95,7 +97,7 @@ def _field(profile: Any, key: str) -> float | None:
 def profile_link(transport: str = "shm") -> tuple[Link, str]:
     """The link of a transport's calibration profile, or the fallback.
 
-    Uses ``collectives.cost_models.calibrate.load_profile(transport)`` when
+    Uses ``collectives.cost_models.profile.load_profile(transport)`` when
     that function exists and returns a profile with ``alpha``, ``beta``
     (and optionally ``gamma``), as attributes or keys.
 
@@ -106,9 +108,9 @@ def profile_link(transport: str = "shm") -> tuple[Link, str]:
         (link, where it came from).
     """
     try:
-        calibrate = importlib.import_module("collectives.cost_models.calibrate")
-        profile = calibrate.load_profile(transport)
-    except Exception as exc:  # no calibration module, function or profile: fall back
+        profiles = importlib.import_module("collectives.cost_models.profile")
+        profile = profiles.load_profile(transport)
+    except Exception as exc:  # no profile module, function or profile: fall back
         return FALLBACK_LINK, f"fallback constants ({type(exc).__name__}: no calibration profile for {transport!r})"
     source = profile.get("source") if isinstance(profile, dict) else getattr(profile, "source", None)
     if source == "defaults":

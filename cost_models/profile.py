@@ -1,0 +1,88 @@
+"""Calibration profiles: where they live, loading and saving them.
+
+A profile is what ``collectives calibrate`` measured for one transport on
+one host: JSON (:meth:`Params.as_dict` plus ``transport``, ``host``,
+``ranks`` and the raw sweep), one per transport and host, in
+``$XDG_CACHE_HOME/collectives/`` (default ``~/.cache/collectives/``) named
+``profile-TRANSPORT-HOST.json``. ``COLLECTIVES_PROFILE`` overrides: a
+directory holds the profiles, a ``.json`` path is the one profile used
+for every transport. :func:`load_profile` falls back to :data:`DEFAULTS`.
+
+The selector loads a profile at run time; the calibration command
+(:mod:`.calibrate`) writes one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from collectives import config
+
+from .model import Params
+
+__all__ = ["DEFAULTS", "GENERIC", "profile_path", "load_profile", "save_profile", "host_cores"]
+
+#: Parameters used when a transport has no profile (seconds, bytes/s).
+#: shm: copy through a shared ring, a few microseconds per message;
+#: zmq: loopback TCP; mpi: MPICH shared memory; sim: the simulator's defaults.
+DEFAULTS: dict[str, Params] = {
+    "shm": Params(alpha=4e-6, beta=1 / 4e9, gamma=1 / 2e9, mem_bandwidth=8e9, fence=2e-6),
+    "zmq": Params(alpha=40e-6, beta=1 / 1e9, gamma=1 / 2e9, mem_bandwidth=8e9, fence=100e-6),
+    "mpi": Params(alpha=2e-6, beta=1 / 5e9, gamma=1 / 2e9, mem_bandwidth=8e9, fence=5e-6),
+    "rdma": Params(alpha=3e-6, beta=1 / 10e9, gamma=1 / 2e9, mem_bandwidth=8e9, fence=10e-6),
+    "sim": Params(alpha=2e-6, beta=1e-10, gamma=2.5e-10, mem_bandwidth=math.inf, fence=2e-6),
+}
+#: Parameters of a transport that has neither a profile nor an entry in :data:`DEFAULTS`.
+GENERIC = Params()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "collectives"
+
+
+def profile_path(transport: str, host: str | None = None) -> Path:
+    """Where the profile of ``transport`` on ``host`` (default: this host) lives."""
+    override = config.get("PROFILE")
+    if override and override.endswith(".json"):
+        return Path(override)
+    folder = Path(override) if override else _cache_dir()
+    return folder / f"profile-{transport}-{host or socket.gethostname()}.json"
+
+
+def load_profile(transport: str, path: str | os.PathLike | None = None) -> Params:
+    """The calibrated parameters of ``transport``, or :data:`DEFAULTS` (``source`` says which).
+
+    Args:
+        transport: transport name.
+        path: a profile file (default: :func:`profile_path`).
+
+    Returns:
+        :class:`Params`.
+    """
+    file = Path(path) if path is not None else profile_path(transport)
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return DEFAULTS.get(transport, GENERIC)
+    params = Params.from_dict(data)
+    return Params.from_dict({**params.as_dict(), "source": str(file)})
+
+
+def save_profile(path: Path, data: dict[str, Any]) -> None:
+    """Write the profile ``data`` (JSON) to ``path``, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
