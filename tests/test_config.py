@@ -11,7 +11,7 @@ import pytest
 from collectives import BadArgument, config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ("collectives", "transports", "cost_models", "integrations", "bench")
+SOURCES = ("collectives", "transports", "devices", "cost_models", "integrations", "bench")
 
 
 def _names_in_source() -> set[str]:

@@ -22,9 +22,9 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
 CI_RUN = ROOT / ".ci" / "run"
-SOURCE_DIRS = ("collectives", "transports", "cost_models", "integrations", "bench")
+SOURCE_DIRS = ("collectives", "transports", "devices", "cost_models", "integrations", "bench")
 #: Top-level folders whose paths the docs may name in inline code.
-REPO_DIRS = ("collectives", "transports", "cost_models", "integrations", "bench", "examples", "tests",
+REPO_DIRS = ("collectives", "transports", "devices", "cost_models", "integrations", "bench", "examples", "tests",
              "docs", ".ci")
 #: Pages generated from the code; a link to one stands while its generator does.
 GENERATED = {"docs/environment.md": ("collectives.config", "markdown")}

@@ -35,7 +35,7 @@ from .errors import mpi_error
 from .messages import HEADER, HEADER_BYTES, SMALL_BYTES, LargeRecv, LargeSend, Send, SmallRecv
 from .native import Native
 from .tags import call_of
-from .waits import CONFIRM_SECONDS, MpiRequest
+from .waits import CONFIRM_SECONDS, KEPT, MpiRequest, finalize_before_teardown
 
 __all__ = ["MpiTransport"]
 
@@ -75,7 +75,11 @@ class MpiTransport(ControlChannel, Transport):
         self._gone: dict[int, int] = {}  # closed peer -> the last collective tag it took part in
         self._awaiting: list[LargeRecv] = []  # large receives whose header is not in yet
         self._held: dict[tuple[int, int], collections.deque] = {}  # receives held behind such a one
-        self._kept: list = []  # MPI requests still under way that no one waits for, and their buffers
+        # MPI requests still under way that no one waits for, and their buffers: kept for the
+        # life of the process (MPI may write into a receive's buffer until MPI_Finalize, long
+        # after this transport is gone), not of this transport
+        self._kept: list = KEPT
+        finalize_before_teardown(MPI)
         self._last_tag = -1  # of the last collective call this rank took part in
         self._call: tuple[Sig, str | None] = (NO_SIG, None)  # the current call's signature and refusal
         self._probe = MPI.Status()

@@ -20,7 +20,54 @@ from .tags import call_of
 if TYPE_CHECKING:
     from .transport import MpiTransport
 
-__all__ = ["MpiRequest", "CONFIRM_SECONDS", "SPIN", "NAP"]
+__all__ = ["MpiRequest", "CONFIRM_SECONDS", "SPIN", "NAP", "KEPT", "finalize_before_teardown"]
+
+#: MPI requests still under way that no one waits for any more (a wait that
+#: failed or was given up), with their buffers: MPI may still write into a
+#: receive's buffer until MPI_Finalize, after the transport and its user's
+#: arrays are gone, so they live as long as the process, and
+#: :func:`finalize_before_teardown` ends MPI before Python frees them.
+KEPT: list = []
+_finalize_registered = False
+
+
+def finalize_before_teardown(MPI) -> None:
+    """Have MPI finalized by Python's ``atexit``, before the interpreter frees
+    its objects (mpi4py's own finalize runs after that, when the buffers of
+    receives still under way, :data:`KEPT`, are already freed memory, which
+    MPI_Finalize's progress then writes into: a corrupted heap). Receives
+    still under way are cancelled first. Once per process."""
+    global _finalize_registered
+    if _finalize_registered:
+        return
+    _finalize_registered = True
+    import atexit
+
+    def finalize() -> None:
+        try:
+            if MPI.Is_finalized() or not MPI.Is_initialized():
+                return
+            for req in [r for r in KEPT if isinstance(r, MPI.Request) and r]:
+                try:
+                    req.Cancel()
+                except MPI.Exception:
+                    pass
+            requests = [r for r in KEPT if isinstance(r, MPI.Request) and r]
+            deadline = time.monotonic() + 1.0
+            while requests and time.monotonic() < deadline:
+                requests = [r for r in requests if r and not _test(MPI, r)]
+            MPI.Finalize()
+        except Exception:  # never in the way of the exit
+            pass
+
+    atexit.register(finalize)
+
+
+def _test(MPI, req) -> bool:
+    try:
+        return req.Test()
+    except MPI.Exception:
+        return True
 
 #: How long a sign of a lost or out-of-step peer must hold before a wait fails on it.
 CONFIRM_SECONDS = 0.01
