@@ -11,6 +11,9 @@ bucket allreduce goes through the hook's communicator.
 ``fp16_compress_hook`` and ``bfloat16_compress_hook`` send the bucket as
 float16/bfloat16 (half the bytes; sums accumulate in float32) and write the
 average back in the bucket's own dtype.
+
+While a torch profiler records, each bucket's allreduce is a span
+``collectives:all_reduce`` (see :mod:`.torch_backend`).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hooks'
@@ -24,7 +27,7 @@ from torch.futures import Future
 import collectives
 from collectives import Communicator
 
-from .torch_backend import CollectivesProcessGroup, Outcome, as_numpy, for_torch, post_lock
+from .torch_backend import CollectivesProcessGroup, Outcome, adapter_span, as_numpy, for_torch, next_sequence, post_lock
 
 __all__ = ["HookState", "allreduce_hook", "fp16_compress_hook", "bfloat16_compress_hook"]
 
@@ -68,13 +71,24 @@ def _resolve(state: Any) -> Communicator:
     raise TypeError(f"hook state must be a HookState or a Communicator, got {type(state).__name__}")
 
 
-def _allreduce_future(comm: Communicator, wire: torch.Tensor, result: torch.Tensor) -> Future:
+def _group_of(state: Any) -> Any:
+    """The process group a hook state serves (for profiler events)."""
+    group = state.process_group if isinstance(state, HookState) else None
+    if group is None and dist.is_initialized():
+        group = dist.distributed_c10d._get_default_group()
+    return group
+
+
+def _allreduce_future(comm: Communicator, wire: torch.Tensor, result: torch.Tensor, group: Any = None) -> Future:
     """Sum ``wire`` over ranks; the future's value is ``result`` (``wire`` copied in
     when they differ), set from the communicator's worker thread. When the
     allreduce fails the future fails, so DDP's backward raises on this rank."""
     outcome = Outcome()
+    span = None
 
     def done(handle: Any) -> None:
+        if span is not None:
+            span.end()
         err = handle.exception()
         if err is None and wire is not result:
             try:
@@ -88,6 +102,7 @@ def _allreduce_future(comm: Communicator, wire: torch.Tensor, result: torch.Tens
             outcome.set_result(result)
 
     with post_lock(comm):
+        span = adapter_span(comm, "all_reduce", [wire], [wire], next_sequence(comm), group)
         handle = comm.iallreduce(as_numpy(wire), "sum")
     handle.add_done_callback(done)
     return outcome.future
@@ -106,14 +121,14 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     comm = _resolve(state)
     buf = bucket.buffer()
     buf.div_(comm.size)
-    return _allreduce_future(comm, buf, buf)
+    return _allreduce_future(comm, buf, buf, _group_of(state))
 
 
 def _compress_hook(state: Any, bucket: dist.GradBucket, dtype: torch.dtype) -> Future:
     comm = _resolve(state)
     buf = bucket.buffer()
     wire = buf.to(dtype).div_(comm.size)
-    return _allreduce_future(comm, wire, buf)
+    return _allreduce_future(comm, wire, buf, _group_of(state))
 
 
 def fp16_compress_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -13,6 +13,9 @@ posted, so communication overlaps the rest of backward. Buckets are posted
 strictly in bucket order, which is the same on every rank. ``step()`` posts
 whatever is left (parameters that got no gradient on this rank count as
 zero, on every rank alike), waits, and runs the wrapped optimizer.
+
+While a torch profiler records, each bucket's allreduce is a span
+``collectives:all_reduce`` (see :mod:`.torch_backend`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import collectives
 from collectives import Communicator, Handle
 from collectives.errors import BadArgument
 
-from .torch_backend import as_numpy, post_lock
+from .torch_backend import Span, adapter_span, as_numpy, next_sequence, post_lock
 
 __all__ = ["DistributedOptimizer"]
 
@@ -47,6 +50,7 @@ class _Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
     waiting: int = 0
     handle: Handle | None = None
+    span: Span | None = None
 
     def view_of(self, slot: int) -> torch.Tensor:
         return self.views[slot]
@@ -157,7 +161,7 @@ class DistributedOptimizer:
 
     def _reset_round(self) -> None:
         for b in self._buckets:
-            b.waiting, b.handle = len(b.params), None
+            b.waiting, b.handle, b.span = len(b.params), None, None
         for k in self._passes:
             self._passes[k] = 0
         self._next = 0
@@ -192,7 +196,12 @@ class DistributedOptimizer:
 
     def _post(self, bucket: _Bucket) -> None:
         with post_lock(self.comm):
+            bucket.span = adapter_span(self.comm, "all_reduce", [bucket.flat], [bucket.flat],
+                                       next_sequence(self.comm), _default_group())
             bucket.handle = self.comm.iallreduce(as_numpy(bucket.flat), self.op)
+        if bucket.span is not None:
+            span = bucket.span
+            bucket.handle.add_done_callback(lambda handle: span.end())
 
     def _post_ready(self) -> None:
         """Post the ready buckets in bucket order (the same order on every rank)."""
@@ -216,6 +225,8 @@ class DistributedOptimizer:
         try:
             for bucket in self._buckets:
                 bucket.handle.wait()
+                if bucket.span is not None:
+                    bucket.span.end()
         finally:
             self._reset_round()
 
@@ -274,6 +285,15 @@ class DistributedOptimizer:
 
 def _is_view(p: torch.nn.Parameter, view: torch.Tensor) -> bool:
     return p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+
+
+def _default_group() -> Any:
+    """torch's default process group, if there is one (for profiler events)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_group()
+    return None
 
 
 def _default_comm() -> Communicator:

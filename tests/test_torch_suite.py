@@ -1,9 +1,10 @@
 """PyTorch's own distributed tests on the ``collectives`` backend, beside Gloo.
 
 A subset of ``torch.testing._internal.distributed.distributed_test`` (the
-suite behind torch's ``test_distributed_spawn.py``), chosen to cover every
-collective, point-to-point with and without a source, tags, sparse
-allreduce, timeouts, the profiled variants and DDP, runs at 2 ranks
+suite behind torch's ``test_distributed_spawn.py``), chosen to cover
+what the suite found missing at first (receiving from any source, sparse
+allreduce, timeouts, the monitored barrier, the profiled variants) beside
+the plain collectives, point-to-point with tags and DDP, runs at 2 ranks
 through ``python -m collectives.bench.torch_suite`` on both backends; every
 test that passes on Gloo must pass on ours. The whole sweep (2, 3 and 8
 ranks) is ``python -m collectives.bench.torch_suite``; see docs/torch.md.
@@ -24,15 +25,13 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch and expecttest (pip install -e '.[torch]')")
 
 SUBSET = [
-    "test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_coalesced_max",
-    "test_broadcast", "test_reduce_sum", "test_all_gather", "test_all_gather_coalesced_simple",
-    "test_gather", "test_scatter", "test_barrier", "test_barrier_timeout_full_group",
-    "test_send_recv_any_source", "test_send_recv_any_source_torch_profiler",
-    "test_send_recv_with_tag_autograd_profiler", "test_isend_torch_profiler", "test_irecv",
-    "test_batch_isend_irecv_gloo_tags", "test_sparse_all_reduce_sum", "test_DistributedDataParallelCPU",
-    "test_ddp_hook_parity_allreduce",
+    "test_all_reduce_sum", "test_all_reduce_sum_async", "test_reduce_sum", "test_all_gather_coalesced_simple",
+    "test_gather", "test_barrier_timeout_full_group", "test_send_recv_any_source",
+    "test_send_recv_any_source_torch_profiler", "test_send_recv_with_tag_autograd_profiler",
+    "test_isend_torch_profiler", "test_irecv", "test_sparse_all_reduce_sum", "test_DistributedDataParallelCPU",
+    "test_monitored_barrier_gloo_rank_0_timeout",
 ]
-DEADLINE = 420
+DEADLINE = 540
 
 
 def _clean_env() -> dict[str, str]:
@@ -43,6 +42,7 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.timeout(DEADLINE + 60)
 def test_subset_passes_on_collectives_wherever_it_passes_on_gloo(tmp_path):
     out = tmp_path / "results.json"
     pattern = "^(" + "|".join(SUBSET) + ")$"
@@ -54,7 +54,7 @@ def test_subset_passes_on_collectives_wherever_it_passes_on_gloo(tmp_path):
     by = {(r["test"], r["backend"]): r for r in results}
     assert {t for t, _ in by} == set(SUBSET), report
     on_gloo = [t for t in SUBSET if by[(t, "gloo")]["status"] == "passed"]
-    assert len(on_gloo) >= len(SUBSET) - 2, f"Gloo itself fails here:\n{report}"
+    assert len(on_gloo) >= len(SUBSET) - 1, f"Gloo itself fails here:\n{report}"
     missing = [f"{t}: {by[(t, 'collectives')]['status']}: {by[(t, 'collectives')]['message']}"
                for t in on_gloo if by[(t, "collectives")]["status"] != "passed"]
     assert not missing, "\n".join(missing) + "\n" + report

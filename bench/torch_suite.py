@@ -1,0 +1,687 @@
+"""PyTorch's own distributed test suite on the ``collectives`` backend, beside Gloo.
+
+``python -m collectives.bench.torch_suite [--ranks 2,3,8] [--backend both]
+[-k PATTERN] [--jobs N] [--timeout S] [--json FILE] [--reference FILE]`` runs the CPU tests of
+``torch.testing._internal.distributed.distributed_test`` (the module behind
+torch's ``test/distributed/test_distributed_spawn.py``: the class
+``DistributedTest._DistTestBase`` run as ``TestDistBackend``, one process
+per rank started by ``spawn``) at each world size, once on the
+``collectives`` backend and once on Gloo, and prints, per world size and
+backend, how many tests passed, failed, were skipped and errored (timeouts
+count as errors), how long they took, and every test that passes on Gloo
+but not on ours with its failure's first line.
+
+What the driver changes, and nothing else:
+
+* Selection is Gloo's. ``BACKEND=gloo``, ``WORLD_SIZE=N`` and
+  ``INIT_METHOD=file://...`` are set before the suite is imported, so every
+  decorator that skips a test by backend name, world size or init method
+  decides as it does for Gloo; torch's own driver sets the same three.
+* On ``collectives`` (only there), inside each rank's process, the suite
+  module's name ``dist`` is bound to a copy of ``torch.distributed`` whose
+  ``init_process_group``, ``new_group``, ``new_subgroups`` and
+  ``new_subgroups_by_enumeration`` create with backend ``"collectives"``
+  what the suite asks of ``"gloo"`` (by name or ``dist.Backend.GLOO``).
+  Every process group the suite builds is therefore ours, and
+  ``dist.get_backend()`` says ``"collectives"``. Nothing else in torch is
+  touched: torch's own code calls the real functions.
+* On ``collectives``, ``"collectives"`` is added to the suite's lists of
+  backends whose profiler events it checks (``PROFILING_SUPPORTED_BACKENDS``,
+  ``SEND_RECV_PROFILING_SUPPORTED_BACKENDS``), so the profiled variants
+  check our events exactly as they check Gloo's (``--no-profile-checks``
+  leaves the lists as torch ships them).
+* A test whose decorators skip it on every rank whatever the backend does
+  (``skip_if_no_gpu`` and ``skip_if_lt_x_gpu`` without accelerators,
+  ``skip_if_small_worldsize`` below 8 ranks, ``skip_if_odd_worldsize`` at
+  odd sizes) is reported skipped, with torch's message, without starting
+  its ranks (``--spawn-all`` starts them anyway).
+* Each test gets a hard timeout (``--timeout``, default 120 s plus 15 s per
+  rank): torch's own per-test timeout is set to it, and a test whose worker
+  has not reported 30 s after it is killed with its processes and counted
+  as an error.
+
+Tests that torch's front end restricts to Gloo by name are listed in
+:data:`GLOO_ONLY` with the line of torch that restricts them (and the test
+that checks the backend's name against ``BACKEND``); they are reported
+apart and are not differences. The exit status is 1 when some other test
+passes on Gloo but not on ours.
+
+The tests run in worker processes (``--jobs`` of them), each bound to one
+backend and world size and fed test names one at a time; a worker that is
+killed is replaced. Logs of every worker go to ``--logs`` (a temporary
+folder by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import unittest
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence
+
+__all__ = ["TestResult", "GLOO_ONLY", "SuiteOptions", "run_suite", "suite_tests", "gloo_only", "main"]
+
+BACKENDS = ("collectives", "gloo")
+SUITE = "torch.testing._internal.distributed.distributed_test"
+_BACKEND_ENV = "COLLECTIVES_SUITE_BACKEND"
+_PROFILE_ENV = "COLLECTIVES_SUITE_PROFILE_CHECKS"
+_SPAWN_ALL_ENV = "COLLECTIVES_SUITE_SPAWN_ALL"
+_GRACE = 30.0
+_MODULE = "collectives.bench.torch_suite"
+
+#: Tests that cannot pass on another backend than Gloo, and the code of torch
+#: that decides it (found in the installed torch by :func:`gloo_only`): the
+#: front end's ``dist.monitored_barrier`` refuses every backend not named
+#: ``gloo``, and ``test_get_backend`` checks that the backend is named as
+#: ``BACKEND`` says.
+GLOO_ONLY_CODE = {
+    "test_monitored_barrier_gloo": ("torch.distributed.distributed_c10d", "monitored_barrier",
+                                    "get_backend(group) != Backend.GLOO"),
+    "test_monitored_barrier_gloo_subgroup": ("torch.distributed.distributed_c10d", "monitored_barrier",
+                                             "get_backend(group) != Backend.GLOO"),
+    "test_monitored_barrier_failure_order": ("torch.distributed.distributed_c10d", "monitored_barrier",
+                                             "get_backend(group) != Backend.GLOO"),
+    "test_monitored_barrier_wait_all_ranks": ("torch.distributed.distributed_c10d", "monitored_barrier",
+                                              "get_backend(group) != Backend.GLOO"),
+    "test_get_backend": (SUITE, "DistributedTest._DistTestBase.test_get_backend",
+                         "self.assertEqual(dist.get_backend(), backend_str)"),
+}
+GLOO_ONLY: dict[str, str] = {}
+
+
+@dataclass
+class TestResult:
+    """One test's outcome on one backend and world size."""
+
+    test: str
+    backend: str
+    world_size: int
+    status: str  # passed, failed, skipped, errored
+    seconds: float
+    message: str = ""
+
+
+def _code_line(module: str, qualname: str, text: str) -> str:
+    """``path:line: code`` of the first line of ``module.qualname``'s source that
+    contains ``text`` (read from the installed torch)."""
+    import importlib
+    import inspect
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    obj = inspect.unwrap(obj)
+    lines, first = inspect.getsourcelines(obj)
+    path = inspect.getsourcefile(obj) or module
+    short = path[path.rindex("torch/"):] if "torch/" in path else path
+    for offset, line in enumerate(lines):
+        if text in line:
+            return f"{short}:{first + offset}: {line.strip()}"
+    return f"{short}:{first}: (no line with {text!r})"
+
+
+def gloo_only() -> dict[str, str]:
+    """:data:`GLOO_ONLY_CODE` with the code of the installed torch (needs the
+    suite's environment: ``BACKEND`` and ``WORLD_SIZE`` set)."""
+    if not GLOO_ONLY:
+        for test, where in GLOO_ONLY_CODE.items():
+            GLOO_ONLY[test] = _code_line(*where)
+    return GLOO_ONLY
+
+
+# ------------------------------------------------------------------ rank side
+
+
+class _SuiteDist(types.ModuleType):
+    """``torch.distributed`` as the suite sees it on our backend: groups it asks
+    of Gloo are created on ``backend``; everything else is the real module."""
+
+    _CREATORS = ("init_process_group", "new_group", "new_subgroups", "new_subgroups_by_enumeration")
+
+    def __init__(self, real: types.ModuleType, backend: str) -> None:
+        super().__init__(real.__name__)
+        self._real = real
+        self._backend = backend
+        for name in self._CREATORS:
+            setattr(self, name, self._substituting(getattr(real, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _substituting(self, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if str(kwargs.get("backend", "")).lower() == "gloo":
+                kwargs["backend"] = self._backend
+            elif fn.__name__ == "init_process_group" and args and str(args[0]).lower() == "gloo":
+                args = (self._backend,) + tuple(args[1:])
+            return fn(*args, **kwargs)
+
+        call.__name__ = fn.__name__
+        call.__wrapped__ = fn
+        return call
+
+
+def _prepare_rank() -> None:
+    """In a rank's process: bind the suite to our backend when asked to."""
+    backend = os.environ.get(_BACKEND_ENV, "gloo")
+    if backend == "gloo":
+        return
+    import torch.distributed as dist
+
+    import collectives.integrations.torch  # noqa: F401  (registers the backend)
+    from torch.testing._internal.distributed import distributed_test as suite
+
+    suite.dist = _SuiteDist(dist, backend)
+    if os.environ.get(_PROFILE_ENV, "1") == "1":
+        for listed in (suite.PROFILING_SUPPORTED_BACKENDS, suite.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
+            if backend not in listed:
+                listed.append(backend)
+
+
+def _suite_class() -> type:
+    """The suite's test class, as torch's ``test_distributed_spawn.py`` builds it."""
+    from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend
+
+    class TorchSuiteTest(TestDistBackend, DistributedTest._DistTestBase):
+        def setUp(self) -> None:
+            super().setUp()
+            self._spawn_processes()
+
+        @classmethod
+        def _run(cls, rank: int, test_name: str, file_name: str, pipe: Any, **kwargs: Any) -> None:
+            _prepare_rank()
+            super()._run(rank, test_name, file_name, pipe, **kwargs)
+
+    TorchSuiteTest.__module__ = _MODULE
+    TorchSuiteTest.__qualname__ = "TorchSuiteTest"
+    return TorchSuiteTest
+
+
+def __getattr__(name: str) -> Any:
+    # The spawned ranks find the test class by name in this module.
+    if name == "TorchSuiteTest":
+        cls = _suite_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def suite_tests() -> list[str]:
+    """Every test name of the suite (needs the suite's environment set)."""
+    from torch.testing._internal.distributed.distributed_test import DistributedTest
+
+    return sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test"))
+
+
+# ---------------------------------------------------------------- worker side
+
+
+_FRAME = re.compile(r"^\s+File \"")
+_PROCESS = re.compile(r"Process (\d+) exited with error code \d+ and exception:\n")
+
+
+def _exception_line(traceback_text: str) -> str:
+    """The first line of the exception a traceback ends with, and the line that
+    says what was expected when it has one (torch's ``Expected 1 but got 0.``,
+    ``Expected exit code 0 but got 10``)."""
+    lines = traceback_text.strip("\n").splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=-1)
+    block = lines[last_frame + 1:]
+    start = next((i for i, line in enumerate(block) if line and not line.startswith(" ")), None)
+    if start is None:
+        return lines[-1].strip() if lines else ""
+    first = block[start].strip()
+    expected = [line.strip() for line in block[start + 1:] if line.strip().startswith("Expected")]
+    return " | ".join([first] + expected[-1:])
+
+
+def first_line(message: str) -> str:
+    """The first line worth showing of a failed test's error: the exception of
+    the first rank that raised one, prefixed with its rank."""
+    parts = _PROCESS.split(message)
+    if len(parts) >= 3:
+        return f"rank {parts[1]}: {_exception_line(parts[2])}"[:300]
+    return _exception_line(message)[:300]
+
+
+def _classify(outcome: unittest.TestResult) -> tuple[str, str]:
+    if outcome.skipped:
+        return "skipped", outcome.skipped[0][1].splitlines()[0] if outcome.skipped[0][1] else ""
+    problems = outcome.failures + outcome.errors
+    if not problems:
+        return "passed", ""
+    text = problems[0][1]
+    line = first_line(text)
+    if "terminated or timed out" in text or "Timing out after" in text:
+        return "errored", f"timed out: {line}"
+    if outcome.failures or "AssertionError" in line:
+        return "failed", line
+    return "errored", line
+
+
+def _certain_skip(fn: Any) -> str | None:
+    """The skip message of a test whose decorators make every rank exit with a
+    skip code here whatever the backend does: ``skip_if_no_gpu`` and
+    ``skip_if_lt_x_gpu`` on a machine without accelerators,
+    ``skip_if_small_worldsize`` below 8 ranks, ``skip_if_odd_worldsize`` at an
+    odd number of ranks (as torch decides them: by ``BACKEND`` and
+    ``WORLD_SIZE``); None for any other test."""
+    import torch
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+    from torch.testing._internal.common_utils import TEST_HPU, TEST_XPU
+
+    accelerators = torch.cuda.is_available() or TEST_HPU or TEST_XPU
+    not_mpi = os.environ["BACKEND"] != "mpi"
+    world_size = int(os.environ["WORLD_SIZE"])
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        where = getattr(code, "co_qualname", "")
+        if where == "skip_if_no_gpu.<locals>.wrapper" and not accelerators:
+            return TEST_SKIPS["no_cuda"].message
+        if where == "skip_if_lt_x_gpu.<locals>.decorator.<locals>.wrapper" and not accelerators:
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+            if not cells.get("allow_cpu", False):
+                return TEST_SKIPS[f"multi-gpu-{cells['x']}"].message
+        if where == "skip_if_small_worldsize.<locals>.wrapper" and not_mpi and world_size < 8:
+            return TEST_SKIPS["small_worldsize"].message
+        if where == "skip_if_odd_worldsize.<locals>.wrapper" and not_mpi and world_size % 2 == 1:
+            return TEST_SKIPS["odd_worldsize"].message
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def _run_one(cls: type, name: str) -> tuple[str, str]:
+    fn = getattr(cls, name, None)
+    if os.environ.get(_SPAWN_ALL_ENV) != "1" and not getattr(fn, "__unittest_skip__", False):
+        reason = _certain_skip(fn)
+        if reason is not None:
+            return "skipped", reason
+    outcome = unittest.TestResult()
+    try:
+        cls(name).run(outcome)
+    except BaseException as exc:  # the harness itself broke
+        return "errored", f"{type(exc).__name__}: {exc}"
+    return _classify(outcome)
+
+
+def worker() -> None:
+    """Run test names read from stdin, one JSON result per line on the original stdout.
+
+    The backend and world size come from the environment (set by :func:`run_suite`)."""
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # the tests' and ranks' own output goes to the log
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    from torch.testing._internal import common_distributed
+
+    timeout = float(os.environ["COLLECTIVES_SUITE_TIMEOUT"])
+    common_distributed.get_timeout = lambda test_id: timeout
+    cls = __getattr__("TorchSuiteTest")
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            continue
+        start = time.monotonic()
+        status, message = _run_one(cls, name)
+        results.write(json.dumps({"test": name, "status": status, "message": message,
+                                  "seconds": round(time.monotonic() - start, 2)}) + "\n")
+
+
+# ---------------------------------------------------------------- driver side
+
+
+@dataclass
+class SuiteOptions:
+    """How one world size is run.
+
+    Args:
+        world_size: ranks per test.
+        timeout: hard timeout of one test, seconds (default 120 + 15 per rank).
+        jobs: tests run at once.
+        logs: folder for the workers' logs (default: a new temporary folder).
+        profile_checks: let the suite check our profiler events as it checks Gloo's.
+        spawn_all: start the ranks of tests whose decorators skip them anyway.
+    """
+
+    world_size: int
+    timeout: float | None = None
+    jobs: int = 1
+    logs: str | None = None
+    profile_checks: bool = True
+    spawn_all: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timeout is None:
+            self.timeout = 120.0 + 15.0 * self.world_size
+        if self.logs is None:
+            self.logs = tempfile.mkdtemp(prefix="torch-suite-logs-")
+        os.makedirs(self.logs, exist_ok=True)
+
+
+def suite_environment(backend: str, options: SuiteOptions, scratch: str) -> dict[str, str]:
+    """The environment a worker runs the suite in."""
+    env = dict(os.environ)
+    init_file = os.path.join(scratch, f"init-{backend}-{options.world_size}-{os.getpid()}")
+    env.update({"BACKEND": "gloo", "WORLD_SIZE": str(options.world_size), "TEMP_DIR": scratch,
+                "INIT_METHOD": f"file://{init_file}", _BACKEND_ENV: backend,
+                _PROFILE_ENV: "1" if options.profile_checks else "0",
+                _SPAWN_ALL_ENV: "1" if options.spawn_all else "0",
+                "COLLECTIVES_SUITE_TIMEOUT": str(options.timeout), "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def list_tests(pattern: str | None = None) -> list[str]:
+    """The suite's test names matching the regular expression ``pattern`` (and,
+    as a side effect, :data:`GLOO_ONLY` filled from the installed torch)."""
+    env = suite_environment("gloo", SuiteOptions(2, logs=tempfile.gettempdir()), tempfile.gettempdir())
+    code = (f"import json; from {_MODULE} import suite_tests, gloo_only; "
+            f"print(json.dumps([suite_tests(), gloo_only()]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=120)
+    names, restricted = json.loads(out.stdout.strip().splitlines()[-1])
+    GLOO_ONLY.update(restricted)
+    return [n for n in names if pattern is None or re.search(pattern, n)]
+
+
+class _Worker:
+    """One worker process, bound to a backend and world size, in a session of its own."""
+
+    def __init__(self, env: dict[str, str], log_path: str) -> None:
+        self.log = open(log_path, "a")
+        code = f"from {_MODULE} import worker; worker()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self.ready = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.ready:
+                self.lines.append(line)
+                self.ready.notify_all()
+        with self.ready:
+            self.lines.append("")  # end of output
+            self.ready.notify_all()
+
+    def run(self, name: str, deadline: float) -> dict | None:
+        """The result of test ``name``; None when the worker died or ``deadline`` passed."""
+        self.log.write(f"\n===== {name}\n")
+        self.log.flush()
+        try:
+            self.proc.stdin.write(name + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return None
+        with self.ready:
+            while not self.lines:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.ready.wait(left)
+            line = self.lines.pop(0)
+        return json.loads(line) if line else None
+
+    def kill(self) -> None:
+        """Kill the worker and every process it started."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+    def close(self) -> None:
+        """Let the worker finish (end of its input), killing it if it lingers."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+
+class _Pool:
+    """Workers taking (backend, test) tasks from one queue, one worker per
+    backend and slot; every worker is killed when the pool stops."""
+
+    def __init__(self, options: SuiteOptions, scratch: str, progress: Any) -> None:
+        self.options = options
+        self.scratch = scratch
+        self.progress = progress
+        self.lock = threading.Lock()
+        self.tasks: list[tuple[str, str]] = []
+        self.results: list[TestResult] = []
+        self.workers: list[_Worker] = []
+        self.stopping = False
+
+    def _worker(self, backend: str, slot: int) -> _Worker:
+        log = os.path.join(self.options.logs, f"{backend}-{self.options.world_size}-{slot}.log")
+        worker = _Worker(suite_environment(backend, self.options, self.scratch), log)
+        with self.lock:
+            self.workers.append(worker)
+        return worker
+
+    def _one(self, worker: _Worker, backend: str, name: str) -> TestResult | None:
+        """Run one test; None when its worker had to be killed (then it is)."""
+        hard = self.options.timeout + _GRACE
+        start = time.monotonic()
+        got = worker.run(name, start + hard)
+        if got is None:
+            worker.kill()
+            if self.stopping:
+                return None
+            got = {"status": "errored", "seconds": round(time.monotonic() - start, 2),
+                   "message": f"timed out: killed after {hard:.0f}s (hard timeout)"}
+        return TestResult(name, backend, self.options.world_size, got["status"], got["seconds"],
+                          got.get("message", ""))
+
+    def _slot(self, slot: int) -> None:
+        workers: dict[str, _Worker] = {}
+        try:
+            while not self.stopping:
+                with self.lock:
+                    if not self.tasks:
+                        return
+                    backend, name = self.tasks.pop(0)
+                worker = workers.get(backend)
+                if worker is None or worker.proc.poll() is not None:
+                    worker = workers[backend] = self._worker(backend, slot)
+                result = self._one(worker, backend, name)
+                if result is None:
+                    return
+                with self.lock:
+                    self.results.append(result)
+                self.progress(result)
+        finally:
+            for worker in workers.values():
+                worker.close()
+
+    def run(self, tasks: list[tuple[str, str]]) -> list[TestResult]:
+        """Run every task; on an interrupt, kill every worker and re-raise."""
+        self.tasks = list(tasks)
+        threads = [threading.Thread(target=self._slot, args=(slot,), daemon=True)
+                   for slot in range(max(1, self.options.jobs))]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)
+        except BaseException:
+            self.stopping = True
+            with self.lock:
+                workers = list(self.workers)
+            for worker in workers:
+                worker.kill()
+            raise
+        return self.results
+
+
+def run_suite(tests: Sequence[str], options: SuiteOptions, backends: Sequence[str] = BACKENDS,
+              progress: Any = None) -> tuple[list[TestResult], float]:
+    """Run ``tests`` as ``options`` say on each backend; the results and the wall time.
+
+    Args:
+        tests: test names of the suite.
+        options: world size, timeout, jobs, ...
+        backends: ``"collectives"`` and/or ``"gloo"``.
+        progress: called with each :class:`TestResult` as it comes.
+    """
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="torch-suite-") as scratch:
+        pool = _Pool(options, scratch, progress or (lambda result: None))
+        results = pool.run([(b, t) for t in tests for b in backends])
+    order = {name: i for i, name in enumerate(tests)}
+    results.sort(key=lambda r: (order[r.test], r.backend))
+    return results, time.monotonic() - start
+
+
+def load_results(path: str) -> list[TestResult]:
+    """Results written by ``--json``."""
+    with open(path) as f:
+        return [TestResult(**item) for item in json.load(f)]
+
+
+# ---------------------------------------------------------------- reporting
+
+
+STATUSES = ("passed", "failed", "skipped", "errored")
+
+
+def counts(results: Iterable[TestResult], backend: str) -> dict[str, Any]:
+    """Counts per status and total seconds of one backend's results."""
+    mine = [r for r in results if r.backend == backend]
+    c: dict[str, Any] = {s: sum(r.status == s for r in mine) for s in STATUSES}
+    c["seconds"] = round(sum(r.seconds for r in mine), 1)
+    return c
+
+
+def differences(results: Iterable[TestResult], ours: str = "collectives",
+                reference: str = "gloo") -> list[tuple[TestResult, TestResult]]:
+    """(reference, ours) for every test that passes on ``reference`` and not on ``ours``."""
+    by = {(r.test, r.backend): r for r in results}
+    pairs = []
+    for (test, backend), ref in sorted(by.items()):
+        if backend == reference and ref.status == "passed":
+            mine = by.get((test, ours))
+            if mine is not None and mine.status != "passed":
+                pairs.append((ref, mine))
+    return pairs
+
+
+def report(results: list[TestResult], world_size: int, wall: float | None) -> str:
+    """The text printed for one world size (both backends' counts, then the differences)."""
+    backends = [b for b in BACKENDS if any(r.backend == b for r in results)]
+    took = f": {wall:.0f} s wall" if wall is not None else ""
+    lines = [f"== world size {world_size}{took}",
+             f"{'backend':<12} {'passed':>6} {'failed':>6} {'skipped':>7} {'errored':>7} {'seconds':>8}"]
+    for b in backends:
+        c = counts(results, b)
+        lines.append(f"{b:<12} {c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} {c['errored']:>7} "
+                     f"{c['seconds']:>8.0f}")
+    if set(BACKENDS) <= set(backends):
+        diffs = differences(results)
+        real = [m for _, m in diffs if m.test not in GLOO_ONLY]
+        known = [m for _, m in diffs if m.test in GLOO_ONLY]
+        lines.append(f"passes on gloo, not on collectives: {len(real)}")
+        lines += [f"  {m.test}: {m.status}: {m.message}" for m in real]
+        if known:
+            lines.append(f"restricted to gloo by torch (not counted): {len(known)}")
+            lines += [f"  {m.test}: {GLOO_ONLY[m.test]}" for m in known]
+    return "\n".join(lines)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m collectives.bench.torch_suite",
+                                 description="torch's distributed test suite on collectives and on Gloo")
+    ap.add_argument("--ranks", default="2,3,8", help="world sizes, comma separated (default 2,3,8)")
+    ap.add_argument("--backend", default="both", choices=["collectives", "gloo", "both"])
+    ap.add_argument("-k", dest="pattern", default=None, help="run the tests whose name matches this regex")
+    ap.add_argument("--jobs", type=int, default=1, help="tests run at once (default 1)")
+    ap.add_argument("--timeout", type=float, default=None, help="hard timeout per test, s (default 120 + 15/rank)")
+    ap.add_argument("--json", dest="json_path", default=None, help="write every result to this file")
+    ap.add_argument("--reference", default=None,
+                    help="results of an earlier --json run; its gloo results stand in for tests not run on gloo now")
+    ap.add_argument("--logs", default=None, help="folder for the workers' logs")
+    ap.add_argument("--no-profile-checks", action="store_true",
+                    help="do not check our profiler events (torch's lists unchanged)")
+    ap.add_argument("--spawn-all", action="store_true",
+                    help="start the ranks of tests whose decorators skip them anyway (no accelerators, world size)")
+    ap.add_argument("--list", action="store_true", help="list the selected tests and exit")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no line per test")
+    return ap.parse_args(argv)
+
+
+def _with_reference(results: list[TestResult], reference: list[TestResult], world_size: int) -> list[TestResult]:
+    """``results`` plus the reference's gloo results of the same tests at ``world_size``
+    that were not run on gloo now."""
+    ran = {(r.test, r.backend) for r in results}
+    tests = {r.test for r in results}
+    extra = [r for r in reference if r.backend == "gloo" and r.world_size == world_size
+             and r.test in tests and (r.test, "gloo") not in ran]
+    return results + extra
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point; 1 when a test passes on Gloo but not on ours."""
+    args = _parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)  # so that the workers are killed too
+    tests = list_tests(args.pattern)
+    if args.list:
+        print("\n".join(tests))
+        return 0
+    backends = list(BACKENDS) if args.backend == "both" else [args.backend]
+    reference = load_results(args.reference) if args.reference else []
+    logs = args.logs or tempfile.mkdtemp(prefix="torch-suite-logs-")
+    print(f"{len(tests)} tests; logs in {logs}", flush=True)
+
+    def show(r: TestResult) -> None:
+        if args.json_path:  # after every test, so that an interrupted sweep keeps what it did
+            done.append(r)
+            with open(args.json_path, "w") as f:
+                json.dump([asdict(x) for x in done], f, indent=1)
+        if not args.quiet:
+            note = f"  {r.message}" if r.status != "passed" and r.message else ""
+            print(f"[{r.world_size}] {r.backend:<11} {r.status:<7} {r.seconds:6.1f}s {r.test}{note}", flush=True)
+
+    done: list[TestResult] = []
+    everything: list[TestResult] = []
+    summaries = []
+    status = 0
+    for world_size in [int(x) for x in args.ranks.split(",") if x]:
+        options = SuiteOptions(world_size, timeout=args.timeout, jobs=args.jobs, logs=logs,
+                               profile_checks=not args.no_profile_checks, spawn_all=args.spawn_all)
+        results, wall = run_suite(tests, options, backends, progress=show)
+        everything += results
+        compared = _with_reference(results, reference, world_size)
+        summaries.append(report(compared, world_size, wall))
+        print(summaries[-1], flush=True)
+        if any(m.test not in GLOO_ONLY for _, m in differences(compared)):
+            status = 1
+        if args.json_path:  # after each world size, so that a long sweep keeps what it did
+            with open(args.json_path, "w") as f:
+                json.dump([asdict(r) for r in everything], f, indent=1)
+    if len(summaries) > 1:
+        print("\n" + "\n\n".join(summaries))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
