@@ -17,7 +17,8 @@ __all__ = ["main"]
 
 #: subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS = {
-    "run": ("collectives.cli", "start N local ranks of a script or program (like torchrun --standalone, mpiexec -n)"),
+    "run": ("collectives.cli", "start N ranks of a script or program on this host or on several "
+                               "(like torchrun, mpiexec -n)"),
     "bench": ("collectives.bench.cli", "OSU / nccl-tests style microbenchmarks"),
     "calibrate": ("collectives.cost_models.calibrate", "measure alpha, beta, gamma and memory bandwidth of a transport"),
     "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice"),
@@ -39,6 +40,12 @@ Any other file (a script without .py, a .pyz) runs under this Python, and so
 does a directory with __main__.py that is not a program on PATH. A file of
 that name here comes before a program on PATH. Options after the program or
 script are its own.
+
+several nodes: one launcher per node, node 0's serving the rendezvous, e.g.
+  collectives run --nnodes 2 --node-rank 0 --master-addr host0 -n 4 train.py   (on host0)
+  collectives run --nnodes 2 --node-rank 1 --master-addr host0 -n 4 train.py   (on host1)
+Give every node the same COLLECTIVES_SECRET: otherwise node 0 makes one and
+sends it to the others in the clear (see docs/launching.md).
 
 exit status: 0 if every rank succeeded; else the first failing rank's status
 (128 + N if signal N killed it), 128 + N if the launcher got signal N
@@ -72,12 +79,47 @@ def rank_command(program: str, args: Sequence[str], module: str | None = None) -
 
 def run_main(argv: Sequence[str]) -> int:
     """``collectives run -n N [options] (script.py | -m module | program) args...``"""
-    from .launcher import launch
+    from .errors import BadArgument
+
+    try:
+        ap = _run_parser()
+    except BadArgument as exc:  # a COLLECTIVES_* default that is not of its type
+        print(f"collectives run: {exc}", file=sys.stderr)
+        return 2
+    ns = ap.parse_args(argv)
+    if not ns.script and not ns.module:
+        ap.error("a script, a program or -m module is required")
+    if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
+        ap.error(f"--node-rank {ns.node_rank} is not one of 0 to {ns.nnodes - 1} (--nnodes {ns.nnodes})")
+    try:
+        cmd = rank_command(ns.script, ns.args, ns.module)
+    except FileNotFoundError as exc:
+        print(f"collectives run: {exc}", file=sys.stderr)
+        return 127
+    common = dict(transport=ns.transport, prefix=not ns.no_prefix, timeout=ns.timeout,
+                  on_failure=ns.on_failure, bind=ns.bind)
+    if ns.nnodes == 1:
+        from .launcher import launch
+
+        return launch(cmd, ns.nprocs, **common)
+    from .multinode import launch_nodes
+
+    try:
+        return launch_nodes(cmd, ns.nprocs, nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+                            master_port=ns.master_port, join_timeout=ns.join_timeout, **common)
+    except ValueError as exc:
+        print(f"collectives run: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    from . import config
 
     ap = argparse.ArgumentParser(prog="collectives run", epilog=RUN_FORMS,
-                                 description="start N local ranks of a script or program",
+                                 description="start N ranks of a script or program on this node",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-n", "--nprocs", type=int, default=os.cpu_count() or 1, help="number of ranks")
+    ap.add_argument("-n", "--nprocs", "--nproc-per-node", type=int, default=os.cpu_count() or 1,
+                    help="number of ranks on this node")
     ap.add_argument("--transport", default=None, help="transport name (default: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
     ap.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
@@ -87,20 +129,23 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument("--bind", choices=("auto", "core", "none"), default=None,
                     help="bind rank i to core i (round robin): auto (default, COLLECTIVES_BIND) when the "
                          "ranks outnumber the cores, core always, none never")
+    nodes = ap.add_argument_group("several nodes (one launcher per node)")
+    nodes.add_argument("--nnodes", type=int, default=config.get("NNODES"),
+                       help="number of nodes (default 1: COLLECTIVES_NNODES)")
+    nodes.add_argument("--node-rank", type=int, default=config.get("NODE_RANK"),
+                       help="this node's index, 0 to nnodes - 1; node 0 serves the rendezvous "
+                            "(COLLECTIVES_NODE_RANK)")
+    nodes.add_argument("--master-addr", default=config.get("MASTER_ADDR"),
+                       help="node 0's host, as the other nodes reach it (default 127.0.0.1: "
+                            "COLLECTIVES_MASTER_ADDR)")
+    nodes.add_argument("--master-port", type=int, default=config.get("MASTER_PORT"),
+                       help="the port node 0's launcher listens on (default 29500: COLLECTIVES_MASTER_PORT)")
+    nodes.add_argument("--join-timeout", type=float, default=config.get("JOIN_TIMEOUT"),
+                       help="seconds for every node to join (default 300: COLLECTIVES_JOIN_TIMEOUT)")
     ap.add_argument("-m", dest="module", default=None, help="run a module under this Python (like python -m)")
     ap.add_argument("script", nargs="?", help="a .py script, or the program every rank runs (see below)")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script or program")
-    ns = ap.parse_args(argv)
-    if not ns.script and not ns.module:
-        ap.error("a script, a program or -m module is required")
-    try:
-        cmd = rank_command(ns.script, ns.args, ns.module)
-    except FileNotFoundError as exc:
-        print(f"collectives run: {exc}", file=sys.stderr)
-        return 127
-    return launch(cmd, ns.nprocs, transport=ns.transport, prefix=not ns.no_prefix, timeout=ns.timeout,
-                  on_failure=ns.on_failure,
-                  bind=ns.bind)
+    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,6 +65,15 @@ def _settings() -> dict[str, Setting]:
         Setting("BIND", "str", "auto", "bind ranks to cores: auto (when they outnumber the cores), core, none",
                 "launch", ("auto", "core", "none")),
         Setting("SOCKET_IFNAME", "str", None, "the network interface TCP listens on", "launch"),
+        Setting("NNODES", "int", 1, "nodes of a `collectives run` job, one launcher each (--nnodes)", "launch"),
+        Setting("NODE_RANK", "int", 0, "this node's index in a `collectives run` job over several nodes "
+                "(--node-rank)", "launch"),
+        Setting("MASTER_ADDR", "str", "127.0.0.1", "where node 0's `collectives run` listens for the other "
+                "nodes' launchers (--master-addr)", "launch"),
+        Setting("MASTER_PORT", "int", 29500, "the port node 0's `collectives run` listens on (--master-port); "
+                "the ranks get another as MASTER_PORT", "launch"),
+        Setting("JOIN_TIMEOUT", "float", 300.0, "seconds for every node of a `collectives run` job to join "
+                "(--join-timeout)", "launch"),
         # shared memory
         Setting("SHM_RING_BYTES", "bytes", None, "bytes of each sender's ring (default 1 MiB up to 4 ranks, "
                 "less above, never below 64 KiB); all ranks must agree", "shm"),

@@ -7,7 +7,14 @@ Launchers recognised, in this order:
 * torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``;
 * mpiexec: ``PMI_RANK``/``PMI_SIZE`` (MPICH, Intel MPI) or
-  ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (Open MPI).
+  ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (Open MPI);
+* srun (Slurm): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or
+  ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_JOB_ID``
+  and ``SLURM_STEP_ID`` (the job id), the master from the first host of
+  ``SLURM_STEP_NODELIST`` or ``SLURM_JOB_NODELIST`` (unless ``MASTER_ADDR``
+  is set) and the port from ``MASTER_PORT`` or derived from the job and step
+  ids (:func:`slurm_port`). Only a step's tasks count: a batch script
+  (``SLURM_PROCID`` but no ``SLURM_STEP_ID``) is not a rank of a job.
 
 ``transport="auto"`` picks shared memory when every rank is on this host,
 MPI under mpiexec, and ZeroMQ/TCP otherwise.
@@ -24,12 +31,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import config, debug_log
+from . import config, debug_log, hostlist
 from .communicator import Communicator, live_communicators
 from .errors import BadArgument, TransportUnavailable
 from .registry import transport_class
 
-__all__ = ["init", "LaunchInfo", "detect_launch"]
+__all__ = ["init", "LaunchInfo", "detect_launch", "slurm_port"]
 
 log = logging.getLogger("collectives")
 
@@ -40,11 +47,13 @@ class LaunchInfo:
 
     rank: int
     size: int
-    launcher: str  # "collectives", "torchrun", "mpiexec" or "none"
+    launcher: str  # "collectives", "torchrun", "mpiexec", "slurm" or "none"
     job: str
     all_local: bool
     options: dict[str, Any] = field(default_factory=dict)
     transport: str | None = None
+    local_rank: int | None = None  # the rank among those of this host, where the launcher says
+    node_rank: int | None = None  # the index of this host in the job, where the launcher says
 
 
 def _int(env: dict, key: str) -> int | None:
@@ -57,7 +66,12 @@ def _job_from(*parts: str) -> str:
 
 
 def detect_launch(env: dict[str, str] | None = None) -> LaunchInfo:
-    """Read rank, size, job id and rendezvous options from ``env`` (default os.environ)."""
+    """Read rank, size, job id and rendezvous options from ``env`` (default
+    os.environ), trying the launchers in the module docstring's order.
+
+    Raises:
+        BadArgument: an srun step whose node list is missing or invalid.
+    """
     env = dict(os.environ if env is None else env)
     opts: dict[str, Any] = {}
     for key, opt in (("MASTER_ADDR", "master_addr"), ("MASTER_PORT", "master_port"),
@@ -67,19 +81,59 @@ def detect_launch(env: dict[str, str] | None = None) -> LaunchInfo:
     if _int(env, "COLLECTIVES_RANK") is not None:
         return LaunchInfo(_int(env, "COLLECTIVES_RANK"), _int(env, "COLLECTIVES_SIZE") or 1, "collectives",
                           env.get("COLLECTIVES_JOB", "default"), env.get("COLLECTIVES_LOCAL", "1") == "1",
-                          opts, env.get("COLLECTIVES_TRANSPORT") or None)
+                          opts, env.get("COLLECTIVES_TRANSPORT") or None, _int(env, "LOCAL_RANK"),
+                          _int(env, "NODE_RANK"))
     if _int(env, "RANK") is not None and _int(env, "WORLD_SIZE") is not None:
         size = _int(env, "WORLD_SIZE")
         local = _int(env, "LOCAL_WORLD_SIZE")
         job = _job_from(env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""),
                         env.get("TORCHELASTIC_RUN_ID", ""))
         return LaunchInfo(_int(env, "RANK"), size, "torchrun", job, local == size, opts,
-                          env.get("COLLECTIVES_TRANSPORT") or None)
+                          env.get("COLLECTIVES_TRANSPORT") or None, _int(env, "LOCAL_RANK"),
+                          _int(env, "GROUP_RANK"))
     for rk, sk in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
         if _int(env, rk) is not None:
             return LaunchInfo(_int(env, rk), _int(env, sk) or 1, "mpiexec", "mpi", False, opts,
                               env.get("COLLECTIVES_TRANSPORT") or None)
+    slurm = _detect_slurm(env, opts)
+    if slurm is not None:
+        return slurm
     return LaunchInfo(0, 1, "none", f"single-{os.getpid()}", True, opts, env.get("COLLECTIVES_TRANSPORT") or None)
+
+
+#: the ports :func:`slurm_port` derives lie in [SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN),
+#: below Linux's ephemeral range (32768 and up)
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
+
+
+def slurm_port(job_id: str, step_id: str) -> int:
+    """The rendezvous port of a Slurm job step when ``MASTER_PORT`` is not set:
+    the same on every task of the step, and most likely another for the next
+    step or job (15000 to 29999)."""
+    digest = hashlib.sha1(f"slurm:{job_id}.{step_id}".encode()).digest()
+    return SLURM_PORT_BASE + int.from_bytes(digest[:4], "big") % SLURM_PORT_SPAN
+
+
+def _detect_slurm(env: dict[str, str], opts: dict[str, Any]) -> LaunchInfo | None:
+    """A task of an ``srun`` step (None when ``env`` is not one)."""
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    if _int(env, "SLURM_PROCID") is None or not step:
+        return None
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"
+    size = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS") or 1
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    nodes = _int(env, "SLURM_STEP_NUM_NODES") or _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
+    opts = dict(opts)
+    if "master_addr" not in opts:
+        if not nodelist:
+            raise BadArgument("srun set no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: set MASTER_ADDR "
+                              "to the host of rank 0")
+        opts["master_addr"] = hostlist.first_host(nodelist)
+    opts.setdefault("master_port", str(slurm_port(job_id, step)))
+    all_local = nodes == 1 if nodes is not None else len(hostlist.expand(nodelist or "")) <= 1
+    return LaunchInfo(_int(env, "SLURM_PROCID"), size, "slurm", f"slurm-{job_id}.{step}", all_local, opts,
+                      env.get("COLLECTIVES_TRANSPORT") or None, _int(env, "SLURM_LOCALID"),
+                      _int(env, "SLURM_NODEID"))
 
 
 def _choose_transport(info: LaunchInfo) -> str:

@@ -1,4 +1,6 @@
-"""``collectives run``: start N local ranks, like ``torchrun --standalone``.
+"""``collectives run``: start N local ranks, like ``torchrun --standalone``
+(several nodes: :mod:`collectives.multinode`, which uses this module's
+:func:`run_processes`).
 
 Each rank gets the environment :func:`collectives.init` reads (and torch's
 RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so torch scripts run unchanged);
@@ -56,7 +58,7 @@ import threading
 import time
 from typing import IO, Callable, Iterable, Sequence
 
-__all__ = ["launch", "rank_environment", "free_port", "rank_cpus", "shell_status"]
+__all__ = ["launch", "run_processes", "rank_environment", "free_port", "rank_cpus", "shell_status"]
 
 GRACE_SECONDS = 3.0
 BIND_CHOICES = ("auto", "core", "none")
@@ -64,6 +66,9 @@ BIND_CHOICES = ("auto", "core", "none")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 POLL_SECONDS = 0.02
 _PR_SET_PDEATHSIG = 1
+#: the launcher's own settings: not passed on, so that a launcher a rank starts is not taken for a node
+_LAUNCHER_ONLY = ("COLLECTIVES_NNODES", "COLLECTIVES_NODE_RANK", "COLLECTIVES_MASTER_ADDR",
+                  "COLLECTIVES_MASTER_PORT", "COLLECTIVES_JOIN_TIMEOUT")
 _WATCH_FLAG = "--watch"
 _DONE = b"done\n"
 
@@ -76,19 +81,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def rank_environment(rank: int, size: int, *, job: str, secret: str, master_port: int,
-                     transport: str | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of one local rank."""
-    env = dict(os.environ if base is None else base)
+                     transport: str | None = None, base: dict[str, str] | None = None,
+                     local_rank: int | None = None, local_size: int | None = None, node_rank: int = 0,
+                     nnodes: int = 1, master_addr: str = "127.0.0.1") -> dict[str, str]:
+    """The environment of one rank: ours, and torchrun's variables. On one
+    node (``nnodes`` 1) the local rank and size are the rank and size."""
+    local_rank = rank if local_rank is None else local_rank
+    local_size = size if local_size is None else local_size
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _LAUNCHER_ONLY}
     env.update({
         "COLLECTIVES_RANK": str(rank), "COLLECTIVES_SIZE": str(size), "COLLECTIVES_JOB": job,
-        "COLLECTIVES_SECRET": secret, "COLLECTIVES_LOCAL": "1",
-        "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+        "COLLECTIVES_SECRET": secret, "COLLECTIVES_LOCAL": "1" if nnodes == 1 else "0",
+        "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_size), "NODE_RANK": str(node_rank), "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         "PYTHONUNBUFFERED": "1",
     })
     if transport:
         env["COLLECTIVES_TRANSPORT"] = transport
-    if size > 1:  # as torchrun does: ranks sharing a host do not each start a thread per core
+    if local_size > 1:  # as torchrun does: ranks sharing a host do not each start a thread per core
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -277,10 +288,12 @@ def _spawn(command: Sequence[str], nprocs: int, envs: Sequence[dict[str, str]],
             _bind(p, cpus[r])
 
 
-def _start_pumps(procs: Sequence[subprocess.Popen], prefix: bool) -> list[threading.Thread]:
+def _start_pumps(procs: Sequence[subprocess.Popen], prefix: bool, labels: Sequence[int]) -> list[threading.Thread]:
+    """A thread per rank that copies its output to ours, each line prefixed
+    with ``[rank N]`` (N from ``labels``) when ``prefix``."""
     out, lock = sys.stdout.buffer, threading.Lock()
     pumps = []
-    for r, p in enumerate(procs):
+    for r, p in zip(labels, procs):
         t = threading.Thread(target=_pump, daemon=True,
                              args=(p.stdout, f"[rank {r}] ".encode() if prefix else b"", out, lock))
         t.start()
@@ -348,31 +361,51 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
         shell reports it (128 + N if signal N killed it); 128 + N if the
         launcher got signal N (SIGTERM, SIGINT, SIGHUP); 124 on timeout; 127
         or 126 if ``command`` could not be started.
+
+    Several nodes: :func:`collectives.multinode.launch_nodes`.
     """
     if nprocs < 1:
         raise ValueError("nprocs must be >= 1")
+    if on_failure not in ("stop", "continue"):
+        raise ValueError(f"on_failure must be 'stop' or 'continue', got {on_failure!r}")
     cpus = rank_cpus(nprocs, bind)
     job, secret, port = secrets.token_hex(6), secrets.token_hex(16), free_port()
     envs = [rank_environment(r, nprocs, job=job, secret=secret, master_port=port, transport=transport)
             for r in range(nprocs)]
+    received, restore = _record_stop_signals()
+    try:
+        return run_processes(command, envs, list(range(nprocs)), cpus, prefix,
+                             lambda procs: _supervise(procs, timeout, received, on_failure))
+    finally:
+        restore()
+
+
+def run_processes(command: Sequence[str], envs: Sequence[dict[str, str]], labels: Sequence[int],
+                  cpus: list[set[int]] | None, prefix: bool,
+                  supervise: Callable[[list[subprocess.Popen]], int]) -> int:
+    """Start one rank of ``command`` per environment of ``envs`` (named by
+    ``labels`` in its output and errors), let ``supervise`` watch them and
+    return the job's status, and stop every process left in the ranks'
+    groups however it ends (a watchdog does so if this process dies).
+
+    Returns:
+        what ``supervise`` returns; 127 or 126 if a rank could not be
+        started (``supervise`` is not called then).
+    """
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    received, restore = _record_stop_signals()
     watchdog = _Watchdog()
     try:
         try:
-            _spawn(command, nprocs, envs, cpus, watchdog, procs)
+            _spawn(command, len(envs), envs, cpus, watchdog, procs)
         except OSError as exc:
-            _say(f"cannot start rank {len(procs)}: {command[0]}: {exc.strerror or exc}")
+            _say(f"cannot start rank {labels[len(procs)]}: {command[0]}: {exc.strerror or exc}")
             return 127 if exc.errno == errno.ENOENT else 126
-        pumps = _start_pumps(procs, prefix)  # after the forks: no thread of ours runs across one
-        if on_failure not in ("stop", "continue"):
-            raise ValueError(f"on_failure must be 'stop' or 'continue', got {on_failure!r}")
-        return _supervise(procs, timeout, received, on_failure)
+        pumps = _start_pumps(procs, prefix, labels)  # after the forks: no thread of ours runs across one
+        return supervise(procs)
     finally:
         _stop(procs)
         watchdog.release()
-        restore()
         for t in pumps:
             t.join(timeout=1.0)
 

@@ -128,3 +128,29 @@ def test_detect_nothing_is_a_single_rank():
 def test_init_rejects_bad_rank():
     with pytest.raises(BadArgument):
         init(rank=3, size=2, transport="shm")
+
+
+def test_rank_environment_on_one_node_and_on_several():
+    from collectives.launcher import rank_environment
+
+    one = rank_environment(1, 3, job="j", secret="s", master_port=1234, base={})
+    assert {k: one[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "COLLECTIVES_LOCAL")} == {
+        "RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3", "NODE_RANK": "0",
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
+        "COLLECTIVES_LOCAL": "1"}
+    several = rank_environment(4, 5, job="j", secret="s", master_port=1234, base={}, local_rank=0, local_size=1,
+                               node_rank=2, nnodes=3, master_addr="10.0.0.1")
+    assert (several["RANK"], several["LOCAL_RANK"], several["LOCAL_WORLD_SIZE"], several["NODE_RANK"],
+            several["GROUP_WORLD_SIZE"], several["MASTER_ADDR"], several["COLLECTIVES_LOCAL"]) == (
+        "4", "0", "1", "2", "3", "10.0.0.1", "0")
+    assert "OMP_NUM_THREADS" not in several  # alone on its node: no thread limit
+
+
+def test_detect_reads_local_and_node_ranks():
+    ours = detect_launch({"COLLECTIVES_RANK": "3", "COLLECTIVES_SIZE": "4", "COLLECTIVES_LOCAL": "0",
+                          "LOCAL_RANK": "1", "NODE_RANK": "1"})
+    assert (ours.local_rank, ours.node_rank, ours.all_local) == (1, 1, False)
+    torch = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "GROUP_RANK": "1"})
+    assert (torch.local_rank, torch.node_rank) == (1, 1)
+    assert detect_launch({}).local_rank is None
