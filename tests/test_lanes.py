@@ -15,7 +15,7 @@ import pytest
 
 from collectives import PeerLost
 from collectives.signature import NO_SIG
-from collectives.transports import lanes
+from collectives.transports.zmq import lanes
 from harness import run_ranks
 
 

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from collectives import CollectiveTimeout, MismatchedCollective, PeerLost
-from collectives.transports import zmq as zmq_transport
+from collectives.transports.zmq import wire as zmq_transport
 from harness import run_ranks
 from test_collectives import CHECKS
 

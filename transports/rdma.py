@@ -125,7 +125,7 @@ class RdmaTransport(Transport):
         import zmq
 
         from .rendezvous import JobCredentials, open_store
-        from .zmq import _secret
+        from .zmq.options import job_secret as _secret
 
         ctx = zmq.Context()
         store, close_store = open_store(ctx, rank, options, JobCredentials(_secret(options, job)), None, timeout)

@@ -34,7 +34,7 @@ a goodbye) arrives before its end.
 
 The lanes deliver into the transport's matching through callbacks:
 ``start(peer, tag, total, sig) -> request`` (a receive or an unexpected
-message, see :class:`~collectives.transports.zmq._RecvRequest`), then the
+message, see :class:`~collectives.transports.zmq.requests.RecvRequest`), then the
 request's ``target(offset, n)`` and ``feed(offset, data, n, landed)``;
 ``lost(peer, said_bye)`` once when a lane ends; ``aborted(peer, text,
 first, origin)`` when an abort arrives (``first``: the first call the
