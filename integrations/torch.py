@@ -11,8 +11,9 @@ unmodified training script only changes the backend's name::
     dist.init_process_group(backend="collectives")   # under torchrun or `collectives run`
     model = torch.nn.parallel.DistributedDataParallel(model)
 
-The registration is cheap: the backend itself (:mod:`.torch_backend`) is
-imported when the first group is created. Importing this module registers
+The registration is cheap: the backend itself (:mod:`.torch_backend`, the
+process group, composed of the ``torch_*`` modules it lists) is imported
+when the first group is created. Importing this module registers
 the name too, and gives the hooks and the optimizer wrapper::
 
     import collectives.integrations.torch as ct
@@ -49,9 +50,11 @@ BACKEND_NAME = "collectives"
 
 # Where each public name lives; imported on first use.
 _HOMES = {
-    "CollectivesProcessGroup": ".torch_backend", "CollectivesWork": ".torch_backend",
-    "StoreAdapter": ".torch_backend", "communicator_of": ".torch_backend", "configure": ".torch_backend",
-    "reduce_op_name": ".torch_backend", "as_numpy": ".torch_backend", "post_lock": ".torch_backend",
+    "CollectivesProcessGroup": ".torch_backend", "communicator_of": ".torch_backend",
+    "CollectivesWork": ".torch_work",
+    "StoreAdapter": ".torch_store", "configure": ".torch_store",
+    "reduce_op_name": ".torch_tensors", "as_numpy": ".torch_tensors",
+    "post_lock": ".torch_posting",
     "HookState": ".torch_hooks", "allreduce_hook": ".torch_hooks", "fp16_compress_hook": ".torch_hooks",
     "bfloat16_compress_hook": ".torch_hooks", "DistributedOptimizer": ".torch_optimizer",
 }

@@ -13,7 +13,7 @@ float16/bfloat16 (half the bytes; sums accumulate in float32) and write the
 average back in the bucket's own dtype.
 
 While a torch profiler records, each bucket's allreduce is a span
-``collectives:all_reduce`` (see :mod:`.torch_backend`).
+``collectives:all_reduce`` (see :mod:`.torch_profiling`).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hooks'
@@ -27,7 +27,11 @@ from torch.futures import Future
 import collectives
 from collectives import Communicator
 
-from .torch_backend import CollectivesProcessGroup, Outcome, adapter_span, as_numpy, for_torch, next_sequence, post_lock
+from .torch_backend import CollectivesProcessGroup
+from .torch_posting import next_sequence, post_lock
+from .torch_profiling import adapter_span
+from .torch_tensors import as_numpy
+from .torch_work import Outcome, for_torch
 
 __all__ = ["HookState", "allreduce_hook", "fp16_compress_hook", "bfloat16_compress_hook"]
 

@@ -3,7 +3,7 @@
 :class:`DistributedOptimizer` groups the trainable parameters into buckets
 in reverse registration order (gradients become ready roughly in that order
 during backward): a small first bucket, then buckets up to a cap, one dtype
-per bucket. Each bucket is one flat buffer (in the transport's shared memory
+per bucket (:mod:`.torch_buckets`). Each bucket is one flat buffer (in the transport's shared memory
 when it has some) and the parameters' ``.grad`` are views into it, so
 autograd accumulates straight into the buffer and nothing is copied.
 
@@ -14,14 +14,23 @@ strictly in bucket order, which is the same on every rank. ``step()`` posts
 whatever is left (parameters that got no gradient on this rank count as
 zero, on every rank alike), waits, and runs the wrapped optimizer.
 
+After a lost rank, :meth:`~DistributedOptimizer.shrink` moves the wrapper
+to the survivors' communicator (its pending allreduces on the old one are
+waited for within a bound and dropped, its buckets move into the new
+communicator's memory) and :meth:`~DistributedOptimizer.broadcast_state`
+gives every survivor the same parameters and optimizer state; see
+``examples/elastic_torch.py``.
+
 While a torch profiler records, each bucket's allreduce is a span
-``collectives:all_reduce`` (see :mod:`.torch_backend`).
+``collectives:all_reduce`` (see :mod:`.torch_profiling`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+import hashlib
+import logging
+import time
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -29,60 +38,16 @@ import torch
 
 import collectives
 from collectives import Communicator, Handle
-from collectives.errors import BadArgument
+from collectives.errors import BadArgument, CollectiveError
 
-from .torch_backend import Span, adapter_span, as_numpy, next_sequence, post_lock
+from .torch_buckets import MiB, Bucket, assign_buckets, make_bucket
+from .torch_posting import next_sequence, post_lock
+from .torch_profiling import adapter_span
+from .torch_tensors import Staged, as_numpy
 
 __all__ = ["DistributedOptimizer"]
 
-MiB = 1 << 20
-
-
-@dataclass
-class _Bucket:
-    """One flat gradient buffer and the parameters whose ``.grad`` views it."""
-
-    index: int
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    flat: torch.Tensor
-    storage: Any = None  # keeps the shared-memory array alive
-    views: list[torch.Tensor] = field(default_factory=list)
-    waiting: int = 0
-    handle: Handle | None = None
-    span: Span | None = None
-
-    def view_of(self, slot: int) -> torch.Tensor:
-        return self.views[slot]
-
-
-def _buffer(comm: Communicator, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
-    """A zeroed flat tensor of ``numel`` x ``dtype``, in the transport's memory if it has some."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    try:
-        raw = comm.zeros(nbytes, np.uint8)
-    except Exception:  # a transport without its own memory
-        return torch.zeros(numel, dtype=dtype), None
-    return torch.from_numpy(raw).view(dtype), raw
-
-
-def _assign_buckets(params: list[torch.nn.Parameter], first_cap: int, cap: int) -> list[list[torch.nn.Parameter]]:
-    """Reverse order, one dtype per bucket; the first bucket of each dtype is capped at ``first_cap``."""
-    open_buckets: dict[torch.dtype, list] = {}
-    sizes: dict[torch.dtype, int] = {}
-    started: set[torch.dtype] = set()
-    done: list[list[torch.nn.Parameter]] = []
-    for p in reversed(params):
-        bucket = open_buckets.setdefault(p.dtype, [])
-        bucket.append(p)
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
-        limit = cap if p.dtype in started else first_cap
-        if sizes[p.dtype] >= limit:
-            done.append(bucket)
-            started.add(p.dtype)
-            open_buckets[p.dtype], sizes[p.dtype] = [], 0
-    done.extend(b for b in open_buckets.values() if b)
-    return done
+log = logging.getLogger("collectives")
 
 
 class DistributedOptimizer:
@@ -105,6 +70,10 @@ class DistributedOptimizer:
     Parameters that take no gradient (``requires_grad=False``) are left
     alone. ``zero_grad`` zeroes the buffers (gradients stay views, never
     None). Give learning-rate schedulers ``opt.optimizer``.
+
+    Errors of the allreduces (``PeerLost`` when a rank died) are raised by
+    ``step``/``synchronize``, or by ``backward`` when a bucket is posted on
+    a communicator that is already aborted.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -120,13 +89,14 @@ class DistributedOptimizer:
         self.overlap = overlap
         self.op = op
         params = self._trainable(optimizer, named_parameters)
-        self._buckets = [self._make_bucket(i, ps) for i, ps in
-                         enumerate(_assign_buckets(params, int(first_bucket_cap_mb * MiB), int(bucket_cap_mb * MiB)))]
+        self._buckets = [make_bucket(self.comm, i, ps) for i, ps in
+                         enumerate(assign_buckets(params, int(first_bucket_cap_mb * MiB), int(bucket_cap_mb * MiB)))]
         self._slot = {id(p): (b, k) for b in self._buckets for k, p in enumerate(b.params)}
         self._passes = {id(p): 0 for p in params}
         self._next = 0
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._unfinished: list[Handle] = []  # allreduces of rounds that failed, not done yet
         self._reset_round()
 
     # --------------------------------------------------------------- setup
@@ -146,18 +116,6 @@ class DistributedOptimizer:
                 seen.add(id(p))
                 params.append(p)
         return params
-
-    def _make_bucket(self, index: int, params: list[torch.nn.Parameter]) -> _Bucket:
-        offsets = np.concatenate([[0], np.cumsum([p.numel() for p in params])]).tolist()
-        flat, storage = _buffer(self.comm, offsets[-1], params[0].dtype)
-        bucket = _Bucket(index, params, offsets, flat, storage)
-        for k, p in enumerate(params):
-            view = flat[offsets[k]:offsets[k + 1]].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-            bucket.views.append(view)
-        return bucket
 
     def _reset_round(self) -> None:
         for b in self._buckets:
@@ -194,7 +152,7 @@ class DistributedOptimizer:
             view.copy_(p.grad)
         p.grad = view
 
-    def _post(self, bucket: _Bucket) -> None:
+    def _post(self, bucket: Bucket) -> None:
         with post_lock(self.comm):
             bucket.span = adapter_span(self.comm, "all_reduce", [bucket.flat], [bucket.flat],
                                        next_sequence(self.comm), _default_group())
@@ -221,13 +179,14 @@ class DistributedOptimizer:
                 if not _is_view(p, bucket.views[k]):
                     self._adopt(p, bucket.views[k])
             bucket.waiting = 0
-        self._post_ready()
         try:
+            self._post_ready()
             for bucket in self._buckets:
                 bucket.handle.wait()
                 if bucket.span is not None:
                     bucket.span.end()
         finally:
+            self._keep_unfinished()
             self._reset_round()
 
     def step(self, closure: Any = None) -> Any:
@@ -272,6 +231,114 @@ class DistributedOptimizer:
         """Number of elements of each bucket, in bucket order."""
         return [b.flat.numel() for b in self._buckets]
 
+    # ---------------------------------------------------- after a lost rank
+
+    def shrink(self, *, timeout: float | None = None) -> Communicator:
+        """Go on with the surviving ranks after a failure (``PeerLost``): drop
+        the work still pending on the current communicator, shrink it
+        (collective over the survivors, see
+        :meth:`~collectives.Communicator.shrink`), :meth:`rebind` to the new
+        communicator and close the old one. Then call :meth:`broadcast_state`
+        and redo the step that failed. Only the wrapper moves: a torch process
+        group over the old communicator is not rebuilt.
+
+        Args:
+            timeout: bound of the wait for the pending work and of the shrink,
+                seconds (default: the communicator's timeout).
+
+        Returns:
+            The new communicator (``comm.rank``, ``comm.size``, ``comm.epoch``).
+
+        Raises:
+            As :meth:`~collectives.Communicator.shrink`; the wrapper then stays
+            on the old communicator.
+        """
+        old = self.comm
+        self._drop_pending(timeout)
+        new = old.shrink(timeout=timeout)
+        self.rebind(new, timeout=0.0)
+        try:
+            old.close()
+        except CollectiveError as exc:  # the old communicator's last word; it is left behind
+            log.info("rank %d: closing the communicator left by the shrink: %s", new.rank, exc)
+        return new
+
+    def rebind(self, comm: Communicator, *, timeout: float | None = None) -> None:
+        """Continue on ``comm`` (e.g. a shrunk communicator): wait at most
+        ``timeout`` seconds (default: the current communicator's timeout) for
+        the allreduces still pending on the current communicator, ignoring
+        their errors, then move the gradient buffers into ``comm``'s memory
+        (the gradients keep their values) and start a new round. The current
+        communicator is not closed."""
+        self._drop_pending(timeout)
+        self.comm = comm
+        self._buckets = [make_bucket(comm, b.index, b.params) for b in self._buckets]
+        self._slot = {id(p): (b, k) for b in self._buckets for k, p in enumerate(b.params)}
+        self._reset_round()
+
+    def broadcast_state(self, root: int = 0) -> None:
+        """Make the parameters and the optimizer state those of rank ``root``
+        (blocking collectives on the wrapper's communicator): every parameter
+        of the wrapped optimizer, in param-group order, each followed by the
+        tensors of its optimizer state in key order (non-tensor state is left
+        as it is).
+
+        Raises:
+            BadArgument: on every rank, before anything changed, when a rank's
+                tensors differ from ``root``'s in number, shape or dtype (as
+                when the ranks took different numbers of steps).
+        """
+        tensors = self._state_tensors()
+        self._check_same_layout(tensors, root)
+        with torch.no_grad():
+            for tensor in tensors:
+                staged = Staged()
+                self.comm.bcast(as_numpy(staged.writable(tensor)), root)
+                staged.finish()
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The parameters and their optimizer state's tensors, in the order :meth:`broadcast_state` sends them."""
+        tensors = []
+        for p in _unique(q for g in self.optimizer.param_groups for q in g["params"]):
+            tensors.append(p.detach())
+            state = self.optimizer.state.get(p, {})
+            tensors += [state[key] for key in sorted(state, key=str) if isinstance(state[key], torch.Tensor)]
+        return tensors
+
+    def _check_same_layout(self, tensors: list[torch.Tensor], root: int) -> None:
+        """Raise BadArgument on every rank unless every rank's ``tensors`` have ``root``'s shapes and dtypes."""
+        layout = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
+        mine = np.frombuffer(hashlib.sha256(layout).digest()[:8], np.int64).copy()
+        roots = mine.copy()
+        self.comm.bcast(roots, root)
+        same = np.array([int(roots[0] == mine[0])], np.int32)
+        self.comm.allreduce(same, op="min")
+        if not same[0]:
+            differs = "differ" if roots[0] != mine[0] else "match, another rank's differ"
+            raise BadArgument(f"rank {self.comm.rank}: broadcast_state: the ranks' parameters and optimizer state "
+                              f"differ from rank {root}'s in number, shape or dtype (this rank's {differs})")
+
+    def _keep_unfinished(self) -> None:
+        """Remember the allreduces of this round that are still running (after a failure)."""
+        self._unfinished += [b.handle for b in self._buckets if b.handle is not None and not b.handle.done()]
+
+    def _drop_pending(self, timeout: float | None) -> None:
+        """Wait at most ``timeout`` seconds for every allreduce posted and not
+        waited for, ignoring their errors (on an aborted communicator they fail
+        at once), end their spans and start a new round."""
+        self._keep_unfinished()
+        pending, self._unfinished = self._unfinished, []
+        deadline = time.monotonic() + (self.comm.timeout if timeout is None else float(timeout))
+        for handle in pending:
+            try:
+                handle.wait(max(deadline - time.monotonic(), 0.0))
+            except Exception as exc:  # its communicator's error, or still running: left behind
+                log.debug("rank %d: dropped an allreduce of the old communicator: %s", self.comm.rank, exc)
+        for bucket in self._buckets:
+            if bucket.span is not None:
+                bucket.span.end()
+        self._reset_round()
+
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks (the wrapper stops reducing)."""
         for h in self._hooks:
@@ -281,6 +348,17 @@ class DistributedOptimizer:
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, buckets={len(self._buckets)}, "
                 f"comm={self.comm!r})")
+
+
+def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """``params`` without repeats, in order."""
+    seen: set[int] = set()
+    unique = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append(p)
+    return unique
 
 
 def _is_view(p: torch.nn.Parameter, view: torch.Tensor) -> bool:

@@ -1,0 +1,98 @@
+"""Tensors as the torch backend hands them to the communicator.
+
+Reduce ops as the library names them, flat numpy views of CPU tensors,
+contiguous stand-ins for tensors that are not, and the autograd version
+bump of the tensors a call writes in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import increment_version
+
+from collectives.errors import BadArgument
+
+__all__ = ["reduce_op_name", "as_numpy", "Staged", "check_cpu", "tensors_in", "mark_written"]
+
+_RED = dist.ReduceOp.RedOpType
+
+# As in Gloo, on bool tensors sum and max are "or", min and product "and".
+_BOOL_OPS = {_RED.SUM: "lor", _RED.MAX: "lor", _RED.BOR: "lor", _RED.MIN: "land",
+             _RED.PRODUCT: "land", _RED.BAND: "land", _RED.BXOR: "bxor"}
+_OPS = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.PRODUCT: "prod", _RED.MIN: "min",
+        _RED.MAX: "max", _RED.BAND: "band", _RED.BOR: "bor", _RED.BXOR: "bxor"}
+
+
+def reduce_op_name(op: Any, dtype: torch.dtype) -> str:
+    """Our op name for a ``torch.distributed.ReduceOp`` on tensors of ``dtype``.
+
+    Raises:
+        BadArgument: for ``PREMUL_SUM`` and other ops without an equivalent.
+    """
+    kind = op.op if hasattr(op, "op") else op
+    name = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
+    if name is None:
+        raise BadArgument(f"reduce op {kind} is not supported by the collectives backend")
+    return name
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy view of a contiguous CPU tensor (bfloat16 as ml_dtypes.bfloat16)."""
+    from collectives.buffers import flat
+
+    return flat(t, writable=True, what="tensor")
+
+
+class Staged:
+    """Contiguous stand-ins for tensors that are not, copied back when done."""
+
+    def __init__(self) -> None:
+        self.copy_backs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def writable(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself when contiguous, else a contiguous copy that :meth:`finish` copies back."""
+        if t.is_contiguous():
+            return t
+        c = t.contiguous()
+        self.copy_backs.append((t, c))
+        return c
+
+    @staticmethod
+    def readable(t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself when contiguous, else a contiguous copy (read only: never copied back)."""
+        return t if t.is_contiguous() else t.contiguous()
+
+    def finish(self) -> None:
+        """Copy every stand-in back into its tensor."""
+        for dst, src in self.copy_backs:
+            dst.copy_(src)
+
+
+def check_cpu(tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse tensors that are not on the CPU (BadArgument)."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise BadArgument(f"the collectives backend takes CPU tensors, got one on {t.device}")
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` (a tensor or nested lists of them), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_in(item)]
+    return []
+
+
+def mark_written(*outputs: Any) -> None:
+    """Tell autograd that the backend writes these tensors in place (as torch's
+    own in-place operations do), so a tensor saved for backward and then
+    overwritten by a collective makes backward raise instead of using the new
+    values."""
+    tensors = [t for out in outputs for t in tensors_in(out)]
+    if tensors:
+        increment_version(tensors)
