@@ -68,6 +68,10 @@ def _child(conn, rank: int, size: int, env: dict, transport: str, comm_timeout: 
         try:
             if comm is not None:
                 comm.close()
+            from collectives.communicator import live_communicators
+
+            for other in live_communicators():  # e.g. one a shrink made: closed as a normal exit would
+                other.close()
         finally:
             conn.close()
             os._exit(0)

@@ -23,11 +23,15 @@ def loop_until_a_rank_dies(comm, victim: int, at: int, second: int | None):
     """Allreduces; ``victim`` dies at step ``at``; the survivors shrink and go on
     to 40 steps; ``second`` (if any) dies while the others shrink."""
     x = np.ones(1000, np.float32)
-    step, t_fail, shrink_s = 0, None, None
+    step, t_fail, shrink_s, resync = 0, None, None, False
     while step < 40:
         if comm.rank == victim and step == at and comm.epoch == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         try:
+            if resync:  # a survivor may have finished the step the others failed in: go on from the lowest
+                steps = np.array([step], np.int64)
+                comm.allreduce(steps, op="min")
+                step, resync = int(steps[0]), False
             x[:] = comm.rank + 1
             comm.allreduce(x)
             want = sum(r + 1 for r in range(comm.size))
@@ -42,13 +46,15 @@ def loop_until_a_rank_dies(comm, victim: int, at: int, second: int | None):
             shrink_s = time.monotonic() - t_fail
             comm.close()
             comm = new
+            resync = True
     return "done", comm.rank, comm.size, comm.original_ranks, comm.epoch, shrink_s
 
 
-@pytest.mark.parametrize("p,victim", [(4, 2), (4, 0), (3, 1)])
-def test_survivors_shrink_and_finish_with_correct_results(p, victim):
+@pytest.mark.parametrize("transport,p,victim", [("shm", 4, 2), ("shm", 4, 0), ("shm", 3, 1),
+                                               ("zmq", 4, 2), ("zmq", 4, 0)])
+def test_survivors_shrink_and_finish_with_correct_results(transport, p, victim):
     outcomes = run_ranks(loop_until_a_rank_dies, p, victim, 10, None, timeout=90, comm_timeout=TIMEOUT,
-                         expect_errors=True)
+                         expect_errors=True, transport=transport)
     survivors = [o for o in outcomes if o.rank != victim]
     assert not outcomes[victim].ok
     assert sorted(o.value[1] for o in survivors) == list(range(p - 1)), [str(o) for o in outcomes]
@@ -60,9 +66,10 @@ def test_survivors_shrink_and_finish_with_correct_results(p, victim):
         assert shrink_s < TIMEOUT + 2, shrink_s
 
 
-def test_a_second_failure_during_the_shrink_still_converges():
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_a_second_failure_during_the_shrink_still_converges(transport):
     outcomes = run_ranks(loop_until_a_rank_dies, 4, 2, 10, 1, timeout=90, comm_timeout=TIMEOUT,
-                         expect_errors=True)
+                         expect_errors=True, transport=transport)
     done = [o for o in outcomes if o.ok and o.value[0] == "done"]
     assert {o.rank for o in done} == {0, 3}, [str(o) for o in outcomes]
     for o in done:
@@ -73,10 +80,10 @@ def test_a_second_failure_during_the_shrink_still_converges():
 def agree_among_survivors(comm):
     """Rank 3 dies; the others agree on (rank != 1) and on who failed."""
     x = np.ones(4)
-    comm.allreduce(x)
-    if comm.rank == 3:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
+    try:  # rank 3 may die before a peer has finished the first allreduce: then it fails there
+        comm.allreduce(x)
+        if comm.rank == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
         comm.allreduce(x)
     except PeerLost:
         pass
@@ -87,33 +94,65 @@ def agree_among_survivors(comm):
     return all_true, one_false, failed
 
 
-def test_agree_is_an_and_over_the_survivors_with_the_same_failed_set():
-    outcomes = run_ranks(agree_among_survivors, 4, timeout=60, comm_timeout=TIMEOUT, expect_errors=True)
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_agree_is_an_and_over_the_survivors_with_the_same_failed_set(transport):
+    outcomes = run_ranks(agree_among_survivors, 4, timeout=60, comm_timeout=TIMEOUT, expect_errors=True,
+                         transport=transport)
     for o in outcomes[:3]:
         assert o.ok and o.value == (True, False, [3]), str(o)
+
+
+def _inject_with_old_credentials(old, new):
+    """Connect to new rank 1 as old rank 0 would (the old job's credentials,
+    routing id 0) and send a message of the new epoch's first allreduce: the
+    new transport must refuse the connection."""
+    import zmq
+    import zmq.utils.monitor
+
+    from collectives.transports.rendezvous import JobCredentials
+    from collectives.transports.zmq.wire import HEADER, KIND_DATA
+
+    creds = JobCredentials(os.environ["COLLECTIVES_SECRET"], scope=old._job)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.routing_id = b"0"
+    creds.client(sock)
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    sock.connect(new.transport._peers[1].endpoint)
+    sock.send(HEADER.pack(KIND_DATA, 3, 64, 0, 0, 0, 0) + np.full(8, 99.0).tobytes())
+    assert mon.poll(10_000), "no handshake outcome within 10 s"
+    event = zmq.utils.monitor.recv_monitor_message(mon)["event"]
+    sock.close(0)
+    mon.close(0)
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH, event
 
 
 def old_epoch_messages(comm):
     """After a shrink, a message sent on the old communicator never reaches the new one."""
     x = np.ones(8)
-    comm.allreduce(x)
-    if comm.rank == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
+    try:  # rank 2 may die before a peer has finished the first allreduce: then it fails there
+        comm.allreduce(x)
+        if comm.rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
         comm.allreduce(x)
     except PeerLost:
         pass
     new = comm.shrink()
     if comm.rank == 0:  # an old-epoch message with the new epoch's first collective tag, to rank 1
-        comm.transport.isend(np.full(8, 99.0), 1, 3)
+        if comm.transport.name == "zmq":
+            _inject_with_old_credentials(comm, new)
+        else:
+            comm.transport.isend(np.full(8, 99.0), 1, 3)
     y = np.full(8, new.rank + 1.0)
     new.allreduce(y)
     new.barrier()
     return float(y[0])
 
 
-def test_old_epoch_messages_are_never_delivered_into_the_new_one():
-    outcomes = run_ranks(old_epoch_messages, 3, timeout=60, comm_timeout=TIMEOUT, expect_errors=True)
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_old_epoch_messages_are_never_delivered_into_the_new_one(transport):
+    outcomes = run_ranks(old_epoch_messages, 3, timeout=60, comm_timeout=TIMEOUT, expect_errors=True,
+                         transport=transport)
     assert [o.value for o in outcomes[:2]] == [3.0, 3.0], [str(o) for o in outcomes]
 
 

@@ -45,7 +45,7 @@ from typing import Any, Callable, Protocol
 import zmq
 from zmq.utils import z85
 
-from collectives.errors import BadArgument, CollectiveTimeout, TransportUnavailable
+from collectives.errors import BadArgument, CollectiveError, CollectiveTimeout, TransportUnavailable
 
 __all__ = ["KeyValueStore", "JobCredentials", "ZapHandler", "StoreServer", "StoreClient",
            "LocalStore", "TorchStoreAdapter", "open_store", "choose_address", "exchange_endpoints",
@@ -78,15 +78,20 @@ class JobCredentials:
         secret: the job secret (shared by every rank).
         mechanism: ``"plain"`` (authenticated, not encrypted) or ``"curve"``
             (authenticated and encrypted).
+        scope: what the credentials admit to (the job id of one transport):
+            credentials of another scope are refused, so that no process of
+            an earlier communicator (before a shrink) reaches a later one.
     """
 
-    def __init__(self, secret: str, mechanism: str = "plain") -> None:
+    def __init__(self, secret: str, mechanism: str = "plain", scope: str = "") -> None:
         if mechanism not in ("plain", "curve"):
             raise BadArgument(f"zmq auth must be 'plain' or 'curve', got {mechanism!r}")
         if mechanism == "curve" and not zmq.has("curve"):
             raise TransportUnavailable("libzmq was built without CURVE; use auth='plain'")
         self.mechanism = mechanism
         key = secret.encode()
+        if scope:
+            key = hmac.new(key, b"collectives-scope/" + scope.encode(), hashlib.sha256).digest()
         self._token = self._derive(key, b"plain-token").hex().encode()
         self._lane_key = self._derive(key, b"tcp-lanes")
         if mechanism == "curve":
@@ -404,6 +409,8 @@ class TorchStoreAdapter:
     def get(self, key: str, timeout: float | None = None) -> bytes:
         try:
             value = self._store.get(key)
+        except CollectiveError:  # a store of this library's own says what went wrong
+            raise
         except Exception as exc:  # torch raises its own DistStoreError on timeout
             raise CollectiveTimeout(f"rendezvous: key {key!r} not found in the store: {exc}") from exc
         return bytes(value)

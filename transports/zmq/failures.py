@@ -60,6 +60,8 @@ class Failures:
         now = time.monotonic()
         for peer, since in list(self._lost_since.items()):
             if peer in self._said_bye or peer in self._aborted_by:  # closed after a goodbye or an abort
+                if self._lanes is None:
+                    self._ended.setdefault(peer, peer in self._said_bye)
                 del self._lost_since[peer]
             elif now - since >= GRACE_SECONDS:
                 if self._lanes is not None:
@@ -67,6 +69,7 @@ class Failures:
                 else:
                     refused = self._retries.get(peer, 0) >= 2  # the first retry is only scheduled
                 self._fail(self._died(peer) if refused else self._unreachable(peer))
+                self._ended.setdefault(peer, False)
                 del self._lost_since[peer]
 
     def _fail(self, error: CollectiveError, first: int = -1) -> None:

@@ -20,7 +20,8 @@ connected, the listening socket is closed.
 Frames: a header ``(tag, total bytes, signature)`` (the signature's three
 words, see :mod:`collectives.signature`) and the payload. Two negative
 tags are the lane's own: ``BYE_TAG`` (the peer closes cleanly; its end of
-file follows) and ``ABORT_TAG`` (the peer aborted; the payload is the
+file follows), ``CONTROL_TAG`` (a message of the transport's own, handed to
+``on_control(peer, payload)``) and ``ABORT_TAG`` (the peer aborted; the payload is the
 abort's text, the signature's first word one more than the first call the
 aborting rank did not complete, its second word one more than the aborting
 rank when the peer only relays that rank's abort, 0 when unknown or the
@@ -73,6 +74,11 @@ BYE_TAG = -1
 ABORT_TAG = -2
 #: Longest abort text a lane accepts (a longer one is garbage: the lane ends).
 ABORT_BYTES = 4096
+#: A message of the transport's own (an agreement's state or decision, a
+#: rendezvous key): in-band, so that it arrives before the lane's end.
+CONTROL_TAG = -3
+#: Longest such message a lane accepts.
+CONTROL_BYTES = 1 << 16
 HELLO = struct.Struct("<8sI16s32s")  # magic, rank, connector's nonce, mac
 MAGIC = b"CLLANE01"
 NONCE = 16
@@ -131,6 +137,9 @@ class _Text:
     def text(self) -> str:
         return self.buf.tobytes().decode("utf-8", "replace")
 
+    def payload(self) -> bytes:
+        return self.buf.tobytes()
+
 
 class _Lane:
     __slots__ = ("peer", "sock", "out", "header", "header_got", "cur", "open", "sendable", "scratch", "bye")
@@ -174,6 +183,8 @@ class Lanes:
         self._sending = False  # a LaneSend is queued on some lane
         self._chunks: list[np.ndarray] = []  # pooled CHUNK-sized buffers for early messages
         self._ended: collections.deque[tuple[int, bool]] = collections.deque()  # to tell the transport
+        #: ``on_control(peer, payload)``: a CONTROL_TAG frame arrived whole.
+        self.on_control: Callable[[int, bytes], None] = lambda peer, payload: None
 
     # -- opening -------------------------------------------------------------
 
@@ -182,11 +193,13 @@ class Lanes:
                 publish: Callable[[str], None], lookup: Callable[[int, float], str], timeout: float,
                 start: Callable[[int, int, int, Sig], Any], lost: Callable[[int, bool], None],
                 matching: ContextManager, aborted: Callable[[int, str, int, int], None] | None = None,
-                name: Callable[[int], str] = lambda peer: f"rank {peer}") -> "Lanes":
+                name: Callable[[int], str] = lambda peer: f"rank {peer}",
+                watch: Callable[[], None] = lambda: None) -> "Lanes":
         """Listen on ``address``, ``publish`` "host:port", connect to every lower
         rank (``lookup(rank, seconds)`` gives its "host:port") and accept every
         higher one, each authenticated with ``key``. ``name(peer)`` says who a
-        peer is in errors.
+        peer is in errors; ``watch()``, called while waiting, may raise to give
+        up (a survivor died during a shrink).
 
         Raises:
             CollectiveTimeout: a peer did not connect in time.
@@ -204,14 +217,15 @@ class Lanes:
             job_id = job.encode()
             for peer in range(rank):
                 socks[peer] = _connect_to(peer, rank, lookup(peer, max(deadline - time.monotonic(), 0.0)),
-                                          key, job_id, deadline, name(peer))
+                                          key, job_id, deadline, name(peer), watch)
             while any(socks[p] is None for p in range(rank + 1, size)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = ", ".join(name(p) for p in range(rank + 1, size) if socks[p] is None)
                     raise CollectiveTimeout(f"rank {rank}: {missing} did not open their TCP lanes "
                                             f"within {timeout:.3g}s")
-                ready, _, _ = select.select([listener], [], [], min(left, 0.5))
+                watch()
+                ready, _, _ = select.select([listener], [], [], min(left, 0.05))
                 if ready:
                     conn, who = listener.accept()
                     peer = _accept_from(conn, rank, size, key, job_id,
@@ -322,6 +336,18 @@ class Lanes:
                 except PeerLost:
                     pass
 
+    def send_control(self, peer: int, payload: bytes) -> bool:
+        """Queue a message of the transport's own to ``peer`` (False: its lane
+        takes no more); never raises."""
+        lane = self._lanes.get(peer)
+        if lane is None or not lane.sendable or len(payload) > CONTROL_BYTES:
+            return False
+        try:
+            self.send(peer, CONTROL_TAG, memoryview(payload), payload)
+        except PeerLost:
+            return False
+        return True
+
     # -- receiving -----------------------------------------------------------
 
     def sockets(self) -> list[socket.socket]:
@@ -414,6 +440,8 @@ class Lanes:
             return _Text(0)
         if tag == ABORT_TAG and size <= ABORT_BYTES:
             return _Text(size)
+        if tag == CONTROL_TAG and size <= CONTROL_BYTES:
+            return _Text(size)
         return None
 
     def _controlled(self, lane: _Lane, cur: _Incoming) -> None:
@@ -422,6 +450,8 @@ class Lanes:
             lane.bye = True
         elif cur.tag == ABORT_TAG:
             self._aborted(lane.peer, cur.req.text(), cur.req.first, cur.req.origin)
+        elif cur.tag == CONTROL_TAG:
+            self.on_control(lane.peer, cur.req.payload())
 
     def _payload(self, lane: _Lane, cur: _Incoming) -> int:
         """Read more of the current message's payload (raises BlockingIOError when none is there)."""
@@ -558,7 +588,7 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes | None:
 
 
 def _connect_to(peer: int, rank: int, where: str, key: bytes, job: bytes, deadline: float,
-                name: str = "") -> socket.socket:
+                name: str = "", watch: Callable[[], None] = lambda: None) -> socket.socket:
     host, _, port = where.rpartition(":")
     name = name or f"rank {peer}"
     while True:
@@ -571,6 +601,7 @@ def _connect_to(peer: int, rank: int, where: str, key: bytes, job: bytes, deadli
         except OSError as exc:
             if exc.errno not in (errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EAGAIN, None):
                 raise
+            watch()
             time.sleep(0.01)
     try:
         theirs = _recv_exactly(sock, NONCE, deadline)

@@ -11,7 +11,8 @@ import zmq
 
 from collectives.errors import PeerLost
 
-from .wire import (GRACE_SECONDS, HEADER, KIND_ABORT, KIND_BYE, KIND_DATA, KIND_QUERY, KIND_STATUS, POLL_SLICE,
+from .wire import (GRACE_SECONDS, HEADER, KIND_ABORT, KIND_AGREE, KIND_BYE, KIND_DATA, KIND_KV, KIND_QUERY,
+                   KIND_STATUS, POLL_SLICE,
                    MONITOR_EVERY, SPIN_SECONDS, ZMQ_EVENTS, ZMQ_POLLIN, log, yield_cpu)
 
 
@@ -202,6 +203,9 @@ class Progress:
             self._answer(peer, tag)
         elif kind == KIND_STATUS:
             self._note_status(peer, header.buffer[HEADER.size:])
+        elif KIND_AGREE <= kind <= KIND_KV:
+            offset = HEADER.unpack_from(header.buffer)[3]
+            self._on_agreement(peer, kind, tag, total, offset, header.buffer[HEADER.size:])
         else:
             log.warning("rank %d: dropped a message of unknown kind %d from rank %d", self.rank, kind, peer)
 

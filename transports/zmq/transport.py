@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
@@ -21,6 +21,7 @@ from collectives.transport import COMPLETED, Request, Transport
 from collectives.transports.rendezvous import (JobCredentials, PeerInfo, ZapHandler, choose_address,
                                                exchange_peers, open_store, wait_for_key)
 
+from .agreement import Agreement
 from .diagnosis import Diagnosis
 from .failures import Failures
 from .lanes import Lanes
@@ -34,11 +35,11 @@ _open_counts: collections.Counter = collections.Counter()
 _open_lock = threading.Lock()
 
 
-class ZmqTransport(Progress, Failures, Diagnosis, Transport):
+class ZmqTransport(Progress, Failures, Diagnosis, Agreement, Transport):
     """Point-to-point over ZeroMQ/TCP with authenticated connections (see the module docstring)."""
 
     name = "zmq"
-    capabilities = frozenset()
+    capabilities = frozenset({"agree"})
     released_on_delivery = True  # see Transport
 
     def __init__(self, rank: int, size: int, ctx: zmq.Context, timeout: float,
@@ -87,6 +88,13 @@ class ZmqTransport(Progress, Failures, Diagnosis, Transport):
         self._queried_by: set[int] = set()
         self._replies: dict[int, dict[int, PeerStatus]] = {}
         self._next_query = 0
+        # Surviving failures (see .agreement): peers whose connection ended (True: after a goodbye),
+        # the latest agreement state and the decisions each peer sent, the survivors' rendezvous keys.
+        self._ended: dict[int, bool] = {}
+        self._watch: Callable[[], None] = lambda: None  # while opening: raises if a survivor died (a shrink)
+        self._agree_states: dict[int, Any] = {}
+        self._decisions: dict[int, dict] = {}
+        self._kv: dict[str, bytes] = {}
 
     # -- opening -------------------------------------------------------------
 
@@ -104,7 +112,7 @@ class ZmqTransport(Progress, Failures, Diagnosis, Transport):
             TransportUnavailable: the rendezvous port is taken.
             PeerLost: a peer refused this rank's credentials (different job secret).
         """
-        credentials = JobCredentials(job_secret(options, job), str(options.get("auth") or "plain"))
+        credentials = JobCredentials(job_secret(options, job), str(options.get("auth") or "plain"), scope=job)
         t = cls(rank, size, zmq.Context(), timeout, int(options.get("zmq_segment_bytes") or SEGMENT_BYTES))
         try:
             t._open(job, options, credentials)
@@ -115,6 +123,7 @@ class ZmqTransport(Progress, Failures, Diagnosis, Transport):
 
     def _open(self, job: str, options: dict[str, Any], credentials: JobCredentials) -> None:
         self._zap = ZapHandler(self._ctx, credentials, f"zap-rank{self.rank}")
+        self._watch = options.get("survivor_watch") or self._watch
         self._heartbeat = heartbeat = float(options.get("zmq_heartbeat_timeout") or 10.0)
         reuse = options.get("zmq_reuse_buffers", os.environ.get("COLLECTIVES_ZMQ_REUSE_BUFFERS", "1"))
         if str(reuse).lower() not in ("0", "false", "no", "off"):
@@ -151,7 +160,8 @@ class ZmqTransport(Progress, Failures, Diagnosis, Transport):
             self.rank, self.size, addr, credentials.lane_key(), job,
             lambda where: store.set(f"{prefix}/lane/{self.rank}", where.encode()),
             lambda peer, left: wait_for_key(store, f"{prefix}/lane/{peer}", left).decode(),
-            self.timeout, self._arrive, self._lane_ended, self._cv, self._lane_aborted, self._name)
+            self.timeout, self._arrive, self._lane_ended, self._cv, self._lane_aborted, self._name, self._watch)
+        self._lanes.on_control = self._lane_control
         for sock in self._lanes.sockets():
             self._router_poller.register(sock, zmq.POLLIN)
         # A lane is read as it arrives: what comes before its receive is copied
@@ -161,6 +171,7 @@ class ZmqTransport(Progress, Failures, Diagnosis, Transport):
     def _lane_ended(self, peer: int, said_bye: bool) -> None:
         """``peer``'s lane ended: a goodbye, an abort already on its way, or a lost peer (at once)."""
         self._stale.append(self._lanes.socket_of(peer))
+        self._ended[peer] = said_bye or peer in self._said_bye
         if said_bye or peer in self._said_bye:
             with self._cv:
                 self._said_bye.add(peer)
@@ -221,6 +232,7 @@ class ZmqTransport(Progress, Failures, Diagnosis, Transport):
         deadline = time.monotonic() + self.timeout
         while len(self._connected) < self.size - 1:
             self._raise_if_broken()
+            self._watch()
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(self._dealers) - self._connected)
@@ -416,21 +428,22 @@ class ZmqTransport(Progress, Failures, Diagnosis, Transport):
 
 
     def close(self) -> None:
-        """Say goodbye to the peers (or push out an abort), close every socket
-        and stop the threads (idempotent)."""
+        """Say goodbye to the peers (after passing on an abort this rank
+        adopted), close every socket and stop the threads (idempotent). A
+        goodbye tells the peers that this rank closed rather than died, which
+        matters to survivors still agreeing or reopening (see .agreement)."""
         with self._close_lock:
             if self._closed:
                 return
             clean = self._broken is None
-            if clean:
-                self._broadcast(HEADER.pack(KIND_BYE, 0, 0, 0, 0, 0, 0))
-            elif self._adopted is not None:  # so that no peer takes this close for a death
+            if not clean and self._adopted is not None:  # the peers hear the verdict before the goodbye
                 origin, text, first = self._adopted
                 self._tell_abort(text, first, origin)
+            self._broadcast(HEADER.pack(KIND_BYE, 0, 0, 0, 0, 0, 0))
             self._closed = True
             linger = 1.0 if clean else ABORT_LINGER
             if self._lanes is not None:
-                self._lanes.close(time.monotonic() + linger, bye=clean)
+                self._lanes.close(time.monotonic() + linger, bye=True)
             for sock in [*self._dealers.values(), *self._monitors, self._router]:
                 if sock is not None:
                     try:

@@ -47,6 +47,8 @@ HEADER = struct.Struct("<BqQQQQQ")  # kind, tag, total bytes, offset, signature 
 STATUS = struct.Struct("<qqQQQqBd")
 ZMQ_EVENTS, ZMQ_POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum flags cost microseconds
 KIND_DATA, KIND_ABORT, KIND_BYE, KIND_QUERY, KIND_STATUS = 1, 2, 3, 4, 5
+#: Surviving failures (see .agreement): a state of an agreement, a decision, a rendezvous key.
+KIND_AGREE, KIND_DECIDED, KIND_KV = 6, 7, 8
 DIAGNOSING = 1  # status flag: this rank's collective timed out and it is asking its peers
 
 
