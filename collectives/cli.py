@@ -21,7 +21,8 @@ SUBCOMMANDS = {
                                "(like torchrun, mpiexec -n)"),
     "bench": ("collectives.bench.cli", "OSU / nccl-tests style microbenchmarks"),
     "calibrate": ("collectives.cost_models.calibrate", "measure alpha, beta, gamma and memory bandwidth of a transport"),
-    "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice"),
+    "explain": ("collectives.cost_models.explain", "predicted time of every algorithm and the choice "
+                                                   "(--hosts 2x4: flat or hierarchical, on several hosts)"),
     "model": ("collectives.cost_models.training.cli", "training-time what-if for P nodes"),
     "trace": ("collectives.trace_cli", "analyze flight records (who is at fault), merge timelines"),
     "settings": ("collectives.config", "every COLLECTIVES_* environment variable, its type, default and meaning"),

@@ -74,6 +74,8 @@ def _settings() -> dict[str, Setting]:
                 "the ranks get another as MASTER_PORT", "launch"),
         Setting("JOIN_TIMEOUT", "float", 300.0, "seconds for every node of a `collectives run` job to join "
                 "(--join-timeout)", "launch"),
+        Setting("HOST_ID", "str", None, "this rank's host identity: ranks with the same one share memory (default: "
+                "the boot id, the /dev/shm mount and the PID namespace; see docs/hierarchy.md)", "launch"),
         # shared memory
         Setting("SHM_RING_BYTES", "bytes", None, "bytes of each sender's ring (default 1 MiB up to 4 ranks, "
                 "less above, never below 64 KiB); all ranks must agree", "shm"),
@@ -97,6 +99,9 @@ def _settings() -> dict[str, Setting]:
         # algorithms
         Setting("PROFILE", "str", None, "the calibration profile (a path) the cost-model selector uses",
                 "algorithms"),
+        Setting("HIERARCHY", "str", "auto", "ranks on several hosts, some sharing one: auto (shared memory within "
+                "a host, the job's transport between hosts, algorithms chosen by the cost models) or off (flat)",
+                "algorithms", ("auto", "off")),
         # trust and observability
         Setting("SIGNATURE_CHECKS", "bool", True, "check every call's signature: turn off only to measure "
                 "what the checks cost (mismatched calls then go unnoticed)", "observability"),

@@ -17,7 +17,10 @@ Launchers recognised, in this order:
   (``SLURM_PROCID`` but no ``SLURM_STEP_ID``) is not a rank of a job.
 
 ``transport="auto"`` picks shared memory when every rank is on this host,
-MPI under mpiexec, and ZeroMQ/TCP otherwise.
+MPI under mpiexec, and ZeroMQ/TCP otherwise. Where the ranks then span
+several hosts and some share one, init returns a hierarchical communicator
+(shared memory within each host, that transport between hosts; see
+:mod:`collectives.hierarchy` and ``COLLECTIVES_HIERARCHY``).
 """
 
 from __future__ import annotations
@@ -224,7 +227,13 @@ def init(rank: int | None = None, size: int | None = None, *, transport: str = "
     tr = cls.open(rank, size, job=job or info.job, timeout=timeout, options=topts)
     log.debug("rank %d/%d: transport %s (launcher %s)", rank, size, name, info.launcher)
     _install_failure_hooks()
-    comm = Communicator(tr, timeout=timeout, job=job or info.job, options=topts, **comm_opts)
+    from .hierarchy.build import communicator_for  # shared memory within hosts where ranks span several
+
+    try:
+        comm = communicator_for(tr, name, timeout=timeout, job=job or info.job, options=topts, **comm_opts)
+    except BaseException:
+        tr.close()
+        raise
     init_log = logging.getLogger("collectives.init")
     if init_log.isEnabledFor(logging.INFO):
         selector = comm.selector

@@ -1,9 +1,15 @@
 """``collectives explain``: every candidate's predicted time, the parameters and the choice.
 
     collectives explain allreduce --bytes 4M -n 8 [--transport shm] [--dtype float32] [--profile PATH]
+    collectives explain allreduce --bytes 16M --hosts 2x4 [--transport zmq] [--intra-profile PATH]
 
 From Python: ``ModelSelector(transport="shm").explain("allreduce", 4 << 20, 8)``
-or :func:`explain` here.
+or :func:`explain` here. With ``--hosts`` (ranks per host: ``2x4``, ``2+1``),
+the job runs on several hosts: the topology, the parameters within hosts
+(the shm profile) and between them (``--transport``'s), every flat and
+hierarchical candidate and the choice a hierarchical communicator's
+``auto`` makes (:mod:`.hierarchy`); inside a job, ``comm.explain(...)``
+says the same for its own topology.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collectives.registry import COLLECTIVES
 from .profile import load_profile
 from .selector import Explanation, ModelSelector
 
-__all__ = ["main", "explain", "parse_bytes", "transport_capabilities"]
+__all__ = ["main", "explain", "explain_hosts", "parse_bytes", "transport_capabilities"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -74,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--transport", default="shm", help="transport (profile and capabilities; default shm)")
     ap.add_argument("--dtype", default="float32", help="element type (default float32)")
     ap.add_argument("--profile", default=None, help="a calibration profile file")
+    ap.add_argument("--hosts", default=None, help="ranks on several hosts, e.g. 2x4 or 2+1: flat and hierarchical "
+                                                  "candidates (--transport between hosts, default zmq; -n ignored)")
+    ap.add_argument("--intra-profile", default=None, help="with --hosts: the shm profile within hosts")
     ns = ap.parse_args(argv)
     try:
         nbytes = parse_bytes(ns.bytes)
@@ -82,8 +91,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     from collectives.ops import BFLOAT16
 
     dtype = BFLOAT16 if ns.dtype == "bfloat16" else np.dtype(ns.dtype)
+    if ns.hosts:
+        try:
+            print(explain_hosts(ns.collective, nbytes, ns.hosts, dtype, ns.transport, ns.profile,
+                                ns.intra_profile).table())
+        except ValueError as exc:
+            ap.error(str(exc))
+        return 0
     print(explain(ns.collective, nbytes, ns.nprocs, dtype, ns.transport, ns.profile).table())
     return 0
+
+
+def explain_hosts(collective: str, nbytes: int, hosts: str, dtype: Any = np.float32, transport: str = "shm",
+                  profile: str | None = None, intra_profile: str | None = None) -> Any:
+    """:func:`explain` for ranks on several hosts (``hosts``: ``2x4``, ``2+1``):
+    the flat rule's choice over every rank against the hierarchical algorithms.
+
+    Returns:
+        A :class:`~collectives.cost_models.hierarchy.HierExplanation`.
+    """
+    from collectives.selection import RuleSelector
+
+    from .hierarchy import Shape, explain_hier, load_params
+
+    between = "zmq" if transport == "shm" else transport
+    shape = Shape.parse(hosts)
+    params = load_params(between, intra_profile, profile)
+    flat = RuleSelector().choose(collective, nbytes, shape.p, np.dtype(dtype), transport_capabilities(between))
+    return explain_hier(collective, nbytes, shape, params, [flat], dtype)
 
 
 if __name__ == "__main__":
