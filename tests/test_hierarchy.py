@@ -317,6 +317,38 @@ def test_a_killed_rank_is_an_error_on_every_survivor(monkeypatch, victim):
         assert took < TIMEOUT + SLACK, (o.rank, took, message)
 
 
+def killed_then_shrunk(comm, victim: int):
+    """Rank ``victim`` dies between calls; the survivors shrink and sum over the rest."""
+    from collectives import PeerLost
+
+    x = np.ones(1 << 16, np.float32)
+    comm.allreduce(x, algorithm="hierarchical")
+    if comm.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(1000):
+            comm.allreduce(x, algorithm="hierarchical")
+    except PeerLost:
+        pass
+    start = time.monotonic()
+    new = comm.shrink()
+    took = time.monotonic() - start
+    y = np.full(8, float(new.original_ranks[new.rank] + 1), np.float32)
+    new.allreduce(y)
+    new.close()
+    return type(new).__name__, new.size, new.original_ranks, float(y[0]), took
+
+
+def test_the_survivors_of_a_killed_rank_shrink_to_a_flat_communicator(monkeypatch):
+    outcomes = run(monkeypatch, [0, 0, 1, 1], killed_then_shrunk, 2, comm_timeout=TIMEOUT, expect_errors=True)
+    assert not outcomes[2].ok and outcomes[2].error_type == "ProcessDied", outcomes[2]
+    for o in (outcomes[0], outcomes[1], outcomes[3]):
+        assert o.ok, o
+        kind, size, original, total, took = o.value
+        assert (kind, size, original, total) == ("Communicator", 3, [0, 1, 3], 1.0 + 2.0 + 4.0), o.value
+        assert took < TIMEOUT + SLACK, took
+
+
 def hung(comm, sleeper: int, done: str):
     """Rank ``sleeper`` comes to the call only once every other rank has raised (said by a file each)."""
     comm.barrier()
