@@ -241,3 +241,30 @@ def test_real_srun_runs_two_tasks(tmp_path):
                          env={**env, "COLLECTIVES_TRANSPORT": "zmq"}, capture_output=True, timeout=DEADLINE,
                          cwd=tmp_path)
     assert zmq.returncode == 0 and "task 1 2 zmq 3.0" in zmq.stdout, zmq.stdout + zmq.stderr
+
+
+HIER_TASK = """\
+import numpy as np, collectives
+comm = collectives.init(timeout=30)
+x = np.full(1 << 16, comm.rank + 1.0)
+comm.allreduce(x, algorithm="hierarchical")
+print("task", comm.rank, type(comm).__name__, comm.topology.shape(), x[0], flush=True)
+comm.close()
+"""
+
+
+def test_real_srun_runs_a_hierarchical_job(tmp_path):
+    """Four tasks of one srun, as two "hosts" of two (a host id per pair of
+    tasks), over TCP between the hosts and shared memory within each."""
+    reason = _slurm_cluster()
+    if reason:
+        pytest.skip(reason)
+    script = tmp_path / "task.py"
+    script.write_text(HIER_TASK)
+    env = {**_clean_environment(), "COLLECTIVES_SECRET": "s", "COLLECTIVES_TRANSPORT": "zmq"}
+    wrapped = f'COLLECTIVES_HOST_ID=h$((SLURM_PROCID / 2)) exec {sys.executable} {script}'
+    res = subprocess.run(["srun", "--overcommit", "-n", "4", "--time", "2", "bash", "-c", wrapped], env=env,
+                         text=True, capture_output=True, timeout=DEADLINE, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in range(4):
+        assert f"task {r} HierarchicalCommunicator 2x2 10.0" in res.stdout, res.stdout + res.stderr
