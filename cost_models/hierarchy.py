@@ -326,6 +326,7 @@ class HierExplanation:
     params: HierParams
     candidates: list[Candidate]
     choice: str
+    hosts: str = ""  # inside a job: every host, its ranks and cores (Topology.describe())
 
     def table(self) -> str:
         """Printable: the topology, the parameters, every candidate and the choice."""
@@ -338,6 +339,7 @@ class HierExplanation:
         lines = [f"{self.collective}: {self.nbytes} bytes, {s.p} ranks on {s.H} hosts ({s}), {self.dtype}",
                  f"topology: hosts of {', '.join(map(str, s.sizes))} ranks; {s.m} local rank(s) per host drive "
                  f"slices across hosts" + ("; uneven hosts: the others go through them" if s.uneven else ""),
+                 *([self.hosts] if self.hosts else []),
                  f"within a host (shm): {line(hp.intra)}", f"between hosts: {line(hp.inter)}",
                  f"{'algorithm':34s} {'kind':>12s} {'predicted':>14s}  formula"]
         for c in self.candidates:

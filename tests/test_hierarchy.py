@@ -203,13 +203,16 @@ def nonblocking_and_topology(comm):
     h.wait(timeout=20)
     got = g.wait(timeout=20)
     t = comm.topology
-    return x.tolist(), got.tolist(), (t.node, t.local_rank, t.local_size, t.hosts)
+    said = comm.explain("allreduce", 16 << 20).table()
+    return x.tolist(), got.tolist(), (t.node, t.local_rank, t.local_size, t.hosts), said
 
 
 def test_nonblocking_calls_and_the_topology_property(monkeypatch):
     results = run(monkeypatch, [0, 1, 1, 0], nonblocking_and_topology)
     p = 4
-    for rank, (x, got, (node, local, size, hosts)) in enumerate(results):
+    for rank, (x, got, (node, local, size, hosts), said) in enumerate(results):
+        assert "node 0: host0, ranks 0, 3" in said and "node 1: host1, ranks 1-2" in said, said
+        assert f"this rank: {rank}" in said and "cores" in said and "choice: " in said, said
         assert x == [sum(i + r for r in range(p)) for i in range(6)]
         assert got == [float(r) for r in range(p) for _ in range(3)]
         assert hosts == ((0, 3), (1, 2)) and node == (0 if rank in (0, 3) else 1)

@@ -24,6 +24,7 @@ must run). The hooks it uses of the communicator's execution: ``_choose``,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -123,7 +124,8 @@ class HierarchicalCommunicator(Communicator):
         (a :class:`~collectives.cost_models.hierarchy.HierExplanation`; ``.table()`` prints it)."""
         dt = np.dtype(dtype)
         flat = self._selector.choose(collective, nbytes, self.size, dt, self._capabilities)
-        return self._chooser.explain(collective, nbytes, dt, [flat])
+        found = self._chooser.explain(collective, nbytes, dt, [flat])
+        return dataclasses.replace(found, hosts=self._topology.describe())
 
     # ------------------------------------------------------------ choosing
 
