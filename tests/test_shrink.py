@@ -189,6 +189,75 @@ def test_the_launcher_lets_survivors_carry_on_and_reports_the_failure(tmp_path):
     assert "rank 1 was killed by SIGKILL" in proc.stderr and "1 of 4 ranks failed" in proc.stderr, proc.stderr
 
 
+LOST_BEFORE_JOINING = textwrap.dedent("""
+    # Rank 1 dies; rank 2 dies after the survivors' agreement, before it opens
+    # their new transport. The launcher leaves both unreaped (zombies).
+    import os, signal, sys, time, numpy as np, collectives
+    from collectives import PeerLost
+    comm = collectives.init(timeout=float(sys.argv[1]))
+    me = comm.rank
+    cls = type(comm.transport)
+    opened = cls.open.__func__
+    def open_(cls, rank, size, *, job, timeout, options):
+        if me == 2 and ".e1." in job:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return opened(cls, rank, size, job=job, timeout=timeout, options=options)
+    cls.open = classmethod(open_)
+    if me == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = np.ones(10)
+    try:
+        comm.allreduce(x)
+        comm.allreduce(x)
+    except PeerLost:
+        t = time.monotonic()
+        new = comm.shrink()
+        took = time.monotonic() - t
+        y = np.full(10, new.rank + 1.0)
+        new.allreduce(y)
+        print(f"DONE {me} {new.rank} {new.size} {new.original_ranks} {y[0]} {took:.3f}", flush=True)
+""")
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_a_survivor_lost_before_it_joins_the_shrunk_transport_under_the_launcher(tmp_path, transport):
+    """The launcher's --on-failure continue leaves dead ranks as zombies: they
+    count as dead, so the survivors agree again at once (no timeout)."""
+    script = tmp_path / "lost_before_joining.py"
+    script.write_text(LOST_BEFORE_JOINING)
+    timeout = 20.0
+    proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "4", "--transport", transport,
+                           "--on-failure", "continue", str(script), str(timeout)],
+                          capture_output=True, text=True, timeout=120)
+    done = sorted(line.split("DONE ", 1)[1] for line in proc.stdout.splitlines() if "DONE" in line)
+    assert [d.rsplit(" ", 1)[0] for d in done] == ["0 0 2 [0, 3] 3.0", "3 1 2 [0, 3] 3.0"], proc.stdout + proc.stderr
+    took = [float(d.rsplit(" ", 1)[1]) for d in done]
+    assert max(took) < timeout / 2, (took, proc.stdout)  # agreed again, did not wait out the timeout
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "2 of 4 ranks failed" in proc.stderr, proc.stderr
+
+
+def test_a_zombie_counts_as_dead():
+    """A process that exited but is not reaped yet (as the launcher leaves a
+    failed rank under --on-failure continue) is dead to shared memory's checks."""
+    from collectives.transports.shm.liveness import PeerWatch, exited
+
+    assert not exited(os.getpid()) and not PeerWatch({0: os.getpid()}).dead()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    watch = PeerWatch({1: child.pid})
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
+    with open(f"/proc/{child.pid}/stat") as f:
+        assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    try:
+        assert exited(child.pid)
+        assert watch.dead() == {1}
+        assert PeerWatch({1: child.pid}).dead() == {1}
+    finally:
+        watch.close()
+        child.wait(timeout=10)
+    assert exited(child.pid)
+
+
 def test_the_elastic_numpy_example_finishes_on_the_survivors():
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "elastic_numpy.py")
     proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "3", "--on-failure", "continue",

@@ -21,10 +21,35 @@ from collectives.errors import PeerLost, from_abort
 
 from .layout import Q_ABORT, Q_ABORT_SEQ, Q_CLOSED, Q_INBOX, Q_PID, Q_REASON_LEN, REASON_MAX, REASON_OFFSET
 
-__all__ = ["Liveness", "PeerWatch", "PEER_CHECK_SECONDS"]
+__all__ = ["Liveness", "PeerWatch", "PEER_CHECK_SECONDS", "exited"]
 
 #: How often a wait that has spun looks at its peers.
 PEER_CHECK_SECONDS = 0.002
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited: it is gone, or it is a zombie (its
+    parent has not reaped it yet, as ``collectives run --on-failure continue``
+    leaves a dead rank). ``os.kill(pid, 0)`` alone succeeds on a zombie, so
+    the state in ``/proc/<pid>/stat`` decides where there is one (``Z`` or
+    ``X``: exited); a process of another user counts as alive. Cheap (one
+    small read); by pid only, so it cannot tell a reused pid from the
+    original: :class:`PeerWatch` (pidfds) can."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc (or not readable): whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    end = stat.rfind(b")")  # the command name may hold spaces and parentheses
+    return stat[end + 2:end + 3] in (b"Z", b"X")
 
 
 def completed(first_failed: int, seq: int) -> bool:
@@ -34,7 +59,10 @@ def completed(first_failed: int, seq: int) -> bool:
 
 
 class PeerWatch:
-    """Tells whether peer processes are still alive (pidfds where available)."""
+    """Tells whether peer processes are still alive: a pidfd per peer where
+    the system has them (readable once the process exited, zombie or reaped,
+    and never confused with a later process of the same pid), else
+    :func:`exited` on the pid."""
 
     def __init__(self, pids: dict[int, int]) -> None:
         self._fds: dict[int, int] = {}
@@ -56,12 +84,8 @@ class PeerWatch:
         for rank, pid in self._pids.items():
             if rank in gone or rank in self._fds.values():
                 continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if exited(pid):
                 gone.add(rank)
-            except PermissionError:
-                pass
         return gone
 
     def close(self) -> None:

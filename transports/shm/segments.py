@@ -38,7 +38,7 @@ from . import cma
 from .layout import (CPU_WORDS, MAGIC, MiB, Q_ALLOC, Q_ATTACHED, Q_CMA, Q_CPUS, Q_DONE, Q_EPOCH, Q_INBOX,
                      Q_MAGIC, Q_NATIVE, Q_PID, Q_POST, Q_PROBE, Q_RING, Q_SECRET, Q_SIZE, Q_SLEEP, Q_WINDOW, SHM_DIR,
                      WINDOW_HEADER_BYTES, Layout, Segment, align, default_ring_bytes, pow2_floor, segment_path)
-from .liveness import PeerWatch
+from .liveness import PeerWatch, exited
 from .pages import PAGE
 from .records import CallRecords
 from .waking import spin_seconds
@@ -117,16 +117,6 @@ def settings(size: int, job: str, options: dict[str, Any]) -> Settings:
     return Settings(Layout(size, ring, window + WINDOW_HEADER_BYTES, pool), secret, cma_on, adopt)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def _create(job: str, rank: int, size: int, layout: Layout, secret: int, probe_address: int) -> Segment:
     """Create and fill in ``rank``'s segment (replacing one a crashed job left)."""
     path = segment_path(job, rank)
@@ -170,7 +160,7 @@ def _attach(job: str, rank: int, layout: Layout, secret: int) -> Segment | None:
         os.close(fd)
     seg = Segment(path, mm, layout)
     q = seg.q
-    if q[Q_MAGIC] != MAGIC or q[Q_SECRET] != secret or not _alive(int(q[Q_PID])):
+    if q[Q_MAGIC] != MAGIC or q[Q_SECRET] != secret or exited(int(q[Q_PID])):
         seg.release()  # not ready, another job's, or left by a dead process
         return None
     return seg
@@ -228,23 +218,30 @@ class SegmentSetup:
         backoff = Backoff(deadline, f"rank {self.rank}: shared-memory rendezvous of job {self._job!r}",
                           max_sleep=5e-3)
         pids = getattr(self, "_rank_pids", None) or []
-        while missing:
-            for r in list(missing):
-                seg = _attach(self._job, r, self._layout, self._secret)
-                if seg is not None:
-                    segs[r] = seg
-                    missing.remove(r)
-            for r in missing:  # a rank whose process is known (a shrink's survivors) and died
-                if r < len(pids) and pids[r] and not _alive(pids[r]):
-                    raise PeerLost(f"rank {self.rank}: rank {r} (pid {pids[r]}) died before it joined job "
-                                   f"{self._job!r}", r)
-            if missing:
-                try:
-                    backoff.pause()
-                except CollectiveTimeout:
-                    raise CollectiveTimeout(
-                        f"rank {self.rank}: ranks {missing} did not create their shared-memory "
-                        f"segments of job {self._job!r} in time") from None
+        # The ranks whose process is known (a shrink's survivors): one that died (a zombie
+        # too: the launcher's --on-failure continue leaves dead ranks unreaped) ends it.
+        known = PeerWatch({r: pid for r, pid in enumerate(pids) if pid and r != self.rank})
+        try:
+            while missing:
+                for r in list(missing):
+                    seg = _attach(self._job, r, self._layout, self._secret)
+                    if seg is not None:
+                        segs[r] = seg
+                        missing.remove(r)
+                dead = known.dead() if missing else set()
+                for r in missing:
+                    if r in dead:
+                        raise PeerLost(f"rank {self.rank}: rank {r} (pid {pids[r]}) died before it joined job "
+                                       f"{self._job!r}", r)
+                if missing:
+                    try:
+                        backoff.pause()
+                    except CollectiveTimeout:
+                        raise CollectiveTimeout(
+                            f"rank {self.rank}: ranks {missing} did not create their shared-memory "
+                            f"segments of job {self._job!r} in time") from None
+        finally:
+            known.close()
 
     def _count_cores(self) -> None:
         """Cores the ranks share: those any rank may run on (a launcher that
