@@ -126,6 +126,15 @@ class Communicator(CallExecution, Survival):
         self._selector = selector
         self._prepared.clear()  # prepared calls follow the old choices
 
+    def explain(self, collective: str, nbytes: int, dtype: Any = np.float32) -> Any:
+        """Why ``auto`` runs what it runs for ``collective`` of ``nbytes`` here:
+        every candidate's predicted time, the choice and what ``auto`` follows
+        (``.table()`` prints it; see docs/cost-models.md)."""
+        from .cost_models.agreed import explain_choice
+
+        return explain_choice(self._selector, self.transport.name, collective, int(nbytes), self.size, dtype,
+                              self._capabilities)
+
     def _choose(self, collective: str, nbytes: int, dtype: np.dtype) -> str:
         name = self._selector.choose(collective, nbytes, self.size, dtype, self._capabilities)
         if _select_log.isEnabledFor(logging.INFO):

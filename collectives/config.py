@@ -97,8 +97,12 @@ def _settings() -> dict[str, Setting]:
         Setting("IB_GID_INDEX", "int", 0, "the GID index of RDMA over Ethernet", "rdma"),
         Setting("CUDART", "str", None, "the path of libcudart to load", "gpu"),
         # algorithms
-        Setting("PROFILE", "str", None, "the calibration profile (a path) the cost-model selector uses",
-                "algorithms"),
+        Setting("PROFILE", "str", None, "where calibration profiles are: a folder of them, or one .json used for "
+                "every transport (default: the user's cache folder)", "algorithms"),
+        Setting("SELECTOR", "str", "auto", "what algorithm=\"auto\" follows: auto (the cost models with rank 0's "
+                "calibration profile of the transport where it has one, else the rule), model (the cost models, "
+                "with default parameters where no profile), rule (the size-and-ranks rule)", "algorithms",
+                ("auto", "model", "rule")),
         Setting("HIERARCHY", "str", "auto", "ranks on several hosts, some sharing one: auto (shared memory within "
                 "a host, the job's transport between hosts, algorithms chosen by the cost models) or off (flat)",
                 "algorithms", ("auto", "off")),

@@ -82,14 +82,20 @@ def rank_main(out: str | None, quick: bool) -> int:
     import collectives
 
     comm = collectives.init()
+    step = _progress(comm.rank, 5)
     sizes = SWEEP_BYTES[:8] if quick else SWEEP_BYTES
+    step(f"ping-pong, {_size(sizes[0])} to {_size(sizes[-1])} (alpha, beta)")
     times = pingpong(comm, sizes, quick) if comm.size > 1 else []
+    step("both ways at once (exchange)")
     exchanges = exchange(comm, EXCHANGE_BYTES, quick) if comm.size > 1 else []
     comm.barrier()
+    step("fence")
     fence = window_fence(comm, 20 if quick else 50)
     if fence is None:
         fence = best_time(comm.barrier, 5 if quick else 50)
+    step("small collectives (overhead per message, cost per call)")
     probes = measure_probes(comm, 3 if quick else 20) if comm.size > 1 else []
+    step("every algorithm at its anchor sizes")
     extra, anchors = rank_count_measurements(comm, quick) if comm.size > 1 else ([], [])
     name, p, cores = comm.transport.name, comm.size, comm.transport.cores or host_cores()
     comm.close()
@@ -123,6 +129,54 @@ def rank_main(out: str | None, quick: bool) -> int:
           f"{len(params.protocol) + 1} piece(s), fit error {fit['error']:.1%}\nprofile: {path}")
     return 0
 
+
+
+def _progress(rank: int, steps: int):
+    """``step(what)``: rank 0 says on stderr which of ``steps`` measurements starts."""
+    done = [0]
+
+    def step(what: str) -> None:
+        done[0] += 1
+        if rank == 0:
+            print(f"calibrate: [{done[0]}/{steps}] {what}", file=sys.stderr, flush=True)
+    return step
+
+
+#: The sizes and collectives the closing reading shows auto's choices for.
+READING_BYTES = (8, 64 << 10, 16 << 20)
+READING_COLLECTIVES = ("allreduce", "bcast", "reduce", "allgather", "reduce_scatter", "alltoall")
+
+
+def reading(path: Path, transport: str, p: int) -> str:
+    """A few lines on what the profile at ``path`` says: a message's cost,
+    and what ``auto`` now runs at ``p`` ranks where the rule would run another."""
+    import numpy as np
+
+    from collectives.selection import RuleSelector
+
+    from .explain import transport_capabilities
+    from .profile import load_profile
+    from .selector import ModelSelector
+
+    params = load_profile(transport, path)
+    caps = transport_capabilities(transport)
+    model, rule = ModelSelector(params, transport), RuleSelector()
+    lines = [f"reading: a message costs {params.alpha * 1e6:.2f} us + {params.beta * 1e9:.3f} ns/B "
+             f"({1e-9 / max(params.beta, 1e-30):.2f} GB/s); reducing float32 {params.gamma * 1e9:.3f} ns/B; "
+             f"a fence {params.fence * 1e6:.2f} us",
+             f"auto now follows these models on {transport} (in a job, rank 0's profile); at {p} ranks:"]
+    f32 = np.dtype(np.float32)
+    for c in READING_COLLECTIVES:
+        picks = []
+        for n in READING_BYTES:
+            m, r = model.choose(c, n, p, f32, caps), rule.choose(c, n, p, f32, caps)
+            picks.append(f"{_size(n)} {m}" + ("" if m == r else f" (the rule: {r})"))
+        lines.append(f"  {c}: " + ", ".join(picks))
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
 
 
 def stretch_main(out: str, quick: bool) -> int:
@@ -161,7 +215,8 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
     table = {int(t[0]): tuple(t[1:]) for t in params.stretch}
     anchors = [t for t in data.get("anchors", ()) if int(t[2]) not in ranks]
     with tempfile.TemporaryDirectory() as tmp:
-        for p in ranks:
+        for i, p in enumerate(ranks):
+            print(f"calibrate: stretch job {i + 1} of {len(ranks)}, at {p} ranks", file=sys.stderr, flush=True)
             out = os.path.join(tmp, f"probes-{p}.json")
             if not _ran(launch_job, p, out, tries=2):
                 print(f"calibrate: the {p}-rank stretch job failed twice; no factors for {p} ranks",
@@ -225,9 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ranks = []
     else:
         ranks = [int(x) for x in ns.stretch_ranks.split(",") if x.strip()]
+    path = Path(ns.out) if ns.out else profile_path(ns.transport)
     if status == 0 and ranks:
-        add_stretch(Path(ns.out) if ns.out else profile_path(ns.transport), ranks,
-                    lambda p, out: run_job(p, "--stretch-main", out))
+        add_stretch(path, ranks, lambda p, out: run_job(p, "--stretch-main", out))
+    if status == 0 and path.is_file():
+        print(reading(path, ns.transport, ns.nprocs))
     return status
 
 

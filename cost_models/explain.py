@@ -53,7 +53,10 @@ def transport_capabilities(name: str) -> frozenset[str]:
 
 def explain(collective: str, nbytes: int, p: int, dtype: Any = np.float32, transport: str = "shm",
             profile: str | None = None) -> Explanation:
-    """Why ``algorithm="auto"`` picks what it picks.
+    """Why ``algorithm="auto"`` picks what it picks: every candidate's
+    predicted time, and what ``auto`` runs (the models' choice where this
+    host has a profile of ``transport``, else the rule's, as in a job whose
+    rank 0 runs here).
 
     Args:
         collective: the collective.
@@ -66,8 +69,13 @@ def explain(collective: str, nbytes: int, p: int, dtype: Any = np.float32, trans
     Returns:
         An :class:`~collectives.cost_models.selector.Explanation` (``.table()`` prints it).
     """
-    selector = ModelSelector(load_profile(transport, profile), transport)
-    return selector.explain(collective, nbytes, p, dtype, transport_capabilities(transport))
+    from dataclasses import replace
+
+    from .agreed import explain_choice, local_selector
+
+    auto = ModelSelector(load_profile(transport, profile), transport) if profile else local_selector(transport)
+    found = explain_choice(auto, transport, collective, nbytes, p, dtype, transport_capabilities(transport))
+    return found if profile else replace(found, how=found.how + " (in a job, rank 0's host decides)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,14 +118,14 @@ def explain_hosts(collective: str, nbytes: int, hosts: str, dtype: Any = np.floa
     Returns:
         A :class:`~collectives.cost_models.hierarchy.HierExplanation`.
     """
-    from collectives.selection import RuleSelector
-
+    from .agreed import local_selector
     from .hierarchy import Shape, explain_hier, load_params
 
     between = "zmq" if transport == "shm" else transport
     shape = Shape.parse(hosts)
     params = load_params(between, intra_profile, profile)
-    flat = RuleSelector().choose(collective, nbytes, shape.p, np.dtype(dtype), transport_capabilities(between))
+    flat = local_selector(between).choose(collective, nbytes, shape.p, np.dtype(dtype),
+                                          transport_capabilities(between))
     return explain_hier(collective, nbytes, shape, params, [flat], dtype)
 
 

@@ -25,7 +25,7 @@ from collectives import config
 
 from .model import Params
 
-__all__ = ["DEFAULTS", "GENERIC", "profile_path", "load_profile", "save_profile", "host_cores"]
+__all__ = ["DEFAULTS", "GENERIC", "profile_path", "find_profile", "load_profile", "save_profile", "host_cores"]
 
 #: Parameters used when a transport has no profile (seconds, bytes/s).
 #: shm: copy through a shared ring, a few microseconds per message;
@@ -53,6 +53,12 @@ def profile_path(transport: str, host: str | None = None) -> Path:
         return Path(override)
     folder = Path(override) if override else _cache_dir()
     return folder / f"profile-{transport}-{host or socket.gethostname()}.json"
+
+
+def find_profile(transport: str) -> Path | None:
+    """This host's calibration profile of ``transport``, or None where there is none."""
+    file = profile_path(transport)
+    return file if file.is_file() else None
 
 
 def load_profile(transport: str, path: str | os.PathLike | None = None) -> Params:

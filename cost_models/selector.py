@@ -63,6 +63,7 @@ class Explanation:
     params: Params
     candidates: list[Candidate]
     choice: str
+    how: str = ""  # what auto follows (set by collectives explain): the models with which profile, or the rule
 
     def table(self) -> str:
         """A printable table of the candidates and the parameters."""
@@ -78,7 +79,14 @@ class Explanation:
             t = f"{c.seconds * 1e6:11.2f} us" if c.runnable else f"{'(needs ' + ','.join(sorted(c.needs)) + ')':>14s}"
             mark = "*" if c.name == self.choice else " "
             lines.append(f"{mark}{c.name:39s} {t}  {c.formula}")
-        lines.append(f"choice: {self.choice}")
+        modelled = min((c for c in self.candidates if c.runnable and c.name != "native"),
+                       key=lambda c: c.seconds, default=None)
+        if modelled is not None and modelled.name != self.choice:
+            lines.append(f"choice: {self.choice} (the cost models would take {modelled.name})")
+        else:
+            lines.append(f"choice: {self.choice}")
+        if self.how:
+            lines.append(self.how)
         return "\n".join(lines)
 
 

@@ -1,4 +1,9 @@
-"""Test-suite wide checks: the library leaves nothing in /dev/shm.
+"""Test-suite wide settings and checks.
+
+The suite runs apart from the user's cache: calibration profiles (which
+``auto`` would follow) and flight-record dumps go to folders of this run
+(``COLLECTIVES_PROFILE``, ``COLLECTIVES_DEBUG_DIR``), which every rank
+inherits. And the library leaves nothing in /dev/shm:
 
 Only this library's segments count (``coll-<job>-<rank>``, see
 ``collectives.transports.shm.layout``), only those that appeared during this
@@ -11,8 +16,13 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+_RUN_DIR = tempfile.TemporaryDirectory(prefix="collectives-tests-")
+os.environ["COLLECTIVES_PROFILE"] = os.path.join(_RUN_DIR.name, "profiles")  # none: auto follows the rule
+os.environ["COLLECTIVES_DEBUG_DIR"] = os.path.join(_RUN_DIR.name, "flight")
 
 SHM = "/dev/shm"
 PREFIX = "coll-"

@@ -1,5 +1,9 @@
 """What ``collectives.init()`` builds over an open world transport.
 
+Unless init was given a selector, every rank first agrees on what
+``algorithm="auto"`` follows (:mod:`collectives.cost_models.agreed`: rank
+0's calibration profile, or the rule).
+
 With ``COLLECTIVES_HIERARCHY=auto`` (the default), a world transport that
 is not shared memory itself, and more than one rank, init discovers the
 topology (:mod:`.discovery`). Where the ranks span several hosts and some
@@ -63,6 +67,10 @@ def communicator_for(transport: Transport, name: str, *, timeout: float, job: st
     Raises:
         CollectiveTimeout, PeerLost: a rank did not take part in the discovery in time, or died.
     """
+    if comm_options.get("selector") is None:  # every rank follows rank 0's profile, or the rule
+        from ..cost_models.agreed import agreed_selector
+
+        comm_options["selector"] = agreed_selector(transport, name, timeout)
     kwargs = dict(timeout=timeout, job=job, options=options, **comm_options)
     if not wants_hierarchy(name, transport.size):
         return Communicator(transport, **kwargs)
