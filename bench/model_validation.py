@@ -9,8 +9,9 @@ slowest rank's time, the algorithms taking turns; the best of ``--passes``
 whole sweeps), rank 0 predicts it with the transport's calibration
 profile (``collectives calibrate`` first; defaults otherwise), and prints per
 algorithm |predicted - measured| / measured, and per (collective, size) the
-regret (time of the chosen algorithm over the best measured one) of
-:class:`ModelSelector`, of the library's rule
+regret (time of the chosen algorithm over the best measured one) of what
+``auto`` runs in the job (rank 0's profile, else the rule: see
+:mod:`collectives.cost_models.agreed`), of :class:`ModelSelector`, of the library's rule
 (:class:`~collectives.selection.RuleSelector`, which takes the shared window
 where there is one) and of MPICH's fixed rules (the same rule without the
 window: the algorithms MPICH chooses among). It also prints the
@@ -88,7 +89,8 @@ def rank_main(ns) -> int:
             rows.append({"collective": collective, "algorithm": name, "bytes": nbytes, "p": comm.size,
                          "measured": t, "predicted": pred, "rel_error": abs(pred - t) / t})
         best = min(measured.values())
-        picks = {"model": model_sel.choose(collective, nbytes, comm.size, dtype, caps),
+        picks = {"auto": comm.selector.choose(collective, nbytes, comm.size, dtype, caps),
+                 "model": model_sel.choose(collective, nbytes, comm.size, dtype, caps),
                  "rule": rule_sel.choose(collective, nbytes, comm.size, dtype, caps),
                  "mpich": mpich_sel.choose(collective, nbytes, comm.size, dtype, caps - {"window"})}
         noise = min(even, key=even.get)
@@ -118,7 +120,8 @@ def _print_summary(rows: list[dict], regrets: list[dict]) -> None:
     errors = sorted(r["rel_error"] for r in rows)
     print(f"median |predicted - measured| / measured: {statistics.median(errors):.1%} "
           f"({len(errors)} points)")
-    for who, what in (("model", "the model's choice"), ("rule", "the rule's choice"),
+    for who, what in (("auto", "what auto runs (the job's agreed selector)"), ("model", "the model's choice"),
+                      ("rule", "the rule's choice"),
                       ("mpich", "MPICH's rules' choice"),
                       ("noise", "the best of half the rounds, judged on the other half (noise)")):
         reg = sorted(g[f"{who}_regret"] for g in regrets if f"{who}_regret" in g)
