@@ -157,34 +157,49 @@ def test_old_epoch_messages_are_never_delivered_into_the_new_one(transport):
 
 
 SCRIPT = textwrap.dedent("""
-    import os, signal, sys, numpy as np, collectives
+    import os, signal, sys, time, numpy as np, collectives
     from collectives import PeerLost
-    comm = collectives.init(timeout=5)
+    timeout = float(sys.argv[1])
+    comm = collectives.init(timeout=timeout)
     x = np.ones(100, np.float32)
-    step = 0
+    step, wrong, shrunk_at = 0, 0, None
     while step < 30:
         if comm.rank == 1 and step == 5 and comm.epoch == 0:
+            print(f"KILLED {time.monotonic()!r}", flush=True)  # one clock for every process of the machine
             os.kill(os.getpid(), signal.SIGKILL)
         try:
-            x[:] = 1
+            x[:] = comm.original_ranks[comm.rank] + 1
             comm.allreduce(x)
-            assert x[0] == comm.size
+            wrong += int(np.count_nonzero(x != sum(r + 1 for r in comm.original_ranks)))
             step += 1
         except PeerLost:
-            new = comm.shrink()
+            new = comm.shrink(timeout=timeout)
+            shrunk_at = time.monotonic()
             comm.close()
             comm = new
-    print(f"DONE {comm.original_ranks[comm.rank]} {comm.size}", flush=True)
+            steps = np.array([step], np.int64)  # a survivor may have finished the failed step: the lowest
+            comm.allreduce(steps, op="min")
+            step = int(steps[0])
+    print(f"DONE {comm.original_ranks[comm.rank]} {comm.size} {comm.original_ranks} {wrong} {shrunk_at!r}",
+          flush=True)
 """)
 
 
-def test_the_launcher_lets_survivors_carry_on_and_reports_the_failure(tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_the_launcher_lets_survivors_carry_on_and_reports_the_failure(tmp_path, transport):
     script = tmp_path / "elastic.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "4", "--on-failure", "continue",
-                           str(script)], capture_output=True, text=True, timeout=120)
-    done = sorted(line.split()[-2:] for line in proc.stdout.splitlines() if "DONE" in line)
-    assert done == [["0", "3"], ["2", "3"], ["3", "3"]], proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "4", "--transport", transport,
+                           "--on-failure", "continue", str(script), str(TIMEOUT)],
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    killed = [float(line.split()[-1]) for line in proc.stdout.splitlines() if "KILLED" in line]
+    done = sorted(line.split("DONE ", 1)[1].split(" ") for line in proc.stdout.splitlines() if "DONE" in line)
+    assert len(killed) == 1 and len(done) == 3, out
+    # Survivors 0, 2 and 3: 3 ranks, every allreduce right (over 4 ranks, then 3).
+    assert [d[:-1] for d in done] == [[str(r), "3", "[0,", "2,", "3]", "0"] for r in (0, 2, 3)], out
+    for d in done:
+        assert float(d[-1]) - killed[0] < TIMEOUT + 2, (d, killed, out)  # shrunk within timeout + 2 s
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert "rank 1 was killed by SIGKILL" in proc.stderr and "1 of 4 ranks failed" in proc.stderr, proc.stderr
 
