@@ -90,7 +90,8 @@ def _plot(results: Sequence[StepPrediction], path: str, title: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="collectives model", description="Predict data-parallel training step time on P nodes.")
+    ap = argparse.ArgumentParser(prog="collectives model", description="Predict data-parallel training step time on P nodes.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--net", default="resnet50", help=f"network: {', '.join(NETWORKS)}")
     ap.add_argument("--nodes", default="1,2,4,...,1000", help="node counts, e.g. 1,2,4,...,1000")
     ap.add_argument("--batch-per-node", type=int, default=60, help="samples per node per step")

@@ -48,6 +48,11 @@ class SimResult:
     finish: list[float]
     switches: int
 
+    def __repr__(self) -> str:  # not every rank's array
+        ranks = len(self.results)
+        return (f"SimResult(time={self.time:.6g}, ranks={ranks}, correct={self.correct()}, "
+                f"last_finish={max(self.finish, default=0.0):.6g}, switches={self.switches})")
+
     def __iter__(self):  # (time, results) unpacking
         return iter((self.time, self.results))
 
