@@ -8,7 +8,10 @@ with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set (as torchrun
 does; OpenBLAS and torch follow it).
 Output is streamed with a rank prefix. If one rank fails, the others are
 stopped and the launcher exits with that rank's status, as a shell reports
-it: 128 + N for a rank killed by signal N. SIGTERM, SIGINT or SIGHUP to the
+it: 128 + N for a rank killed by signal N. With ``--on-failure continue``
+the others go on; at the end the launcher names every rank that failed, in
+the order it saw them fail, and exits with the first one's status (as
+torchrun and mpiexec report the first failure). SIGTERM, SIGINT or SIGHUP to the
 launcher stops every rank and the launcher exits with 128 + that signal; a
 timeout exits with 124; a program that cannot be started, with 127 (not
 found) or 126 (not executable).
@@ -307,7 +310,7 @@ def _supervise(procs: Sequence[subprocess.Popen], timeout: float | None, receive
     ``"stop"``; with ``"continue"``, until every rank ended), the timeout
     passed or the launcher got a stop signal; returns the job's exit status."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    told: set[int] = set()
+    failures: list[tuple[int, int]] = []  # (rank, code) in the order seen (by rank within one look)
     while True:
         if received:
             _say(f"{_signal_name(received[0])}; stopping every rank")
@@ -319,16 +322,18 @@ def _supervise(procs: Sequence[subprocess.Popen], timeout: float | None, receive
             rest = "; stopping the other ranks" if None in codes else ""
             _say(f"rank {r} {_describe_end(code)}{rest}")
             return shell_status(code)
+        seen = {r for r, _ in failures}
         for r, code in failed:
-            if r not in told:  # --on-failure continue: say so, let the others go on
-                told.add(r)
+            if r not in seen:  # --on-failure continue: say so, let the others go on
+                failures.append((r, code))
                 _say(f"rank {r} {_describe_end(code)}; the other ranks go on (--on-failure continue)")
         if None not in codes:
-            if not failed:
+            if not failures:
                 return 0
-            _say(f"{len(failed)} of {len(codes)} ranks failed: " + ", ".join(
-                f"rank {r} {_describe_end(c)}" for r, c in failed))
-            return shell_status(failed[0][1])
+            _say(f"{len(failures)} of {len(codes)} ranks failed: " + ", ".join(
+                f"rank {r} {_describe_end(c)}" for r, c in failures)
+                + ("; the job's status is the first's" if len(failures) > 1 else ""))
+            return shell_status(failures[0][1])
         if deadline is not None and time.monotonic() > deadline:
             _say(f"timeout after {timeout}s; stopping every rank")
             return 124
@@ -357,10 +362,11 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
             survivors; the job fails at the end if any rank failed).
 
     Returns:
-        0 if every rank succeeded, else the first failing rank's status as a
-        shell reports it (128 + N if signal N killed it); 128 + N if the
-        launcher got signal N (SIGTERM, SIGINT, SIGHUP); 124 on timeout; 127
-        or 126 if ``command`` could not be started.
+        0 if every rank succeeded, else the status of the first rank seen to
+        fail (not the lowest-numbered) as a shell reports it (128 + N if
+        signal N killed it); 128 + N if the launcher got signal N (SIGTERM,
+        SIGINT, SIGHUP); 124 on timeout; 127 or 126 if ``command`` could not
+        be started.
 
     Several nodes: :func:`collectives.multinode.launch_nodes`.
     """

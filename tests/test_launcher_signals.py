@@ -88,20 +88,33 @@ class Job:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, cwd=tmp_path, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.said: queue.Queue[str | None] = queue.Queue()  # the launcher's own lines (stderr)
         self.stdout: list[str] = []
         self.stderr: list[str] = []
-        self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, True), daemon=True),
-                        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr, False), daemon=True)]
+        self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, self.lines),
+                                         daemon=True),
+                        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr, self.said),
+                                         daemon=True)]
         for t in self.readers:
             t.start()
 
-    def _read(self, stream, into: list[str], queued: bool) -> None:
+    def _read(self, stream, into: list[str], lines: queue.Queue) -> None:
         for line in stream:
             into.append(line)
-            if queued:
-                self.lines.put(line)
-        if queued:
-            self.lines.put(None)  # the end of the output
+            lines.put(line)
+        lines.put(None)  # the end of the output
+
+    def says(self, text: str, seconds: float = END_SECONDS) -> None:
+        """Wait until the launcher writes a line holding ``text`` on its stderr."""
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                line = self.said.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                line = None
+            assert line is not None, f"the launcher did not say {text!r}: {self.output()}"
+            if text in line:
+                return
 
     def ranks_up(self, nprocs: int) -> dict[int, tuple[int, int]]:
         """Wait for every rank's ``up`` line: rank -> (its pid, its child's pid)."""
@@ -243,6 +256,28 @@ def test_a_rank_that_exits_with_status_3_gives_3(tmp_path, start):
     assert job.wait() == 3, job.output()
     assert time.monotonic() - t0 < END_SECONDS
     assert "collectives run: rank 1 exited with status 3; stopping the other ranks" in job.output()
+    assert [p for p in _pids(up) if _alive(p)] == []
+
+
+def test_with_on_failure_continue_the_status_is_the_first_failure_not_the_lowest_rank(tmp_path, start):
+    # rank 3 fails first (status 5); rank 1 only once the launcher said so (status 7)
+    script = _rank_script(tmp_path, then="""
+        r = os.environ["COLLECTIVES_RANK"]
+        if r == "3":
+            sys.exit(5)
+        if r == "1":
+            sys.stdin.readline()
+            sys.exit(7)
+        sys.exit(0)
+    """)
+    job = start(["-n", "4", "--on-failure", "continue", script])
+    up = job.ranks_up(4)
+    job.says("rank 3 exited with status 5; the other ranks go on (--on-failure continue)")
+    job.proc.stdin.write("go\n")
+    job.proc.stdin.flush()
+    assert job.wait() == 5, job.output()
+    assert ("collectives run: 2 of 4 ranks failed: rank 3 exited with status 5, rank 1 exited with status 7; "
+            "the job's status is the first's") in job.output(), job.output()
     assert [p for p in _pids(up) if _alive(p)] == []
 
 
