@@ -81,13 +81,18 @@ def test_unexpected_messages_many_tags_fifo_per_tag():
 
 
 def size_mismatch(comm, early: bool, n: int):
+    """Rank 0 sends n bytes where rank 1 expects n + 2; with ``early``, the
+    message has arrived before the receive is posted (a marker sent after
+    it is received first: messages between two ranks keep their order)."""
     t = comm.transport
     if comm.rank == 0:
         t.isend(np.zeros(n, np.uint8), 1, 5).wait(10)
+        t.isend(np.ones(1, np.uint8), 1, 8).wait(10)
         t.isend(np.ones(4, np.uint8), 1, 6).wait(10)
         return "sent"
+    marker = t.irecv(np.zeros(1, np.uint8), 0, 8)
     if early:
-        time.sleep(0.2)
+        marker.wait(10)
     try:
         t.irecv(np.zeros(n + 2, np.uint8), 0, 5).wait(10)
     except MismatchedCollective:
@@ -104,10 +109,12 @@ def test_size_mismatch_raises_and_stream_stays_usable(early, n):
 
 
 def receive_times_out(comm):
+    t, peer = comm.transport, 1 - comm.rank
     try:
-        comm.transport.irecv(np.zeros(4, np.uint8), 1 - comm.rank, 77).wait(0.3)
+        t.irecv(np.zeros(4, np.uint8), peer, 76).wait(0.3)  # a point-to-point tag (even): no abort
     except CollectiveTimeout:
-        time.sleep(1.0)  # a peer that closes says goodbye: waits on it would raise PeerLost
+        # neither closes (a goodbye would make the other's wait raise PeerLost) before both timed out
+        t.waitall([t.isend(np.ones(1, np.uint8), peer, 78), t.irecv(np.zeros(1, np.uint8), peer, 78)], 10)
         return "timeout"
     return "received"
 
@@ -198,8 +205,8 @@ FAULT_TIMEOUT = 6.0
 
 
 def killed_during_allreduce(comm, victim: int):
-    if comm.rank == victim:
-        time.sleep(0.5)  # the others are inside the allreduce by now
+    comm.barrier()
+    if comm.rank == victim:  # the others are at the allreduce, in it or about to start it
         os.kill(os.getpid(), signal.SIGKILL)
     buf = np.ones(1 << 20, np.float32)
     start = time.monotonic()
@@ -228,13 +235,16 @@ def test_killed_rank_raises_peer_lost_everywhere_within_timeout(p, victim):
 
 
 def aborted_peer(comm):
+    t = comm.transport
     if comm.rank == 0:
-        time.sleep(0.3)
-        comm.transport.abort("rank 0 gives up")
+        t.irecv(np.zeros(1, np.uint8), 1, 2).wait(10)  # rank 1 has posted its receive
+        t.abort("rank 0 gives up")
         return "aborted"
     start = time.monotonic()
     try:
-        comm.transport.irecv(np.zeros(4, np.uint8), 0, 1).wait(20)
+        waiting = t.irecv(np.zeros(4, np.uint8), 0, 1)
+        t.isend(np.ones(1, np.uint8), 0, 2)
+        waiting.wait(20)
     except PeerLost as exc:
         return exc.peer, "gives up" in str(exc), time.monotonic() - start < 5
     return "received"
@@ -264,13 +274,23 @@ def allreduce_loop_while_strangers_knock(comm, endpoint_file: str, seconds: floa
     return rounds, bad, refused
 
 
+#: The events that end a stranger's handshake with rank 0, whatever rank 0 decides.
+_HANDSHAKE_DONE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+
+
 def _knock(endpoint: str) -> None:
     """Connect to ``endpoint`` the ways a stranger would: garbage, no credentials, a wrong
     secret; what it sends looks like data, an abort and a status query of rank 0's."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(4096))
-        time.sleep(0.1)
+        s.shutdown(socket.SHUT_WR)
+        try:
+            while s.recv(4096):  # until rank 0 has read the garbage and hung up
+                pass
+        except OSError:
+            pass
     ctx = zmq.Context()
     try:
         for password in (None, b"not-the-secret"):
@@ -279,12 +299,15 @@ def _knock(endpoint: str) -> None:
             d.routing_id = b"0"  # pretends to be rank 0
             if password is not None:
                 d.plain_username, d.plain_password = b"collectives", password
+            monitor = d.get_monitor_socket(_HANDSHAKE_DONE)
             d.connect(endpoint)
             d.send(zmq_transport.HEADER.pack(zmq_transport.KIND_DATA, 3, 4, 0, 0, 0, 0) + b"junk")
             d.send(zmq_transport.HEADER.pack(zmq_transport.KIND_ABORT, -1, 0, 0, 0, 0, 0)
                    + b"PeerLost\x1fa stranger says stop")
             d.send(zmq_transport.HEADER.pack(zmq_transport.KIND_QUERY, 1, 0, 0, 0, 0, 0))
-            time.sleep(0.3)
+            monitor.poll(5000)  # until rank 0 has decided on this handshake (5 s at most)
+            d.disable_monitor()
+            monitor.close(0)
             d.close(0)
     finally:
         ctx.term()
@@ -321,7 +344,8 @@ def encrypted_exchange(comm, port: int):
         out, into = _pattern(5_000_000, r), np.zeros(5_000_000, np.uint8)
         t.waitall([t.irecv(into, 1 - r, 1), t.isend(out, 1 - r, 1)], 20)
         ok = bool(np.array_equal(into, _pattern(5_000_000, 1 - r)))
-        time.sleep(0.2)  # both have received before either says goodbye
+        # both have received before either says goodbye
+        t.waitall([t.irecv(np.zeros(1, np.uint8), 1 - r, 2), t.isend(np.ones(1, np.uint8), 1 - r, 2)], 20)
         return ok
 
 
