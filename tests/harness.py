@@ -23,6 +23,8 @@ from collectives.launcher import free_port, rank_environment
 __all__ = ["run_ranks", "Outcome", "RankFailure"]
 
 _CTX = mp.get_context("fork")
+#: The job id of the latest run_ranks (its shared-memory segments are named after it).
+last_job = ""
 
 
 @dataclass
@@ -96,7 +98,8 @@ def run_ranks(fn: Callable, nprocs: int, *args: Any, transport: str = "shm", tim
     Raises:
         RankFailure: a rank raised (unless expect_errors) or the deadline passed.
     """
-    job = f"t{secrets.token_hex(5)}"
+    global last_job
+    job = last_job = f"t{secrets.token_hex(5)}"
     secret, port = secrets.token_hex(8), free_port()
     procs, conns = [], []
     for r in range(nprocs):

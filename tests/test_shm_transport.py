@@ -15,11 +15,13 @@ import pytest
 from collectives import CollectiveTimeout, MismatchedCollective, PeerLost
 from collectives.transports.shm import (BOUNCE_BYTES, HUGE_PAGE, PAGE, SHM_DIR, SharedMemoryTransport, huge_pages,
                                         segment_path, skewed)
+import harness
 from harness import run_ranks
 
 
-def _ours() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith("coll-")}
+def _left_by(job: str, size: int) -> list[str]:
+    """The segments of ``job``'s ranks still in /dev/shm."""
+    return [path for path in (segment_path(job, r) for r in range(size)) if os.path.exists(path)]
 
 
 def _pattern(n: int, seed: int) -> np.ndarray:
@@ -126,14 +128,13 @@ def killed_peer(comm):
 
 
 def test_killed_rank_raises_peer_lost_and_leaves_nothing():
-    before = _ours()
     outcomes = run_ranks(killed_peer, 3, timeout=60, expect_errors=True)
     assert outcomes[1].error_type == "ProcessDied"
     for o in (outcomes[0], outcomes[2]):
         assert o.ok and o.value is not None, str(o)
         peer, seconds = o.value
         assert peer == 1 and seconds < 5
-    assert _ours() <= before
+    assert not _left_by(harness.last_job, 3)
 
 
 def aborting_peer(comm):
