@@ -1,6 +1,7 @@
 """Ray actors as ranks: groups formed from the driver or by the actors, every
-collective against numpy, a member killed mid-loop (the survivors shrink and
-go on), a new group with a new actor, groups that cannot form, misuse.
+collective against numpy, a member killed mid-loop on shared memory and on
+TCP (the survivors shrink and go on), a new group with a new actor, groups
+that cannot form, misuse. What needs no Ray: tests/test_ray_rendezvous.py.
 
 One local Ray instance serves the module. Actors take no CPU of Ray's (so
 that four fit on two cores); every Ray call here has a timeout and every
@@ -13,7 +14,6 @@ import asyncio
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -313,45 +313,24 @@ def test_driver_misuse_is_refused_before_any_actor_is_asked():
         cray.get_communicator()
 
 
-def test_rendezvous_refuses_a_second_process_for_a_rank_and_a_world_size_that_disagrees():
-    from collectives.integrations.ray_rendezvous import Rendezvous
-
-    async def scenario():
-        store = Rendezvous("g", 2, "job", "secret")
-        me = {"rank": 1, "node": "n" * 20, "host": "127.0.0.1", "pid": 11, "port": 0}
-        first = asyncio.create_task(store.join(me, 2, 30.0))
-        await asyncio.sleep(0)  # the first join runs up to its wait for rank 0
-        twice = await store.join({**me, "pid": 12}, 2, 30.0)
-        sizes = await store.join({**me, "rank": 0}, 3, 30.0)
-        outside = await store.join({**me, "rank": 2}, 2, 30.0)
-        last = await store.join({**me, "rank": 0, "pid": 13}, 2, 30.0)
-        return twice, sizes, outside, last, await asyncio.wait_for(first, 5), await store.done(0), await store.done(1)
-
-    twice, sizes, outside, last, first, done0, done1 = asyncio.run(scenario())
-    assert twice["error"] == "BadArgument" and "rank 1 joined twice (process 11" in twice["message"], twice
-    assert sizes["error"] == "BadArgument" and "3 ranks, the group was started with 2" in sizes["message"], sizes
-    assert outside["error"] == "BadArgument" and "rank 2 is not in a world of 2" in outside["message"], outside
-    assert last["job"] == "job" and [m["pid"] for m in last["members"]] == [13, 11]
-    assert first == last and first["secret"] == "secret"
-    assert (done0, done1) == (False, True)
-
-
-def test_rendezvous_names_the_ranks_that_did_not_join():
-    from collectives.integrations.ray_rendezvous import Rendezvous
-
-    me = {"rank": 1, "node": "n" * 20, "host": "127.0.0.1", "pid": 11, "port": 0}
-    t0 = time.monotonic()
-    answer = asyncio.run(Rendezvous("g", 3, "job", "secret").join(me, 3, 0.2))
-    assert time.monotonic() - t0 < 0.2 + 3
-    assert answer["error"] == "CollectiveTimeout" and answer["missing"] == [0, 2], answer
-    assert "group 'g': rank(s) [0, 2] of 3 did not join within 0.2 s" in answer["message"]
-
-
-def test_without_ray_the_functions_say_what_to_install():
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "import collectives.integrations.ray as cray\n"
-            "try:\n    cray.create_collective_group([])\n"
-            "except ImportError as exc:\n    print(exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "pip install 'collectives[ray]'" in out.stdout, out.stdout
+def test_killed_actor_over_tcp_survivors_shrink():
+    ws = workers(3)
+    cray.create_collective_group(ws, group_name="tloop", backend="zmq", timeout=TIMEOUT)
+    signal = Signal.remote()
+    loops = [w.loop_until_lost.remote("tloop", signal, 60.0) for w in ws]
+    get(signal.wait_arrivals.remote(3, RAY_CALL - 5))  # every member is in its loop
+    killed_at = time.monotonic()
+    ray.kill(ws[2])
+    survivors = get(loops[:2])
+    with pytest.raises(ray.exceptions.RayActorError):
+        get(loops[2])
+    for r, out in enumerate(survivors):
+        kind, message, failed_at = out["error"]
+        assert kind == "PeerLost", out
+        assert "rank 2" in message, message
+        assert failed_at - killed_at < TIMEOUT + 3, (r, failed_at - killed_at)
+        assert out["steps"] >= 5 and out["wrong"] == 0, out
+        assert out["after"] == {"rank": r, "size": 2, "sums": [3.0, 3.0, 3.0]}, out
+    assert get([w.in_group.remote("tloop") for w in ws[:2]]) == [True, True]
+    cray.destroy_collective_group("tloop", timeout=TIMEOUT)
+    assert get([w.in_group.remote("tloop") for w in ws[:2]]) == [False, False]
