@@ -21,9 +21,11 @@ size (as ``ray.util.collective`` allows).
 The members meet through a short-lived Ray actor (:mod:`.ray_rendezvous`)
 that hands each its rank, the world size, the job id and secret, and every
 member's Ray node. On one node they talk through shared memory, otherwise
-over TCP with rank 0's node as the master. A member that dies is
-:class:`~collectives.errors.PeerLost` on the others, who may go on among
-themselves (:func:`shrink_collective_group`, shared memory only); a group
+over TCP with rank 0's node as the master (hierarchical, with shared memory
+within each node, where members share a node; see ``docs/hierarchy.md``).
+A member that dies is :class:`~collectives.errors.PeerLost` on the others,
+who may go on among themselves (:func:`shrink_collective_group`, on shared
+memory and over TCP); a group
 is left with :func:`destroy_collective_group`, after which its name can
 form a new group. Ray is imported only when a function is called:
 ``pip install 'collectives[ray]'``. How to use it, its limits and costs:

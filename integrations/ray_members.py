@@ -211,9 +211,12 @@ def shrink_collective_group(group_name: str = "default", *, timeout: float | Non
     ``group_name`` with ranks 0..q-1 (collective over the survivors; see
     :meth:`~collectives.Communicator.shrink`). Returns the new communicator.
 
+    Shared memory and TCP both shrink; a hierarchical group (several nodes,
+    members sharing one) shrinks to a flat TCP group.
+
     Raises:
-        BadArgument: the group's transport cannot shrink (TCP).
-        CollectiveTimeout, PeerLost: as :meth:`~collectives.Communicator.agree`.
+        CollectiveTimeout, PeerLost: as :meth:`~collectives.Communicator.agree`;
+            and what opening the survivors' transport raises.
     """
     old = get_communicator(group_name)
     new = old.shrink(timeout=timeout)
