@@ -9,8 +9,8 @@ each survivor a larger share of the global batch, and finish. Run::
     collectives run -n 4 --on-failure continue examples/elastic_numpy.py --kill-rank 2 --kill-step 30
 
 (``--kill-rank`` makes that rank kill itself at that step, to see it happen.)
-The launcher exits with the lost rank's status; the survivors print the
-final loss.
+The same on TCP: add ``--transport zmq`` before the script. The launcher
+exits with the lost rank's status; the survivors print the final loss.
 """
 
 import argparse
