@@ -18,9 +18,9 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["Setting", "SETTINGS", "get", "is_set", "log_settings", "markdown"]
+__all__ = ["Setting", "SETTINGS", "get", "option", "is_set", "log_settings", "markdown"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -176,6 +176,27 @@ def get(name: str, default: Any = None, env: dict[str, str] | None = None) -> An
         from .errors import BadArgument
 
         raise BadArgument(f"{setting.variable}={raw!r}: {exc} (a {setting.kind} setting: {setting.doc})") from None
+
+
+def option(options: dict[str, Any], key: str, name: str) -> Any:
+    """An option given in code (``options[key]``, read as ``COLLECTIVES_<name>``'s
+    type when it is text) or else the setting ``COLLECTIVES_<name>``.
+
+    Raises:
+        BadArgument: as :func:`get`, naming the option.
+    """
+    if options.get(key) is None:
+        return get(name)
+    value = options[key]
+    if not isinstance(value, str):
+        return value
+    setting = SETTINGS[name]
+    try:
+        return _parse(setting, value)
+    except ValueError as exc:
+        from .errors import BadArgument
+
+        raise BadArgument(f"option {key}={value!r}: {exc} (as {setting.variable}: {setting.doc})") from None
 
 
 def is_set(name: str) -> bool:

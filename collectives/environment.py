@@ -60,6 +60,7 @@ class LaunchInfo:
 
 
 def _int(env: dict, key: str) -> int | None:
+    """A launcher's integer variable (RANK, WORLD_SIZE, PMI_RANK, ...), None when unset."""
     v = env.get(key)
     return int(v) if v not in (None, "") else None
 
@@ -77,31 +78,32 @@ def detect_launch(env: dict[str, str] | None = None) -> LaunchInfo:
     """
     env = dict(os.environ if env is None else env)
     opts: dict[str, Any] = {}
-    for key, opt in (("MASTER_ADDR", "master_addr"), ("MASTER_PORT", "master_port"),
-                     ("COLLECTIVES_SECRET", "secret"), ("COLLECTIVES_SOCKET_IFNAME", "ifname")):
+    for key, opt in (("MASTER_ADDR", "master_addr"), ("MASTER_PORT", "master_port")):
         if env.get(key):
             opts[opt] = env[key]
-    if _int(env, "COLLECTIVES_RANK") is not None:
-        return LaunchInfo(_int(env, "COLLECTIVES_RANK"), _int(env, "COLLECTIVES_SIZE") or 1, "collectives",
-                          env.get("COLLECTIVES_JOB", "default"), env.get("COLLECTIVES_LOCAL", "1") == "1",
-                          opts, env.get("COLLECTIVES_TRANSPORT") or None, _int(env, "LOCAL_RANK"),
-                          _int(env, "NODE_RANK"))
+    for name, opt in (("SECRET", "secret"), ("SOCKET_IFNAME", "ifname")):
+        if config.get(name, env=env):
+            opts[opt] = config.get(name, env=env)
+    transport = config.get("TRANSPORT", env=env)
+    transport = None if transport in ("", "auto") else transport
+    if config.get("RANK", env=env) is not None:
+        return LaunchInfo(config.get("RANK", env=env), config.get("SIZE", env=env) or 1, "collectives",
+                          config.get("JOB", env=env) or "default", config.get("LOCAL", env=env), opts, transport,
+                          _int(env, "LOCAL_RANK"), _int(env, "NODE_RANK"))
     if _int(env, "RANK") is not None and _int(env, "WORLD_SIZE") is not None:
         size = _int(env, "WORLD_SIZE")
         local = _int(env, "LOCAL_WORLD_SIZE")
         job = _job_from(env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""),
                         env.get("TORCHELASTIC_RUN_ID", ""))
-        return LaunchInfo(_int(env, "RANK"), size, "torchrun", job, local == size, opts,
-                          env.get("COLLECTIVES_TRANSPORT") or None, _int(env, "LOCAL_RANK"),
-                          _int(env, "GROUP_RANK"))
+        return LaunchInfo(_int(env, "RANK"), size, "torchrun", job, local == size, opts, transport,
+                          _int(env, "LOCAL_RANK"), _int(env, "GROUP_RANK"))
     for rk, sk in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
         if _int(env, rk) is not None:
-            return LaunchInfo(_int(env, rk), _int(env, sk) or 1, "mpiexec", "mpi", False, opts,
-                              env.get("COLLECTIVES_TRANSPORT") or None)
-    slurm = _detect_slurm(env, opts)
+            return LaunchInfo(_int(env, rk), _int(env, sk) or 1, "mpiexec", "mpi", False, opts, transport)
+    slurm = _detect_slurm(env, opts, transport)
     if slurm is not None:
         return slurm
-    return LaunchInfo(0, 1, "none", f"single-{os.getpid()}", True, opts, env.get("COLLECTIVES_TRANSPORT") or None)
+    return LaunchInfo(0, 1, "none", f"single-{os.getpid()}", True, opts, transport)
 
 
 #: the ports :func:`slurm_port` derives lie in [SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN),
@@ -117,7 +119,7 @@ def slurm_port(job_id: str, step_id: str) -> int:
     return SLURM_PORT_BASE + int.from_bytes(digest[:4], "big") % SLURM_PORT_SPAN
 
 
-def _detect_slurm(env: dict[str, str], opts: dict[str, Any]) -> LaunchInfo | None:
+def _detect_slurm(env: dict[str, str], opts: dict[str, Any], transport: str | None = None) -> LaunchInfo | None:
     """A task of an ``srun`` step (None when ``env`` is not one)."""
     step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
     if _int(env, "SLURM_PROCID") is None or not step:
@@ -135,7 +137,7 @@ def _detect_slurm(env: dict[str, str], opts: dict[str, Any]) -> LaunchInfo | Non
     opts.setdefault("master_port", str(slurm_port(job_id, step)))
     all_local = nodes == 1 if nodes is not None else len(hostlist.expand(nodelist or "")) <= 1
     return LaunchInfo(_int(env, "SLURM_PROCID"), size, "slurm", f"slurm-{job_id}.{step}", all_local, opts,
-                      env.get("COLLECTIVES_TRANSPORT") or None, _int(env, "SLURM_LOCALID"),
+                      transport, _int(env, "SLURM_LOCALID"),
                       _int(env, "SLURM_NODEID"))
 
 

@@ -31,13 +31,13 @@ missing nodes; no rank is started.
 
 from __future__ import annotations
 
-import os
 import select
 import subprocess
 import sys
 import time
 from typing import Sequence
 
+from . import config
 from .launcher import (GRACE_SECONDS, POLL_SECONDS, _describe_end, _record_stop_signals, _returncode,
                        _signal_name, rank_cpus, rank_environment, run_processes, shell_status)
 from .node_link import Link, close_links
@@ -90,7 +90,7 @@ def launch_nodes(command: Sequence[str], nprocs: int, *, nnodes: int, node_rank:
         got signal N before the ranks started.
     """
     _check_arguments(nprocs, nnodes, node_rank, master_port, on_failure)
-    secret = secret if secret is not None else (os.environ.get("COLLECTIVES_SECRET") or None)
+    secret = secret if secret is not None else (config.get("SECRET") or None)
     spec = NodeSpec(nnodes, node_rank, master_addr, master_port, nprocs, join_timeout, secret)
     cpus = rank_cpus(nprocs, bind)
     received, restore = _record_stop_signals()

@@ -30,6 +30,31 @@ def test_every_variable_the_code_names_is_declared():
     assert not undeclared, f"declare these in collectives/config.py: {undeclared}"
 
 
+#: A read of a COLLECTIVES_* variable straight from the environment (writes, for child processes, are fine).
+_RAW_READ = re.compile(r"""(environ\.get\(|getenv\(|environ\[)\s*["']COLLECTIVES_[A-Z0-9_]+["']\s*(?!\]\s*=[^=])""")
+
+
+def test_the_library_reads_settings_only_through_the_typed_accessor():
+    raw = []
+    for top in ("collectives", "transports", "devices", "cost_models", "integrations"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                if name.endswith(".py") and not path.endswith(os.path.join("collectives", "config.py")):
+                    with open(path) as f:
+                        raw += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1)
+                                if _RAW_READ.search(line)]
+    assert not raw, f"read these through collectives.config.get or option: {raw}"
+
+
+def test_an_option_given_in_code_is_read_as_its_settings_type():
+    assert config.option({"zmq_lanes": "off"}, "zmq_lanes", "ZMQ_LANES") is False
+    assert config.option({"zmq_lanes": False}, "zmq_lanes", "ZMQ_LANES") is False
+    assert config.option({}, "zmq_lanes", "ZMQ_LANES") is True
+    with pytest.raises(BadArgument, match="option zmq_lanes='maybe'"):
+        config.option({"zmq_lanes": "maybe"}, "zmq_lanes", "ZMQ_LANES")
+
+
 def test_docs_environment_is_generated_from_the_declarations():
     with open(os.path.join(ROOT, "docs", "environment.md")) as f:
         assert f.read() == config.markdown(), "run: collectives settings --write-docs"

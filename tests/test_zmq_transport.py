@@ -284,12 +284,12 @@ def _knock(endpoint: str) -> None:
     secret; what it sends looks like data, an abort and a status query of rank 0's."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(4096))
-        s.shutdown(socket.SHUT_WR)
         try:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(4096))
+            s.shutdown(socket.SHUT_WR)
             while s.recv(4096):  # until rank 0 has read the garbage and hung up
                 pass
-        except OSError:
+        except OSError:  # it hung up already
             pass
     ctx = zmq.Context()
     try:

@@ -45,6 +45,7 @@ from typing import Any, Callable, Protocol
 import zmq
 from zmq.utils import z85
 
+from collectives import config
 from collectives.errors import BadArgument, CollectiveError, CollectiveTimeout, TransportUnavailable
 
 __all__ = ["KeyValueStore", "JobCredentials", "ZapHandler", "StoreServer", "StoreClient",
@@ -496,7 +497,7 @@ def choose_address(options: dict[str, Any]) -> str:
     """The address this rank listens on (see the module docstring)."""
     if options.get("addr"):
         return str(options["addr"])
-    ifname = options.get("ifname") or os.environ.get("COLLECTIVES_SOCKET_IFNAME")
+    ifname = config.option(options, "ifname", "SOCKET_IFNAME")
     if ifname:
         return _interface_address(str(ifname))
     return _route_to(str(options.get("master_addr") or os.environ.get("MASTER_ADDR") or "127.0.0.1"))

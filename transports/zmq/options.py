@@ -6,10 +6,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
-import os
 import warnings
 from typing import Any
 
+from collectives import config
 from collectives.transports.rendezvous import JobCredentials
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -43,8 +43,7 @@ def lanes_wanted(options: dict[str, Any], credentials: JobCredentials) -> bool:
     """Direct TCP lanes carry the data unless turned off (``zmq_lanes`` or
     ``COLLECTIVES_ZMQ_LANES`` false) or the job asked for encryption (CURVE:
     the lanes authenticate but do not encrypt, so ZeroMQ carries the data)."""
-    wanted = options.get("zmq_lanes", os.environ.get("COLLECTIVES_ZMQ_LANES", "1"))
-    return credentials.mechanism != "curve" and str(wanted).lower() not in ("0", "false", "no", "off")
+    return credentials.mechanism != "curve" and bool(config.option(options, "zmq_lanes", "ZMQ_LANES"))
 
 
 def job_secret(options: dict[str, Any], job: str) -> str:

@@ -18,6 +18,7 @@ import zmq
 from collectives.errors import CollectiveError, CollectiveTimeout, MismatchedCollective, PeerLost
 from collectives.signature import NO_SIG, Sig, describe, out_of_step
 from collectives.transport import COMPLETED, Request, Transport
+from collectives import config
 from collectives.transports.rendezvous import (JobCredentials, PeerInfo, ZapHandler, choose_address,
                                                exchange_peers, open_store, wait_for_key)
 
@@ -125,8 +126,7 @@ class ZmqTransport(Progress, Failures, Diagnosis, Agreement, Transport):
         self._zap = ZapHandler(self._ctx, credentials, f"zap-rank{self.rank}")
         self._watch = options.get("survivor_watch") or self._watch
         self._heartbeat = heartbeat = float(options.get("zmq_heartbeat_timeout") or 10.0)
-        reuse = options.get("zmq_reuse_buffers", os.environ.get("COLLECTIVES_ZMQ_REUSE_BUFFERS", "1"))
-        if str(reuse).lower() not in ("0", "false", "no", "off"):
+        if config.option(options, "zmq_reuse_buffers", "ZMQ_REUSE_BUFFERS"):
             reuse_message_buffers(self.segment_bytes)
         self._router = self._socket(zmq.ROUTER, heartbeat)
         credentials.server(self._router)
