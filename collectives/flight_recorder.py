@@ -2,11 +2,19 @@
 
 Each communicator keeps a ring of its last ``COLLECTIVES_FLIGHT_RECORDER``
 calls (default 2000, rounded up to a power of two; 0 turns it off): sequence number, collective,
-algorithm, op, root, dtype, count, bytes, transport, ranks, state
+algorithm, op, root, dtype, count, bytes, transport, ranks, peers, state
 (scheduled, started, completed, failed), start and end times, timeout and
 the error if any. Recording a call costs a few list stores and one clock
 read: the signature of the call (see :mod:`collectives.signature`) already
 holds what it was, and is turned into words only when the ring is read.
+
+``peers`` are the ranks a call talks to, in the job's numbering: ``"all"``
+for a collective over every rank of the job (the usual case, and nothing
+is stored per call for it), else the list of the communicator's ranks
+(:attr:`FlightRecorder.peers`: a shrunk communicator, a host's group), or
+the ranks one call names (:meth:`FlightRecorder.talks_to`). A queued
+nonblocking call (``scheduled``) keeps its signature and timeout, so its
+record says what it is before it starts.
 
 The ring is written as JSON (:meth:`FlightRecorder.dump`) when a call fails
 or times out, on SIGUSR1, and on demand (``comm.flight_record()``,
@@ -25,7 +33,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -61,6 +69,8 @@ class FlightRecorder:
         job: the job's id (names the dump's directory).
         last: ``last()`` is the latest call number (the communicator's).
         timeout: the communicator's default timeout.
+        peers: the communicator's ranks in the job's numbering (None: every
+            rank of the job; records then say ``"all"``).
 
     Row ``seq & (capacity - 1)`` of ``ring`` (8 float64, one cache line)
     holds call ``seq``: its start and end (``start``, ``end``: seconds of the
@@ -74,7 +84,7 @@ class FlightRecorder:
     """
 
     def __init__(self, capacity: int, rank: int, size: int, transport: str, job: str, last,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, peers: Sequence[int] | None = None) -> None:
         self.capacity = 1 << max(0, capacity - 1).bit_length()
         self.rank, self.size, self.transport, self.job = rank, size, transport, job
         n = self.capacity
@@ -86,8 +96,11 @@ class FlightRecorder:
         self.sigs = self.ring.view(np.uint64)[:, 2:5]
         self.timeouts: dict[int, float] = {}  # calls whose timeout is not the default
         self.default_timeout = timeout
-        self.scheduled: dict[int, float] = {}
+        self.scheduled: dict[int, tuple[float, signature.Sig | None, float | None]] = {}
         self.failures: dict[int, str] = {}
+        #: The ranks of every call, in the job's numbering (None: all of them).
+        self.peers: list[int] | None = None if peers is None else [int(r) for r in peers]
+        self.call_peers: dict[int, list[int]] = {}  # calls that talk to other ranks than ``peers``
         self.last = last
         self.dumped: str | None = None
 
@@ -113,10 +126,17 @@ class FlightRecorder:
             self.timeouts.pop(next(iter(self.timeouts)))
         self.timeouts[seq] = timeout
 
-    def schedule(self, seq: int) -> None:
-        """Nonblocking call ``seq`` is queued, not started yet."""
+    def schedule(self, seq: int, sig: signature.Sig | None = None, timeout: float | None = None) -> None:
+        """Nonblocking call ``seq`` (signature ``sig`` without its number, and
+        its timeout, where given) is queued, not started yet."""
         if len(self.scheduled) < 4 * self.capacity:
-            self.scheduled[seq] = time.monotonic()
+            self.scheduled[seq] = (time.monotonic(), sig, timeout)
+
+    def talks_to(self, seq: int, ranks: Sequence[int]) -> None:
+        """Call ``seq`` talks to ``ranks`` (job numbering), not to every rank of :attr:`peers`."""
+        if len(self.call_peers) >= self.capacity:
+            self.call_peers.pop(next(iter(self.call_peers)))
+        self.call_peers[seq] = [int(r) for r in ranks]
 
     def fail(self, seq: int, error: BaseException) -> None:
         """Call ``seq`` failed with ``error``."""
@@ -130,32 +150,43 @@ class FlightRecorder:
         """The calls kept, oldest first, as dicts (see the module docstring)."""
         out = []
         n, last = self.capacity, self.last()
+        everyone: str | list[int] = "all" if self.peers is None else self.peers
         for seq in range(max(1, last - n + 1), last + 1):
             i = seq & (n - 1)
             sig = tuple(int(w) for w in self.sigs[i])
             if not sig[0] or ((sig[0] >> signature.SEQ_SHIFT) & signature.SEQ_MASK) != seq & signature.SEQ_MASK:
                 continue  # no call, or an older one, in this slot
-            f = signature.fields(sig)
             start, end = float(self.start[i]), float(self.end[i])
             failed = self.failures.get(seq)
             state = "failed" if failed else ("completed" if end >= start else "started")
-            out.append({
-                "seq": seq, "collective": f["collective"], "algorithm": f["algorithm"], "op": f["op"],
+            out.append({**self._described(seq, sig), "state": state, "start": start,
+                        "end": end if end >= start else None,
+                        "timeout": self.timeouts.get(seq, self.default_timeout), "error": failed})
+        for seq, (at, sig, timeout) in sorted(self.scheduled.items()):
+            rec = {"seq": seq}
+            if sig is not None:
+                rec = self._described(seq, signature.with_seq(sig, seq))
+            out.append({**rec, "transport": self.transport, "ranks": self.size,
+                        "peers": self.call_peers.get(seq, everyone), "state": "scheduled", "scheduled": at,
+                        "start": None, "end": None,
+                        "timeout": self.timeouts.get(seq, self.default_timeout if timeout is None else timeout),
+                        "error": None})
+        return out
+
+    def _described(self, seq: int, sig: signature.Sig) -> dict:
+        """What call ``seq`` (signature ``sig``) is, in words."""
+        f = signature.fields(sig)
+        return {"seq": seq, "collective": f["collective"], "algorithm": f["algorithm"], "op": f["op"],
                 "root": f["root"], "dtype": f["dtype"], "count": f["count"],
                 "bytes": f["count"] * signature.itemsize_of(sig), "counts_digest": f["counts"] or None,
-                "refused": f["refused"], "transport": self.transport, "ranks": self.size, "state": state,
-                "start": start, "end": end if end >= start else None,
-                "timeout": self.timeouts.get(seq, self.default_timeout), "error": failed,
-            })
-        for seq, at in sorted(self.scheduled.items()):
-            out.append({"seq": seq, "state": "scheduled", "scheduled": at, "transport": self.transport,
-                        "ranks": self.size})
-        return out
+                "refused": f["refused"], "transport": self.transport, "ranks": self.size,
+                "peers": self.call_peers.get(seq, "all" if self.peers is None else self.peers)}
 
     def snapshot(self, reason: str = "") -> dict:
         """The dump's content: who, when (both clocks, to align ranks) and the records."""
         return {"rank": self.rank, "size": self.size, "host": socket.gethostname(), "pid": os.getpid(),
-                "job": self.job, "transport": self.transport, "reason": reason,
+                "job": self.job, "transport": self.transport, "peers": "all" if self.peers is None else self.peers,
+                "reason": reason,
                 "monotonic": time.monotonic(), "time": time.time(), "records": self.records()}
 
     def dump(self, path: str | None = None, reason: str = "") -> str:

@@ -7,10 +7,17 @@ which ranks reached it and which did not, where each one is, and any
 disagreement in collective, algorithm, size, dtype, op or root. It names
 the culprit of the usual faults:
 
-* a dead rank (no record: it could not write one) or a stopped one;
-* a rank that arrived late (past the others' timeout);
+* a dead rank (no record, and the survivors lost it: PeerLost);
+* a hung rank (no record, and the survivors timed out waiting for it:
+  it is stopped or stuck, and could not write one);
+* a rank that arrived late (past the others' timeout), or did not arrive;
 * a rank that skipped a call (its call #n is the others' #n+1) or added one;
-* a rank that made a different call (a field differs).
+* a rank that made a different call (a field differs; where the
+  collective differs and nothing after it tells which, it skipped the
+  others' call or made its own instead).
+
+Queued nonblocking calls (``scheduled``) are not reached yet: they are
+shown where a rank is, not compared.
 """
 
 from __future__ import annotations
@@ -63,12 +70,13 @@ def _what(rec: dict | None) -> str:
 
 
 def analyze(dumps: list[dict]) -> dict[str, Any]:
-    """The verdict: ``{"seq", "kind", "culprit", "lines"}`` (kind: dead, late,
-    skipped, added, mismatch, or none)."""
+    """The verdict: ``{"seq", "kind", "culprit", "lines"}`` (kind: dead, hung,
+    late, skipped, added, mismatch, or none)."""
     size = max(d["size"] for d in dumps)
     have = {d["rank"]: d for d in dumps}
     missing = [r for r in range(size) if r not in have]
-    calls = {r: {rec["seq"]: rec for rec in d["records"] if "collective" in rec} for r, d in have.items()}
+    calls = {r: {rec["seq"]: rec for rec in d["records"] if "collective" in rec and rec.get("state") != "scheduled"}
+             for r, d in have.items()}
     last = {r: max(c) if c else 0 for r, c in calls.items()}
     lines: list[str] = []
     first_common = max((min(c) for c in calls.values() if c), default=1)
@@ -84,6 +92,9 @@ def analyze(dumps: list[dict]) -> dict[str, Any]:
             return _stalled(seq, present, calls, have, missing, lines)
     if missing:
         return _stalled(top, {r: c[top] for r, c in calls.items() if top in c}, calls, have, missing, lines)
+    if not any(calls.values()):
+        lines.append("no rank recorded a call")
+        return {"seq": None, "kind": "none", "culprit": None, "lines": lines}
     lines.append(f"every rank's record agrees up to call #{top}; no rank is at fault in it")
     return {"seq": None, "kind": "none", "culprit": None, "lines": lines}
 
@@ -120,6 +131,8 @@ def _disagreement(seq: int, present: dict, calls: dict, lines: list[str]) -> dic
             diffs = [k for k in _FIELDS if mine[seq].get(k) != ref.get(k)]
             lines.append(f"rank {culprit} differs in {', '.join(diffs)}: " + "; ".join(
                 f"{k} {mine[seq].get(k)} where the others have {ref.get(k)}" for k in diffs))
+            if "collective" in diffs:  # nothing after it says which: both readings
+                lines.append(f"rank {culprit} skipped {_what(ref)} or called {_what(mine[seq])} instead")
     for r, rec in present.items():
         if rec.get("error"):
             lines.append(f"  rank {r} raised: {rec['error'][:300]}")
@@ -132,13 +145,21 @@ def _stalled(seq: int, present: dict, calls: dict, have: dict, missing: list[int
     lines.append(f"call #{seq} ({_what(next(iter(present.values()), None))}): reached by ranks {reached}")
     culprit, kind = None, "late"
     if missing:
-        culprit, kind = missing[0], "dead"
-        lines.append(f"ranks {missing} left no flight record: dead, or stopped (a live rank writes one "
-                     "when a call fails)")
+        culprit, kind = missing[0], _missing_kind(have)
+        if kind == "dead":
+            lines.append(f"ranks {missing} left no flight record: dead (the survivors lost them: PeerLost)")
+        elif kind == "hung":
+            lines.append(f"ranks {missing} left no flight record: hung (no record: stopped or stuck; "
+                         "the survivors timed out waiting)")
+        else:
+            lines.append(f"ranks {missing} left no flight record: dead, or stopped (a live rank writes one "
+                         "when a call fails)")
     behind = [r for r, c in calls.items() if seq not in c]
     for r in behind:
         where = calls[r].get(max(calls[r])) if calls[r] else None
-        lines.append(f"rank {r} did not reach it: its last call is {_what(where)} ({where and where['state']})")
+        queued = _queued(have[r])
+        lines.append(f"rank {r} did not reach it: its last call is {_what(where)} ({where and where['state']})"
+                     + (f"; queued: {queued}" if queued else ""))
         if culprit is None:
             culprit, kind = r, "late"
     if culprit is None and len(present) > 1:  # everyone got there: who came last, and by how much
@@ -154,6 +175,31 @@ def _stalled(seq: int, present: dict, calls: dict, have: dict, missing: list[int
     for r, rec in sorted(present.items()):
         lines.append(f"  rank {r}: {rec['state']}" + (f": {rec['error'][:300]}" if rec.get("error") else ""))
     return {"seq": seq, "kind": kind, "culprit": culprit, "lines": lines}
+
+
+def _errors(dump: dict) -> list[str]:
+    """A surviving rank's errors: its failed calls' and its dump's reason."""
+    found = [rec["error"] for rec in dump["records"] if rec.get("error")]
+    return found + ([dump["reason"]] if dump.get("reason") else [])
+
+
+def _missing_kind(have: dict) -> str:
+    """Why ranks left no record, from the survivors' errors: ``dead`` when one
+    lost a peer (PeerLost), ``hung`` when they timed out waiting
+    (CollectiveTimeout), else ``dead`` (dead, or stopped: no error says)."""
+    errors = [e for d in have.values() for e in _errors(d)]
+    if any(e.startswith("PeerLost") for e in errors):
+        return "dead"
+    if any(e.startswith("CollectiveTimeout") for e in errors):
+        return "hung"
+    return "dead"
+
+
+def _queued(dump: dict) -> str:
+    """A rank's queued (not started) nonblocking calls, in words."""
+    queued = [rec for rec in dump["records"] if rec.get("state") == "scheduled"]
+    return ", ".join(_what(rec) if "collective" in rec else f"#{rec['seq']}" for rec in queued[:5]) + (
+        f" and {len(queued) - 5} more" if len(queued) > 5 else "")
 
 
 def _wall(dump: dict, monotonic: float) -> float:

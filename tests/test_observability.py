@@ -51,6 +51,7 @@ def test_the_flight_record_holds_every_call():
         assert first["dtype"] == "float32" and first["count"] == 10 and first["bytes"] == 40
         assert first["op"] == "sum" and first["algorithm"] == "shared_window" and first["transport"] == "shm"
         assert calls[1]["root"] == 1 and calls[2]["op"] == "max"
+        assert all(c["peers"] == "all" for c in calls), calls
         assert all(c["state"] == "completed" and c["end"] >= c["start"] for c in calls), calls
 
 
@@ -93,6 +94,10 @@ def test_every_surviving_rank_dumps_and_the_analysis_names_the_culprit(tmp_path,
     text = "\n".join(verdict["lines"])
     if kind == "dtype":
         assert "dtype" in text and "float64" in text, text
+    if kind == "skip":  # rank 2's call #4 is an allreduce, and nothing after it tells which
+        assert "rank 2 skipped bcast #4" in text and "or called allreduce #4" in text, text
+    if kind == "kill":
+        assert "ranks [2] left no flight record: dead" in text, text
 
 
 def _traced(comm, where: str):
@@ -161,3 +166,105 @@ def _signalled(comm, where: str):
 
 def test_sigusr1_dumps_the_flight_record(tmp_path):
     assert run_ranks(_signalled, 2, str(tmp_path), timeout=60)[0] is True
+
+
+# ---------------------------------------------------------------- peers, queued calls
+
+
+def test_records_name_the_peers_and_queued_calls_keep_their_fields():
+    from collectives import signature
+    from collectives.flight_recorder import FlightRecorder
+
+    last = [0]
+    rec = FlightRecorder(8, 0, 2, "shm", "job", lambda: last[0], timeout=60.0)
+    ar = signature.make("allreduce", "ring", "sum", None, np.dtype(np.float32), 4)
+    last[0] = 1
+    rec.begin(1, ar, 1.0, 60.0)
+    rec.finish(1, 2.0)
+    last[0] = 2
+    rec.schedule(2, signature.make("bcast", "binomial", None, 1, np.dtype(np.float64), 3), 5.0)
+    records = rec.records()
+    assert [r["peers"] for r in records] == ["all", "all"]  # a flat communicator over every rank
+    queued = records[1]
+    assert queued["state"] == "scheduled" and queued["start"] is None and queued["end"] is None
+    assert (queued["collective"], queued["algorithm"], queued["root"], queued["dtype"], queued["count"],
+            queued["bytes"], queued["timeout"]) == ("bcast", "binomial", 1, "float64", 3, 24, 5.0), queued
+    rec.begin(2, signature.make("bcast", "binomial", None, 1, np.dtype(np.float64), 3), 3.0, 5.0)
+    assert rec.records()[1]["state"] == "started"  # no longer queued
+    rec.peers = [4, 6]  # a group: its ranks in the job's numbering
+    rec.talks_to(1, [6])
+    assert [r["peers"] for r in rec.records()] == [[6], [4, 6]]
+    assert rec.snapshot()["peers"] == [4, 6]
+
+
+def test_the_flight_record_says_every_rank_is_a_peer_on_real_ranks():
+    for records in run_ranks(repeated_calls, 2, timeout=60):  # native plans' records too
+        assert {r["peers"] for r in records} == {"all"}, records
+
+
+# ---------------------------------------------------------------- analysis of synthetic dumps
+
+
+def _rec(seq, collective="allreduce", state="completed", error=None, dtype="float32", **kw):
+    base = {"seq": seq, "collective": collective, "algorithm": "shared_window",
+            "op": "sum" if collective == "allreduce" else None, "root": 0 if collective == "bcast" else None,
+            "dtype": dtype, "count": 16, "counts_digest": None, "state": state, "start": float(seq),
+            "end": float(seq) + 0.5 if state == "completed" else None, "timeout": 1.0, "error": error,
+            "peers": "all"}
+    return {**base, **kw}
+
+
+def _dump(rank, records, size=3, reason=""):
+    return {"rank": rank, "size": size, "host": "h", "pid": 100 + rank, "job": "j", "transport": "shm",
+            "reason": reason, "monotonic": 100.0, "time": 1000.0, "records": records}
+
+
+def test_analysis_names_a_rank_that_skipped_a_call():
+    calls = ["allreduce", "allreduce", "bcast", "allreduce", "allreduce"]
+    good = [_rec(i + 1, c) for i, c in enumerate(calls)]
+    skipper = [_rec(i + 1, c) for i, c in enumerate(calls[:2] + calls[3:])]  # no bcast #3
+    verdict = analyze([_dump(0, good), _dump(1, skipper), _dump(2, good)])
+    assert (verdict["kind"], verdict["culprit"], verdict["seq"]) == ("skipped", 1, 3), verdict
+    assert any("rank 1 skipped bcast #3" in line for line in verdict["lines"]), verdict["lines"]
+
+
+def test_analysis_names_a_rank_that_added_a_call():
+    good = [_rec(1), _rec(2), _rec(3)]
+    adder = [_rec(1), _rec(2, "barrier", dtype=None), _rec(3, "allreduce"), _rec(4)]
+    verdict = analyze([_dump(0, good), _dump(1, good), _dump(2, adder)])
+    assert (verdict["kind"], verdict["culprit"], verdict["seq"]) == ("added", 2, 2), verdict
+    assert any("rank 2 added a call: barrier #2" in line for line in verdict["lines"]), verdict["lines"]
+
+
+def test_a_different_collective_in_the_last_call_says_skipped_or_instead():
+    error = "MismatchedCollective: call #2: ranks disagree: collective"
+    good = [_rec(1), _rec(2, "bcast", state="failed", error=error)]
+    other = [_rec(1), _rec(2, "allreduce", state="failed", error=error)]
+    verdict = analyze([_dump(0, good), _dump(1, good), _dump(2, other)])
+    assert (verdict["kind"], verdict["culprit"], verdict["seq"]) == ("mismatch", 2, 2), verdict
+    assert any(line.startswith("rank 2 skipped bcast #2") and "or called allreduce #2" in line
+               and line.endswith("instead") for line in verdict["lines"]), verdict["lines"]
+    same_collective = [_rec(1), _rec(2, "bcast", state="failed", error=error, dtype="float64")]
+    verdict = analyze([_dump(0, good), _dump(1, good), _dump(2, same_collective)])
+    assert verdict["kind"] == "mismatch" and not any("instead" in line for line in verdict["lines"])
+
+
+@pytest.mark.parametrize("error,kind,words", [
+    ("CollectiveTimeout: rank 0: shared window: waited for rank 2", "hung", "hung (no record: stopped or stuck"),
+    ("PeerLost: rank 0: rank 2 (pid 7) died", "dead", "dead"),
+])
+def test_a_rank_without_a_record_is_hung_or_dead_by_the_survivors_errors(error, kind, words):
+    survivors = [_dump(r, [_rec(1), _rec(2, "bcast", state="failed", error=error)], reason=error) for r in (0, 1)]
+    verdict = analyze(survivors)
+    assert (verdict["kind"], verdict["culprit"], verdict["seq"]) == (kind, 2, 2), verdict
+    assert any(f"ranks [2] left no flight record: {words}" in line for line in verdict["lines"]), verdict["lines"]
+
+
+def test_queued_calls_are_where_a_rank_is_not_calls_it_reached():
+    error = "CollectiveTimeout: rank 0: waited for rank 1"
+    ahead = [_rec(1), _rec(2, state="failed", error=error)]
+    behind = [_rec(1), _rec(2, "bcast", state="scheduled", start=None)]
+    verdict = analyze([_dump(0, ahead, size=2), _dump(1, behind, size=2)])
+    assert (verdict["kind"], verdict["culprit"], verdict["seq"]) == ("late", 1, 2), verdict
+    assert any("rank 1 did not reach it" in line and "queued: bcast #2" in line for line in verdict["lines"])
+
