@@ -4,8 +4,9 @@
 rank write ``DIR/rank<r>.json`` when its communicator closes: one complete
 event (``"ph": "X"``) per collective, with its sequence number, algorithm,
 op, root, dtype, count and bytes, and, inside it, its phases where the
-algorithm has them (``waiting`` for peers, ``sending``/``receiving``
-messages, ``reducing``). Times are microseconds of this host's monotonic
+algorithm has them (``waiting`` for peers, ``copying`` into and out of
+the shared window or peers' buffers, ``sending``/``receiving`` messages,
+``reducing``). Times are microseconds of this host's monotonic
 clock; the file also holds one pair of (monotonic, wall) readings so that
 ranks of several hosts can be put on one clock.
 
@@ -15,7 +16,9 @@ monotonic clock on one host; across hosts, the offsets that make the ends
 of the synchronising collectives coincide), and reports each collective's
 arrival skew: how long the first rank to arrive waited for the last, and
 who that was. Open the result in https://ui.perfetto.dev or
-chrome://tracing.
+chrome://tracing. A directory of several jobs' timelines (one
+subdirectory each, as ``collectives bench --trace`` writes them when it
+starts several jobs) is merged job by job (:func:`merge_jobs`).
 
 Tracing records every call and takes the full path of each (prepared calls
 are not used while it is on): it costs more, but only when asked for.
@@ -35,7 +38,11 @@ from typing import Iterator, Sequence
 
 from . import config, signature
 
-__all__ = ["Tracer", "trace_dir", "phase", "merge", "arrival_skew", "active"]
+__all__ = ["Tracer", "trace_dir", "phase", "merge", "merge_jobs", "jobs", "arrival_skew", "active", "COPYING"]
+
+#: The phase of a shared-window algorithm's copies into and out of the
+#: window, or between the ranks' buffers (timed only while tracing).
+COPYING = "copying"
 
 #: The tracer of the call running in this thread (phases land in it), or None.
 _current = threading.local()
@@ -128,14 +135,36 @@ class Tracer:
 _SYNCHRONISING = {"allreduce", "allgather", "alltoall", "barrier", "reduce_scatter"}
 
 
+def _has_ranks(directory: str) -> bool:
+    return any(n.startswith("rank") and n.endswith(".json") for n in os.listdir(directory))
+
+
+def jobs(directory: str) -> list[tuple[str, str]]:
+    """(name, directory) of every job's timelines under ``directory``:
+    ``directory`` itself when it holds ``rank*.json`` (name ``""``), else
+    each subdirectory that does, by name."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no such directory: {directory}")
+    if _has_ranks(directory):
+        return [("", directory)]
+    found = [(n, os.path.join(directory, n)) for n in sorted(os.listdir(directory))
+             if os.path.isdir(os.path.join(directory, n)) and _has_ranks(os.path.join(directory, n))]
+    if not found:
+        raise FileNotFoundError(f"no rank*.json timelines in {directory} or its subdirectories")
+    return found
+
+
 def _load(directory: str) -> list[dict]:
+    found = jobs(directory)
+    if len(found) > 1:
+        raise ValueError(f"{directory} holds several jobs' timelines ({', '.join(n for n, _ in found)}): "
+                         "merge one of them, or all with merge_jobs")
+    directory = found[0][1]
     docs = []
     for name in sorted(os.listdir(directory)):
         if name.startswith("rank") and name.endswith(".json"):
             with open(os.path.join(directory, name)) as f:
                 docs.append(json.load(f))
-    if not docs:
-        raise FileNotFoundError(f"no rank*.json timelines in {directory}")
     return sorted(docs, key=lambda d: d["otherData"]["rank"])
 
 
@@ -144,22 +173,29 @@ def _calls(doc: dict) -> dict[int, dict]:
 
 
 def _offsets(docs: list[dict]) -> list[float]:
-    """Microseconds to add to each rank's times to put them on rank 0's clock."""
-    hosts = {d["otherData"]["host"] for d in docs}
-    if len(hosts) == 1:
+    """Microseconds to add to each rank's times to put them on rank 0's clock:
+    one offset per host (its ranks share a monotonic clock), the median over
+    its ranks' synchronising calls of how much earlier their ends are than
+    rank 0's."""
+    hosts = [d["otherData"]["host"] for d in docs]
+    if len(set(hosts)) == 1:
         return [0.0] * len(docs)  # one monotonic clock
     base = _calls(docs[0])
-    offsets = []
-    for d in docs:
-        mine = _calls(d)
-        diffs = [(base[s]["ts"] + base[s]["dur"]) - (e["ts"] + e["dur"]) for s, e in mine.items()
-                 if s in base and e["name"] in _SYNCHRONISING]
-        if diffs:
-            offsets.append(statistics.median(diffs))
+    diffs: dict[str, list[float]] = defaultdict(list)
+    for d, host in zip(docs, hosts):
+        diffs[host] += [(base[s]["ts"] + base[s]["dur"]) - (e["ts"] + e["dur"]) for s, e in _calls(d).items()
+                        if s in base and e["name"] in _SYNCHRONISING]
+    b = docs[0]["otherData"]
+    per_host = {hosts[0]: 0.0}
+    for d, host in zip(docs, hosts):
+        if host in per_host:
+            continue
+        if diffs[host]:
+            per_host[host] = statistics.median(diffs[host])
         else:  # wall clocks as a last resort
-            o, b = d["otherData"], docs[0]["otherData"]
-            offsets.append(((o["time"] - o["monotonic"]) - (b["time"] - b["monotonic"])) * 1e6)
-    return offsets
+            o = d["otherData"]
+            per_host[host] = ((o["time"] - o["monotonic"]) - (b["time"] - b["monotonic"])) * 1e6
+    return [per_host[h] for h in hosts]
 
 
 def arrival_skew(docs: list[dict], offsets: Sequence[float] | None = None) -> list[dict]:
@@ -201,3 +237,19 @@ def merge(directory: str, out: str) -> dict:
         late[s["last"]] += 1
     return {"ranks": len(docs), "calls": len(skews), "offsets_us": offsets, "skews": skews,
             "last_most_often": max(late, key=late.get) if late else None}
+
+
+def merge_jobs(directory: str, out: str) -> list[tuple[str, str, dict]]:
+    """Merge every job's timelines under ``directory`` (see :func:`jobs`):
+    one job into ``out``; several, each into ``out``'s name with ``-<job>``
+    before its extension. Returns (job, file written, :func:`merge`'s
+    summary) of each."""
+    found = jobs(directory)
+    if len(found) == 1:
+        return [(found[0][0], out, merge(found[0][1], out))]
+    stem, ext = os.path.splitext(out)
+    done = []
+    for name, where in found:
+        path = f"{stem}-{name}{ext or '.json'}"
+        done.append((name, path, merge(where, path)))
+    return done

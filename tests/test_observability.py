@@ -268,3 +268,86 @@ def test_queued_calls_are_where_a_rank_is_not_calls_it_reached():
     assert (verdict["kind"], verdict["culprit"], verdict["seq"]) == ("late", 1, 2), verdict
     assert any("rank 1 did not reach it" in line and "queued: bcast #2" in line for line in verdict["lines"])
 
+
+# ---------------------------------------------------------------- merging timelines
+
+
+def _timeline(rank, host, shift_us, calls, size=4):
+    """A rank's timeline whose clock reads ``shift_us`` more than the reference's;
+    ``calls``: (seq, name, true start us, true end us)."""
+    events = [{"name": name, "cat": "collective", "ph": "X", "ts": t0 + shift_us, "dur": t1 - t0, "pid": rank,
+               "tid": 0, "args": {"seq": seq}} for seq, name, t0, t1 in calls]
+    return {"traceEvents": [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
+            + events, "otherData": {"rank": rank, "size": size, "host": host, "pid": 1, "transport": "zmq",
+                                    "monotonic": 50.0 + shift_us / 1e6, "time": 1e9 + rank * 3.0}}
+
+
+def test_merge_aligns_two_hosts_with_shifted_clocks(tmp_path):
+    shift = {"a": 0.0, "b": 7_250_000.0}  # host b's monotonic clock reads 7.25 s more
+    late = {0: 0.0, 1: 300.0, 2: 0.0, 3: 900.0}  # rank 3 arrives 900 us after the first
+    for rank, host in enumerate(["a", "a", "b", "b"]):
+        calls = []
+        for seq in range(1, 6):
+            start = seq * 10_000.0 + late[rank]
+            end = seq * 10_000.0 + 1_000.0 + (rank % 2) * 2.0  # synchronising: the ends nearly coincide
+            calls.append((seq, "allreduce" if seq != 3 else "bcast", start, end))
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(_timeline(rank, host, shift[host], calls)))
+    summary = merge(str(tmp_path), str(tmp_path / "timeline.json"))
+    offsets = summary["offsets_us"]
+    assert offsets[:2] == [0.0, 0.0] and offsets[2] == offsets[3], offsets  # one clock per host
+    assert abs(offsets[2] + shift["b"]) < 5, offsets
+    assert summary["calls"] == 5 and summary["last_most_often"] == 3, summary
+    assert all(s["last"] == 3 and s["first"] in (0, 2) and abs(s["skew_us"] - 900) < 5
+               for s in summary["skews"]), summary["skews"]
+    merged = json.loads((tmp_path / "timeline.json").read_text())
+    starts = {(e["pid"], e["args"]["seq"]): e["ts"] for e in merged["traceEvents"] if e.get("cat") == "collective"}
+    assert abs(starts[(2, 1)] - starts[(0, 1)]) < 5 and abs(starts[(3, 4)] - starts[(1, 4)] - 600) < 5
+
+
+def test_merge_takes_a_directory_of_jobs_or_one_job(tmp_path):
+    from collectives.trace_cli import main as trace_main
+    from collectives.tracing import jobs, merge_jobs
+
+    calls = [(1, "allreduce", 0.0, 100.0), (2, "barrier", 200.0, 300.0)]
+    for job in ("round1", "round2"):
+        (tmp_path / job).mkdir()
+        for rank in range(2):
+            (tmp_path / job / f"rank{rank}.json").write_text(json.dumps(_timeline(rank, "a", 0.0, calls, 2)))
+    assert [name for name, _ in jobs(str(tmp_path))] == ["round1", "round2"]
+    with pytest.raises(ValueError, match="several jobs"):
+        merge(str(tmp_path), str(tmp_path / "t.json"))
+    done = merge_jobs(str(tmp_path), str(tmp_path / "t.json"))
+    assert [(job, os.path.basename(out)) for job, out, _ in done] == [("round1", "t-round1.json"),
+                                                                      ("round2", "t-round2.json")]
+    assert all(summary["ranks"] == 2 and summary["calls"] == 2 for _, _, summary in done)
+    assert trace_main(["merge", str(tmp_path / "round2"), "-o", str(tmp_path / "one.json")]) == 0
+    assert json.loads((tmp_path / "one.json").read_text())["otherData"]["ranks"] == 2
+    assert trace_main(["merge", str(tmp_path), "-o", str(tmp_path / "all.json")]) == 0
+    assert (tmp_path / "all-round1.json").exists() and (tmp_path / "all-round2.json").exists()
+    assert trace_main(["merge", str(tmp_path / "round1" / "nothing")]) == 1
+
+
+# ---------------------------------------------------------------- the copying phase
+
+
+def _copies(comm, where: str):
+    comm.allgather(np.ones(300_000, np.float32))  # more than one piece: no native plan
+    comm.bcast(np.ones(600_000, np.float32), 0)
+    comm.allreduce(np.ones(200_000, np.float32))
+    comm.allreduce(np.ones(4, np.float32))  # a native plan: one step, no phases of its own
+    return comm.rank
+
+
+def test_timelines_show_the_shared_window_copies(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_TRACE", str(tmp_path))
+    run_ranks(_copies, 3, str(tmp_path), timeout=90)
+    for r in range(3):
+        doc = json.loads((tmp_path / f"rank{r}.json").read_text())
+        calls = {e["args"]["seq"]: e for e in doc["traceEvents"] if e.get("cat") == "collective"}
+        assert [calls[s]["name"] for s in sorted(calls)] == ["allgather", "bcast", "allreduce", "allreduce"]
+        phases = [e for e in doc["traceEvents"] if e.get("cat") == "phase"]
+        copying = {e["args"]["seq"] for e in phases if e["name"] == "copying"}
+        assert copying == {1, 2, 3}, phases
+        for e in phases:  # inside its call
+            call = calls[e["args"]["seq"]]
+            assert call["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= call["ts"] + call["dur"] + 1, (e, call)

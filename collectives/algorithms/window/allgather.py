@@ -5,10 +5,13 @@ from their buffers (:mod:`.direct`)."""
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 import numpy as np
 
 from ... import native
 from ...registry import register
+from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
 from .plans import arr, first, plan, planned, run_planned, slot
@@ -56,12 +59,19 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
         return
     step = max(1, budget(st) // (p * item))
     dt = buf.dtype
+    tracer = ctx.tracer
     for parts, used in striped_cached(st, counts, step):
         base = st.next_half(ctx.deadline)
         start, n, off = parts[me]
+        t0 = _now() if tracer is not None else 0.0
         if n:
             native.copy(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
+        if tracer is not None:  # a timeline's phase (tracing only)
+            tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
+        t0 = _now() if tracer is not None else 0.0
         for r, (start, n, off) in enumerate(parts):
             if n and r != me:
                 native.copy(buf[start:start + n], st.views(base + off * item, n * item, dt)[r])
+        if tracer is not None:
+            tracer.phase(COPYING, t0, _now())

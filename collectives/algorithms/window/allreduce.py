@@ -13,11 +13,14 @@ the reduced pieces, still in the cache, into theirs.
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 import numpy as np
 
 from ... import native
 from ...ops import Op
 from ...registry import register
+from ...tracing import COPYING
 from .direct import SCRATCH_PEER_FIRST, direct, window_direct_from
 from .pieces import blocks, displs, piece_elems, striped
 from .plans import arr, first, plan, planned, reduction, run_planned, slot
@@ -78,15 +81,22 @@ def _small(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
     """The one-fence path in Python: copy in, fence, reduce every region."""
     off = st.next_half(ctx.deadline)
     views = st.views(off, buf.nbytes, buf.dtype)
+    tracer = ctx.tracer
+    t0 = _now() if tracer is not None else 0.0
     native.copy(views[ctx.rank], buf)
+    if tracer is not None:  # a timeline's phases (tracing only)
+        tracer.phase(COPYING, t0, _now())
     window.fence(ctx.deadline)
     if buf.dtype in LOW:
         reduce(ctx, op, buf, views)
         return
+    t0 = _now() if tracer is not None else 0.0
     ufunc = op.ufunc  # the common case without reduce_many's checks
     ufunc(views[0], views[1], out=buf)
     for v in views[2:]:
         ufunc(buf, v, out=buf)
+    if tracer is not None:
+        tracer.phase("reducing", t0, _now())
 
 
 def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
@@ -97,24 +107,31 @@ def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
     step = piece_elems(st.half, p, buf.itemsize)
     item = buf.itemsize
     peers = [r for r in range(p) if r != me]
+    tracer = ctx.tracer
     for parts, used in striped(blocks(buf.size, p), step):
         base = st.next_half(ctx.deadline)
         mine = st.regions[me]
+        t0 = _now() if tracer is not None else 0.0
         for r in peers:
             start, n, off = parts[r]
             if n:
                 native.copy(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
                             buf[start:start + n])
+        if tracer is not None:  # a timeline's phase (tracing only)
+            tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         start_me, n_me, off_me = parts[me]
         if n_me:
             srcs = st.views(base + off_me * item, n_me * item, buf.dtype)
             reduce(ctx, op, srcs[me], [buf[start_me:start_me + n_me]] + [srcs[r] for r in peers])
         window.fence(ctx.deadline)
+        t0 = _now() if tracer is not None else 0.0
         for r, (start, n, off) in enumerate(parts):
             if n:
                 native.copy(buf[start:start + n],
                             st.regions[r][base + off * item:base + (off + n) * item].view(buf.dtype))
+        if tracer is not None:
+            tracer.phase(COPYING, t0, _now())
 
 
 def _direct(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> bool:

@@ -5,10 +5,13 @@ rank's buffer (:mod:`.direct`)."""
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 import numpy as np
 
 from ... import native
 from ...registry import register
+from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .plans import arr, first_two, plan, planned, run_planned, slot
 from .state import budget, region, state_of, window_state
@@ -50,13 +53,20 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         window.fence(ctx.deadline)  # nobody touches its buffer while others still read it
         return
     step = max(1, budget(st) // (p * item))
+    tracer = ctx.tracer
     for a in range(0, b, step):
         m = min(step, b - a)
         base = st.next_half(ctx.deadline)
+        t0 = _now() if tracer is not None else 0.0
         for d in range(p):
             if d != me:
                 native.copy(region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
+        if tracer is not None:  # a timeline's phase (tracing only)
+            tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
+        t0 = _now() if tracer is not None else 0.0
         for r in range(p):
             if r != me:
                 native.copy(recvbuf[r * b + a:r * b + a + m], region(st, r, base + me * m * item, m, dt))
+        if tracer is not None:
+            tracer.phase(COPYING, t0, _now())

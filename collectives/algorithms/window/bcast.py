@@ -4,10 +4,13 @@ the root's buffer straight (:mod:`.direct`)."""
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 import numpy as np
 
 from ... import native
 from ...registry import register
+from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .plans import arr, first, plan, planned, run_planned, slot
 from .state import budget, state_of, window_state
@@ -50,11 +53,18 @@ def bcast(ctx, buf: np.ndarray, root: int) -> None:
     data = buf.view(np.uint8)
     step = max(_ALIGN, budget(st))
     u8 = data.dtype
+    tracer = ctx.tracer
     for a in range(0, data.size, step):
         b = min(a + step, data.size)
         src = st.views(st.next_half(ctx.deadline), b - a, u8)[root]
         if ctx.rank == root:
+            t0 = _now() if tracer is not None else 0.0
             native.copy(src, data[a:b])
+            if tracer is not None:  # a timeline's phase (tracing only)
+                tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         if ctx.rank != root:
+            t0 = _now() if tracer is not None else 0.0
             native.copy(data[a:b], src)
+            if tracer is not None:
+                tracer.phase(COPYING, t0, _now())

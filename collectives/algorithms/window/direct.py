@@ -13,12 +13,14 @@ published descriptions, so every rank decides alike.
 
 from __future__ import annotations
 
+from time import monotonic as _now
 from typing import NamedTuple
 
 import numpy as np
 
 from ... import native
 from ...errors import MismatchedCollective
+from ...tracing import COPYING
 from ...window_contract import DIRECT_ACCESS, HUGE_PAGES, POOL
 from .state import WindowState
 from .tuning import direct_from, wants_huge_pages
@@ -101,20 +103,23 @@ def direct(ctx, window, st: WindowState, buf: np.ndarray, nbytes: int, collectiv
         for r, m in enumerate(metas):
             if m.in_pool and r != ctx.rank:
                 window.map_in(r, m.pool_offset + m.pool_first, m.pool_end - m.pool_first)
-        return Readers(window, metas, ctx.rank)
+        return Readers(window, metas, ctx.rank, ctx.tracer)
     return None
 
 
 class Readers:
     """Every rank's published buffer (:func:`publish`), read and written
     straight in the shared pool where it lies there, else through direct
-    access; never outside the buffer as its rank published it."""
+    access; never outside the buffer as its rank published it. With the
+    call's ``tracer`` (tracing only), each read and write is a timeline's
+    ``copying`` phase."""
 
-    def __init__(self, window, metas: list[Published], rank: int) -> None:
+    def __init__(self, window, metas: list[Published], rank: int, tracer=None) -> None:
         self.window = window
         self.window_rank = rank
         self.metas = metas
         self.pools = window.allocation if POOL in window.features else None
+        self.tracer = tracer
 
     def address(self, rank: int) -> int:
         """Where ``rank``'s buffer is in its own address space."""
@@ -144,11 +149,25 @@ class Readers:
 
     def read(self, rank: int, byte_offset: int, out: np.ndarray) -> None:
         """Copy ``out.nbytes`` bytes at ``byte_offset`` of ``rank``'s buffer into ``out``."""
-        self._move(rank, byte_offset, out, True)
+        if self.tracer is None:
+            self._move(rank, byte_offset, out, True)
+        else:
+            self._timed(rank, byte_offset, out, True)
 
     def write(self, rank: int, byte_offset: int, src: np.ndarray) -> None:
         """Copy ``src`` to ``byte_offset`` of ``rank``'s buffer."""
-        self._move(rank, byte_offset, src, False)
+        if self.tracer is None:
+            self._move(rank, byte_offset, src, False)
+        else:
+            self._timed(rank, byte_offset, src, False)
+
+    def _timed(self, rank: int, byte_offset: int, local: np.ndarray, reading: bool) -> None:
+        """:meth:`_move`, timed as the call's ``copying`` phase (tracing only)."""
+        t0 = _now()
+        try:
+            self._move(rank, byte_offset, local, reading)
+        finally:
+            self.tracer.phase(COPYING, t0, _now())
 
     def inside(self, rank: int, start: int, stop: int) -> None:
         """Refuse to touch bytes [start, stop) of ``rank``'s buffer unless they

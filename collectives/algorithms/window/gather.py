@@ -5,12 +5,15 @@ the senders' buffers (:mod:`.direct`)."""
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 from typing import Sequence
 
 import numpy as np
 
 from ... import native
 from ...registry import register
+from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs
 from .plans import arr, first_two, plan, planned, run_planned, slot
@@ -60,14 +63,21 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         window.fence(ctx.deadline)  # senders keep their buffers until the root has read them
         return
     step = max(1, budget(st) // item)
+    tracer = ctx.tracer
     for a in range(0, max(counts), step):
         base = st.next_half(ctx.deadline)
         n = min(step, counts[me] - a)
         if me != root and n > 0:
+            t0 = _now() if tracer is not None else 0.0
             native.copy(region(st, me, base, n, dt), sendbuf[a:a + n])
+            if tracer is not None:  # a timeline's phase (tracing only)
+                tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         if me == root:
+            t0 = _now() if tracer is not None else 0.0
             for r in range(p):
                 m = min(step, counts[r] - a)
                 if r != me and m > 0:
                     native.copy(recvbuf[starts[r] + a:starts[r] + a + m], region(st, r, base, m, dt))
+            if tracer is not None:
+                tracer.phase(COPYING, t0, _now())

@@ -5,11 +5,14 @@ out. Other ranks' buffers stay unchanged."""
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 import numpy as np
 
 from ... import native
 from ...ops import Op
 from ...registry import register
+from ...tracing import COPYING
 from .pieces import blocks, striped_cached
 from .plans import arr, first, plan, planned, reduction, run_planned, slot
 from .reduction import LOW, reduce as reduce_blocks
@@ -43,10 +46,14 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
         return
     window, st = state_of(ctx)
     dt, item = buf.dtype, buf.itemsize
+    tracer = ctx.tracer
     if single_fence(buf.nbytes, p, st):
         base = st.next_half(ctx.deadline)
         if me != root:
+            t0 = _now() if tracer is not None else 0.0
             native.copy(st.views(base, buf.nbytes, dt)[me], buf)
+            if tracer is not None:  # a timeline's phase (tracing only)
+                tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         if me == root:
             views = st.views(base, buf.nbytes, dt)
@@ -56,10 +63,13 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
     peers = [r for r in range(p) if r != me]
     for parts, _ in striped_cached(st, blocks(buf.size, p), step):
         base = st.next_half(ctx.deadline)
+        t0 = _now() if tracer is not None else 0.0
         for r in peers:  # the pieces of the blocks the others reduce
             start, n, off = parts[r]
             if n:
                 native.copy(region(st, me, base + off * item, n, dt), buf[start:start + n])
+        if tracer is not None:
+            tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         start, n, off = parts[me]
         if n:
@@ -67,6 +77,9 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
             reduce_blocks(ctx, op, srcs[me], [buf[start:start + n]] + [srcs[r] for r in peers])
         window.fence(ctx.deadline)
         if me == root:
+            t0 = _now() if tracer is not None else 0.0
             for r, (start, n, off) in enumerate(parts):
                 if n:
                     native.copy(buf[start:start + n], region(st, r, base + off * item, n, dt))
+            if tracer is not None:
+                tracer.phase(COPYING, t0, _now())

@@ -5,11 +5,14 @@ sendbuf (:mod:`.direct`)."""
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 import numpy as np
 
 from ... import native
 from ...ops import Op
 from ...registry import register
+from ...tracing import COPYING
 from .direct import SCRATCH_PEER_FIRST, Readers, direct, window_direct_from
 from .pieces import displs, one_piece, piece_elems, striped_cached
 from .plans import arr, first_two, plan, planned, reduction, run_planned, slot
@@ -62,12 +65,16 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
     starts = displs(counts)
     peers = [r for r in range(p) if r != me]
     dt = sendbuf.dtype
+    tracer = ctx.tracer
     for parts, used in striped_cached(st, counts, step):
         base = st.next_half(ctx.deadline)
+        t0 = _now() if tracer is not None else 0.0
         for r in peers:
             start, n, off = parts[r]
             if n:
                 native.copy(st.views(base + off * item, n * item, dt)[me], sendbuf[start:start + n])
+        if tracer is not None:  # a timeline's phase (tracing only)
+            tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         start, n, off = parts[me]
         if n:

@@ -5,12 +5,15 @@ root's buffer (:mod:`.direct`)."""
 
 from __future__ import annotations
 
+from time import monotonic as _now
+
 from typing import Sequence
 
 import numpy as np
 
 from ... import native
 from ...registry import register
+from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
 from .plans import arr, first_two, plan, planned, run_planned, slot
@@ -64,14 +67,21 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
         window.fence(ctx.deadline)  # the root keeps its buffer until everyone has its block
         return
     step = max(1, budget(st) // (p * item))
+    tracer = ctx.tracer
     for parts, _ in striped_cached(st, counts, step):
         base = st.next_half(ctx.deadline)
         if me == root:
+            t0 = _now() if tracer is not None else 0.0
             for r, (start, n, off) in enumerate(parts):
                 if r != me and n:
                     native.copy(region(st, me, base + off * item, n, dt), sendbuf[start:start + n])
+            if tracer is not None:  # a timeline's phase (tracing only)
+                tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         start, n, off = parts[me]
         if me != root and n:
             lo = start - starts[me]
+            t0 = _now() if tracer is not None else 0.0
             native.copy(recvbuf[lo:lo + n], region(st, root, base + off * item, n, dt))
+            if tracer is not None:
+                tracer.phase(COPYING, t0, _now())
