@@ -101,8 +101,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before every rank is stopped")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="write every rank's timeline to DIR (COLLECTIVES_TRACE; merge with "
-                         "'collectives trace merge DIR'); calls then take the full path, slower")
+                         "'collectives trace merge DIR'), each job's in DIR/<job> when the bench starts "
+                         "several (--repeat, --isolate); calls then take the full path, slower")
     return ap
+
+
+def _trace_dir(ns: argparse.Namespace, rep: int, colls: list[str], algorithm: str, njobs: int) -> str:
+    """Where one job of ours writes its timelines: ``--trace DIR`` itself for
+    the only job, else ``DIR/<job>`` (``round<k>`` with --repeat, then
+    ``<collective>-<algorithm>`` with several jobs a round), so that no job
+    overwrites another's ``rank<r>.json``."""
+    parts = [f"round{rep + 1}"] if ns.repeat > 1 else []
+    if njobs > 1:
+        parts.append(f"{','.join(colls)}-{algorithm}")
+    name = "-".join(parts)
+    name = "".join(c if c.isalnum() or c in "-_.," else "_" for c in name)
+    return os.path.join(os.path.abspath(ns.trace), name) if name else os.path.abspath(ns.trace)
 
 
 def _collectives(spec: str) -> list[str]:
@@ -258,12 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"collectives bench: skipping {peer}: {why}", file=sys.stderr)
     runs: list[list[dict[str, Any]]] = []
+    our_jobs = _our_jobs(ns, colls)
     with tempfile.TemporaryDirectory(prefix="collectives-bench-") as tmp:
         for rep in range(max(ns.repeat, 1)):
             if ns.repeat > 1:
                 print(f"# sweep {rep + 1} of {ns.repeat}", file=sys.stderr, flush=True)
             rows = []
-            for job_colls, algorithm in _our_jobs(ns, colls):
+            for job_colls, algorithm in our_jobs:
+                if ns.trace:
+                    os.environ["COLLECTIVES_TRACE"] = _trace_dir(ns, rep, job_colls, algorithm, len(our_jobs))
                 ours = _run_peer("ours", ns, job_colls, sizes, tmp, algorithm)
                 if ours is None:
                     return 1

@@ -156,3 +156,40 @@ def test_model_validation_runs_and_summarizes(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "regret of MPICH's rules' choice" in res.stdout and "judged on the other half (noise)" in res.stdout
+
+
+def test_trace_writes_each_job_in_its_own_folder_and_merge_takes_them(tmp_path):
+    res = _run(["allreduce", "-n", "2", "--sizes", "8", "--iters", "3", "--warmup", "1", "--repeat", "2",
+                "--trace", "t"], tmp_path, timeout=180)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    trace = tmp_path / "t"
+    assert sorted(p.name for p in trace.iterdir()) == ["round1", "round2"]  # nothing overwritten
+    for job in ("round1", "round2"):
+        assert sorted(p.name for p in (trace / job).iterdir()) == ["rank0.json", "rank1.json"]
+        doc = json.loads((trace / job / "rank0.json").read_text())
+        assert any(e.get("name") == "allreduce" for e in doc["traceEvents"])
+    trace_cmd = [sys.executable, "-c", "import sys; from collectives.cli import main; sys.exit(main())", "trace",
+                 "merge"]
+    res = subprocess.run(trace_cmd + ["t", "-o", "timeline.json"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "job round1:" in res.stdout and "job round2:" in res.stdout, res.stdout
+    assert (tmp_path / "timeline-round1.json").exists() and (tmp_path / "timeline-round2.json").exists()
+    res = subprocess.run(trace_cmd + ["t/round2", "-o", "one.json"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert res.returncode == 0 and "2 ranks" in res.stdout, res.stdout + res.stderr
+    assert json.loads((tmp_path / "one.json").read_text())["otherData"]["ranks"] == 2
+
+
+def test_trace_dir_names_one_folder_per_job():
+    from argparse import Namespace
+
+    from collectives.bench.cli import _trace_dir
+
+    ns = Namespace(trace="/t", repeat=1)
+    assert _trace_dir(ns, 0, ["allreduce"], "auto", 1) == "/t"  # the only job: DIR itself
+    assert _trace_dir(ns, 0, ["allreduce"], "ring", 3) == "/t/allreduce-ring"  # --isolate
+    ns.repeat = 3
+    assert _trace_dir(ns, 2, ["allreduce", "bcast"], "auto", 1) == "/t/round3"
+    assert _trace_dir(ns, 1, ["bcast"], "binomial", 2) == "/t/round2-bcast-binomial"
+
