@@ -193,3 +193,13 @@ def test_trace_dir_names_one_folder_per_job():
     assert _trace_dir(ns, 2, ["allreduce", "bcast"], "auto", 1) == "/t/round3"
     assert _trace_dir(ns, 1, ["bcast"], "binomial", 2) == "/t/round2-bcast-binomial"
 
+
+def test_the_recorder_cost_bench_prints_both_medians(tmp_path):
+    out = tmp_path / "rc.json"
+    res = subprocess.run([sys.executable, "-m", "collectives.bench.recorder_cost", "-n", "2", "--rounds", "2",
+                          "--iters", "50", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "8 B allreduce, 2 ranks, shm: recorder off" in res.stdout and "on - off" in res.stdout, res.stdout
+    data = json.loads(out.read_text())
+    assert len(data["off_all_us"]) == len(data["on_all_us"]) == 2 and data["off_us"] > 0 and data["on_us"] > 0
+    assert data["recorded"] > 0 and abs(data["diff_us"] - (data["on_us"] - data["off_us"])) < 1e-9
