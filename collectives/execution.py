@@ -7,7 +7,8 @@ prepared call (:mod:`.prepared`; a shared window's native plan where there
 is one) or through :meth:`CallExecution._execute`: the call's signature is
 published (``transport.begin_call``), a refusing rank takes part in the
 call to refuse it everywhere, a call that moves no data still meets every
-rank, a rooted call over messages starts with the root's verdict, and then
+rank, a rooted call over messages starts by gathering every rank's
+signature on every rank (:meth:`CallExecution._root_verdict`), and then
 the algorithm runs. :meth:`CallExecution._failed` names every error and
 aborts the communicator unless the call was refused alike everywhere.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -32,20 +34,27 @@ from .context import CallContext
 from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
 from .handles import Handle
 from .planning import ROOTED, Plan
-from .signature import NO_SIG, REFUSED
+from .signature import NO_SIG, REFUSED, Sig
 
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["CallExecution", "VERDICT_BYTES", "TAG_SPACE"]
+__all__ = ["CallExecution", "RECORD_BYTES", "CHECKED", "TAG_SPACE"]
 
 log = logging.getLogger("collectives")
 _call_log = logging.getLogger("collectives.call")
 _now = time.monotonic
 #: Sequence numbers wrap around here (collective tags are 2 * seq + 1).
 TAG_SPACE = 1 << 27
-#: Bytes of a root's verdict on a rooted call over messages: a status byte, a reason.
-VERDICT_BYTES = 256
+#: Bytes of one rank's record in the signature check of a rooted call over
+#: messages: its signature (three words), its reason's length, the reason
+#: (a refusal's, else nothing).
+RECORD_BYTES = 256
+_HEAD = struct.Struct("<4Q")
+#: Collectives that start with the signature check over messages: those in
+#: which a rank may only send or only receive from the root's side, so that
+#: no message of the algorithm itself tells every rank that all agree.
+CHECKED = ROOTED | {"bcast"}
 
 
 class _Refused(Exception):
@@ -131,6 +140,8 @@ class CallExecution:
             ctx.tag, ctx.deadline = 2 * seq + 1, start + limit
             ctx.sig = signature.with_seq(entry.sig, seq)
             self.transport.begin_call(seq, ctx.sig)
+            if entry.collective == "bcast" and not entry.algo.needs and self.size > 1 and self._signed:
+                self._agree(ctx, ctx.sig, None, True)
             entry.func(ctx, *entry.args(arrays))
         except BaseException as exc:
             raise self._failed(entry.collective, entry.algo.name, seq, exc, start, limit) from None
@@ -164,13 +175,18 @@ class CallExecution:
             tracer.begin(seq, plan.sig, plan.itemsize)
             ctx.tracer = tracer
         try:
-            self.transport.begin_call(seq, sig, plan.refusal)
+            if plan.refusal is not None and self.size > 1 and self._checks(plan):
+                # the refusal travels in the signature check alone: a transport that tells
+                # its waits of a peer's refusal would end some ranks' check before others'
+                self.transport.begin_call(seq, (sig[0] & ~REFUSED, sig[1], sig[2]))
+            else:
+                self.transport.begin_call(seq, sig, plan.refusal)
             if plan.refusal is not None:
                 self._refuse(ctx, plan)
             if plan.empty and self.size > 1 and "native" not in plan.algo.needs:
                 self._empty(ctx, plan)
             else:
-                if plan.root is not None and plan.collective in ROOTED and self.size > 1 and not plan.algo.needs:
+                if self.size > 1 and self._checks(plan):
                     self._root_verdict(ctx, plan)
                 plan.algo.func(ctx, *plan.args)
         except BaseException as exc:
@@ -199,8 +215,9 @@ class CallExecution:
             except BadArgument:
                 raise own from None
             raise own
-        if plan.collective in ROOTED and plan.root == self.rank and not plan.algo.needs:
+        if self._checks(plan):  # the refusal travels in the signature check: every rank raises it alike
             self._root_verdict(ctx, plan)
+            raise own
         raise _Refused(own)
 
     def _empty(self, ctx: CallContext, plan: Plan) -> None:
@@ -212,26 +229,61 @@ class CallExecution:
         else:
             dissemination(ctx)
 
+    def _checks(self, plan: Plan) -> bool:
+        """Whether ``plan`` starts with the signature check (a rooted call over
+        messages; a bcast only while signatures are checked)."""
+        return (plan.collective in CHECKED and not plan.algo.needs
+                and (self._signed or plan.collective != "bcast"))
+
     def _root_verdict(self, ctx: CallContext, plan: Plan) -> None:
-        """A rooted call over messages starts with the root's verdict on its
-        own arguments, sent to every other rank before any data: a refusal
-        then reaches every rank before anything is sent."""
-        buf = np.zeros(VERDICT_BYTES, np.uint8)
-        sig = (ctx.sig[0] & ~REFUSED, ctx.sig[1], ctx.sig[2])
-        root, t = plan.root, self.transport
-        if self.rank == root:
-            if plan.refusal is not None:
-                text = plan.refusal.encode("utf-8", "replace")[:VERDICT_BYTES - 1]
-                buf[0], buf[1:1 + len(text)] = 1, np.frombuffer(text, np.uint8)
-            ctx.waitall([t.isend(buf, r, ctx.tag, sig) for r in range(self.size) if r != root])
-            if plan.refusal is not None:
-                raise BadArgument(f"rank {self.rank}: {plan.refusal}")
-            return
-        t.irecv(buf, root, ctx.tag, sig).wait(ctx.remaining())
-        if buf[0]:
-            why = bytes(buf[1:]).rstrip(b"\0").decode("utf-8", "replace")
-            raise BadArgument(f"rank {self.rank}: {signature.describe(sig)} was refused by its root, "
-                              f"rank {root}: {why}")
+        """A rooted call over messages starts with every rank's signature and
+        refusal, gathered by every rank (:meth:`_agree`): ranks that disagree
+        about anything, the root included, raise MismatchedCollective in this
+        call, and a refusal (the root's, or any rank's own arguments) is
+        BadArgument on every rank before any data moves."""
+        sig = signature.with_seq(plan.sig, ctx.tag >> 1)
+        self._agree(ctx, sig, plan.refusal, self._signed)
+
+    def _agree(self, ctx: CallContext, sig: Sig, refusal: str | None, signed: bool) -> None:
+        """Every rank's record (its signature ``sig``, the reason of its
+        ``refusal``) reaches every rank, by the Bruck allgather: in round k
+        each rank sends the records it holds, at most 2**k of them, to rank
+        - 2**k and receives as many from rank + 2**k (ceil(log2 p) rounds of
+        one message each way). Its pattern does not depend on the root or on
+        any field that may differ, so ranks that disagree still meet; the
+        messages carry only the call's number and collective
+        (:func:`~collectives.signature.agreement`), so a rank in another call
+        or collective fails at once. Every rank then holds the same records
+        and comes to the same verdict (:func:`~collectives.signature.check_all`),
+        which it raises; none finishes a call that another found wrong. With
+        the checks off (``signed`` False), only refusals count."""
+        n, r, t = self.size, self.rank, self.transport
+        raw = np.zeros(n * RECORD_BYTES, np.uint8)  # record j: rank (r + j) % n's
+        text = b"" if refusal is None else refusal.encode("utf-8", "replace")[:RECORD_BYTES - _HEAD.size]
+        _HEAD.pack_into(raw, 0, *sig, len(text))
+        raw[_HEAD.size:_HEAD.size + len(text)] = np.frombuffer(text, np.uint8)
+        header = signature.agreement(sig) if signed else NO_SIG
+        dist = 1
+        while dist < n:
+            k = min(dist, n - dist)
+            recv = t.irecv(raw[dist * RECORD_BYTES:(dist + k) * RECORD_BYTES], (r + dist) % n, ctx.tag, header)
+            ctx.waitall([t.isend(raw[:k * RECORD_BYTES], (r - dist) % n, ctx.tag, header), recv])
+            dist <<= 1
+        sigs: list[Sig] = [NO_SIG] * n
+        reasons: dict[int, str] = {}
+        for j in range(n):
+            w0, w1, w2, length = _HEAD.unpack_from(raw, j * RECORD_BYTES)
+            q = (r + j) % n
+            sigs[q] = (w0, w1, w2)
+            if length:
+                at = j * RECORD_BYTES + _HEAD.size
+                said = raw[at:at + min(length, RECORD_BYTES - _HEAD.size)]
+                reasons[q] = said.tobytes().decode("utf-8", "replace")
+        if not signed:  # only refusals: every other rank is taken to agree with this one
+            sigs = [s if s[0] & REFUSED else (sig[0] & ~REFUSED, sig[1], sig[2]) for s in sigs]
+        error = signature.check_all(sigs, r, reasons)
+        if error is not None:
+            raise error
 
     def _failed(self, collective: str, algorithm: str, seq: int, exc: BaseException, start: float,
                 timeout: float, refusal: str | None = None) -> BaseException:

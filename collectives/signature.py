@@ -29,8 +29,9 @@ import numpy as np
 
 from .errors import BadArgument, MismatchedCollective
 
-__all__ = ["Sig", "NO_SIG", "checks_enabled", "REFUSED", "SEQ_BITS", "make", "with_seq", "refused", "fields", "describe",
-           "check_message", "check_all", "out_of_step", "counts_digest", "dtype_code", "seq_of_tag"]
+__all__ = ["Sig", "NO_SIG", "checks_enabled", "REFUSED", "SEQ_BITS", "make", "with_seq", "refused", "fields",
+           "describe", "check_message", "check_all", "out_of_step", "counts_digest", "dtype_code", "seq_of_tag",
+           "agreement", "is_agreement", "AGREEMENT"]
 
 #: Three 64-bit words (see the module docstring); a plain tuple, compared with ``!=``.
 Sig = tuple
@@ -138,6 +139,27 @@ def refused(sig: Sig) -> Sig:
     return (sig[0] | REFUSED, sig[1], sig[2])
 
 
+#: Word 2 of the header of a rooted call's signature check over messages
+#: (see :func:`agreement`; the v-counts' word of a real call is this one
+#: with odds of 2**-63).
+AGREEMENT = 0x7F00_0000_0000_0000
+_AGREEMENT_KEEP = _SEQ_FIELD | (0xF << 36)
+
+
+def agreement(sig: Sig) -> Sig:
+    """The header of the messages of call ``sig``'s signature check (a rooted
+    call over messages starts by gathering every rank's signature, see the
+    communicator's execution): only the call number and the collective, so
+    that ranks in that same check exchange their records whatever else they
+    disagree about, and a rank in another call or collective fails at once."""
+    return (sig[0] & _AGREEMENT_KEEP, 0, AGREEMENT)
+
+
+def is_agreement(sig: Sig) -> bool:
+    """Whether ``sig`` is the header of a signature check (:func:`agreement`)."""
+    return sig[2] == AGREEMENT and sig[1] == 0 and not sig[0] & ~_AGREEMENT_KEEP
+
+
 def seq_of_tag(tag: int) -> int:
     """The call number of a collective message's tag (tags are 2 * seq + 1)."""
     return tag >> 1
@@ -152,10 +174,11 @@ def fields(sig: Sig, algorithms: dict[int, str] | None = None) -> dict[str, obje
     collective = _COLLECTIVES[coll - 1] if 1 <= coll <= len(_COLLECTIVES) else "point-to-point"
     names = algorithms if algorithms is not None else _algorithm_names(collective)
     algo = (w0 >> 16) & 0xFF
+    check = digest == AGREEMENT and not count and not w0 & ~_AGREEMENT_KEEP
     return {
         "seq": (w0 >> SEQ_SHIFT) & SEQ_MASK,
         "collective": collective,
-        "algorithm": names.get(algo, f"#{algo}"),
+        "algorithm": "signature check" if check else names.get(algo, f"#{algo}"),
         "op": None if op == 0 else (_OPS[op - 1] if op <= len(_OPS) else "user-defined"),
         "root": None if root == 0 else root - 1,
         "dtype": None if not (w0 >> 24) & 0xFF else _DTYPE_NAME.get((w0 >> 24) & 0xFF, "another dtype"),
@@ -177,6 +200,8 @@ def _algorithm_names(collective: str) -> dict[int, str]:
 def describe(sig: Sig) -> str:
     """``sig`` in words: ``allreduce #412 (ring): sum of float32 x 1048576``."""
     f = fields(sig)
+    if f["algorithm"] == "signature check" and is_agreement(sig):
+        return f"{f['collective']} #{f['seq']} (checking every rank's signature)"
     what = f"{f['dtype']} x {f['count']}" if f["dtype"] else f"{f['count']} elements"
     parts = [f"{f['collective']} #{f['seq']} ({f['algorithm']})"]
     detail = what if f["collective"] != "barrier" else ""
@@ -217,6 +242,11 @@ def check_message(mine: Sig, theirs: Sig, rank: int, peer: int) -> Exception | N
 def _pair_text(mine: Sig, theirs: Sig, rank: int, peer: int) -> str:
     a, b = fields(mine), fields(theirs)
     head = f"{a['collective']} #{a['seq']}"
+    if is_agreement(mine) or is_agreement(theirs):  # a signature check meets a call's data, or another check
+        diffs = [k for k in ("seq", "collective", "algorithm") if a[k] != b[k]]
+        said = "; ".join(f"{k}: rank {peer} has {_value(k, b[k])}, rank {rank} has {_value(k, a[k])}"
+                         for k in diffs)
+        return f"{head}: ranks disagree ({said}); rank {peer} is in {describe(theirs)}"
     diffs = _differences(a, b) or ["signature"]
     if diffs == ["dtype"] or diffs == ["count"] or diffs == ["dtype", "count"]:
         return (f"{head}: rank {peer} has {b['dtype']} x {b['count']}, "
