@@ -8,13 +8,15 @@ the error if any. Recording a call costs a few list stores and one clock
 read: the signature of the call (see :mod:`collectives.signature`) already
 holds what it was, and is turned into words only when the ring is read.
 
-``peers`` are the ranks a call talks to, in the job's numbering: ``"all"``
-for a collective over every rank of the job (the usual case, and nothing
-is stored per call for it), else the list of the communicator's ranks
-(:attr:`FlightRecorder.peers`: a shrunk communicator, a host's group), or
-the ranks one call names (:meth:`FlightRecorder.talks_to`). A queued
-nonblocking call (``scheduled``) keeps its signature and timeout, so its
-record says what it is before it starts.
+``peers`` are the ranks a call talks to: ``"all"`` for a collective over
+every rank of the communicator (the usual case; nothing is stored per
+call for it), else a list in the job's numbering: the communicator's
+ranks where it was told them (:attr:`FlightRecorder.peers`: a shrunk
+communicator, a host's group), or the ranks one call names
+(:meth:`FlightRecorder.talks_to`). A queued nonblocking call
+(``scheduled``) keeps the signature and timeout it was queued with
+(:meth:`FlightRecorder.schedule`), so its record says what it is before it
+starts.
 
 The ring is written as JSON (:meth:`FlightRecorder.dump`) when a call fails
 or times out, on SIGUSR1, and on demand (``comm.flight_record()``,
@@ -69,8 +71,8 @@ class FlightRecorder:
         job: the job's id (names the dump's directory).
         last: ``last()`` is the latest call number (the communicator's).
         timeout: the communicator's default timeout.
-        peers: the communicator's ranks in the job's numbering (None: every
-            rank of the job; records then say ``"all"``).
+        peers: the communicator's ranks in the job's numbering (None: not
+            told; records then say ``"all"``, every rank of the communicator).
 
     Row ``seq & (capacity - 1)`` of ``ring`` (8 float64, one cache line)
     holds call ``seq``: its start and end (``start``, ``end``: seconds of the
