@@ -18,7 +18,9 @@ receives at once): ``xmsg`` in place of ``msg`` (see :mod:`.model`).
 
 from __future__ import annotations
 
-from .model import Params, cost_model, pof2
+from collectives.arithmetic import pow2_floor
+
+from .model import Params, cost_model
 
 
 @cost_model("allgather", "ring")
@@ -32,7 +34,7 @@ def recursive_doubling(p: int, n: int, P: Params) -> float:
     """[r>0] msg(b) + sum_k msg((2^k + min(2^k, r)) b) + [r>0] msg(n)."""
     if p == 1:
         return 0.0
-    q = pof2(p)
+    q = pow2_floor(p)
     r, b = p - q, n / p
     t = P.msg(b) if r else 0.0
     k = 1

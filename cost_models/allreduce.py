@@ -28,7 +28,9 @@ allgather are exchanges (``xmsg``, see :mod:`.model`); folds are one-way.
 from __future__ import annotations
 
 from .bcast import binomial as bcast_binomial
-from .model import Params, cost_model, even_blocks, lg, pof2, segment_sizes, send_sum, stream
+from collectives.arithmetic import pow2_floor
+
+from .model import Params, cost_model, even_blocks, lg, segment_sizes, send_sum, stream
 from .reduce import binomial_reduce_time, halving_time
 
 
@@ -64,7 +66,7 @@ def recursive_doubling(p: int, n: int, P: Params) -> float:
     """(lg p' + f) stream(n) + f send(n)."""
     if p == 1:
         return 0.0
-    q = pof2(p)
+    q = pow2_floor(p)
     f = 1 if p > q else 0
     return lg(q) * stream(n, P, exchange=True) + f * (stream(n, P) + send_sum(n, P))
 
@@ -74,7 +76,7 @@ def rabenseifner(p: int, n: int, P: Params) -> float:
     """f stream(n) + halving + doubling allgather + f send(n)."""
     if p == 1:
         return 0.0
-    q = pof2(p)
+    q = pow2_floor(p)
     f = 1 if p > q else 0
     t = f * stream(n, P) + halving_time(q, n, P)
     k = 1

@@ -26,7 +26,9 @@ message, b_i the p nearly equal blocks (even_bounds) and p' = 2^floor(log2 p).
 
 from __future__ import annotations
 
-from .model import Params, cost_model, even_blocks, lg, pof2, segment_sizes
+from collectives.arithmetic import pow2_floor
+
+from .model import Params, cost_model, even_blocks, lg, segment_sizes
 
 
 def scatter_time(p: int, n: int, P: Params) -> float:
@@ -71,7 +73,7 @@ def scatter_recursive_doubling_allgather(p: int, n: int, P: Params) -> float:
     """scatter + sum_k msg((2^k + min(2^k, r)) b) + [r > 0] msg(n)."""
     if p == 1:
         return 0.0
-    q = pof2(p)
+    q = pow2_floor(p)
     r = p - q
     b = n / p
     t = scatter_time(p, n, P)

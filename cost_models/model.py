@@ -66,7 +66,7 @@ import numpy as np
 
 from collectives.context import SEGMENT_BYTES
 
-__all__ = ["Params", "CostModel", "MODELS", "cost_model", "predict", "lg", "pof2", "nsegments",
+__all__ = ["Params", "CostModel", "MODELS", "cost_model", "predict", "lg", "nsegments",
            "segment_sizes", "stream", "even_blocks", "send_sum", "split_terms"]
 
 
@@ -327,11 +327,6 @@ def split_terms(collective: str, name: str, p: int, nbytes: int, params: Params,
 def lg(p: int) -> int:
     """ceil(log2 p) (0 for p <= 1)."""
     return max(p - 1, 0).bit_length()
-
-
-def pof2(p: int) -> int:
-    """The largest power of two not above p."""
-    return 1 << (max(p, 1).bit_length() - 1)
 
 
 def even_blocks(n: int, parts: int, itemsize: int) -> list[int]:

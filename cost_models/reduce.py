@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .model import Params, cost_model, lg, pof2, segment_sizes, stream
+from collectives.arithmetic import pow2_floor
+
+from .model import Params, cost_model, lg, segment_sizes, stream
 
 
 def _subtree_time(k: int, one_msg: float, one_reduce: float) -> float:
@@ -72,7 +74,7 @@ def rabenseifner(p: int, n: int, P: Params) -> float:
     """fold + halving + binomial gather + [root folded out] msg(n)."""
     if p == 1:
         return 0.0
-    q = pof2(p)
+    q = pow2_floor(p)
     r = p - q
     t = stream(n, P) if r else 0.0
     t += halving_time(q, n, P)

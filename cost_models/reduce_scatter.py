@@ -19,7 +19,9 @@ The halving and ring steps are exchanges (``xmsg``, see :mod:`.model`).
 from __future__ import annotations
 
 from .allreduce import ring_time
-from .model import Params, cost_model, pof2, stream
+from collectives.arithmetic import pow2_floor
+
+from .model import Params, cost_model, stream
 
 
 @cost_model("reduce_scatter", "recursive_halving")
@@ -27,7 +29,7 @@ def recursive_halving(p: int, n: int, P: Params) -> float:
     """[r>0] stream(n) + sum_m stream((m + min(m, r)) b) + [r>0] msg(b)."""
     if p == 1:
         return P.copy(n)
-    q = pof2(p)
+    q = pow2_floor(p)
     r = p - q
     b = n / p
     t = stream(n, P) if r else 0.0

@@ -17,18 +17,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..arithmetic import pow2_floor
 from ..context import CallContext
 
-__all__ = ["prefix", "lowbit_parent", "binomial_scatter_blocks", "binomial_gather_blocks",
+__all__ = ["lowbit_parent", "binomial_scatter_blocks", "binomial_gather_blocks",
            "ring_allgather_blocks", "recursive_doubling_allgather_blocks", "rotated"]
-
-
-def prefix(counts: Sequence[int]) -> list[int]:
-    """Offsets of blocks of ``counts`` elements laid end to end (p + 1 entries)."""
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + int(c))
-    return out
 
 
 def lowbit_parent(v: int, p: int) -> tuple[int, int]:
@@ -106,7 +99,7 @@ def recursive_doubling_allgather_blocks(ctx: CallContext, buf: np.ndarray, bound
     folded: virtual ranks v >= p' first hand their block to v - p', and get
     the whole result back at the end."""
     p = ctx.size
-    pof2 = 1 << (p.bit_length() - 1)
+    pof2 = pow2_floor(p)
 
     def part(a: int, b: int) -> np.ndarray:
         return buf[bounds[a]:bounds[b]]

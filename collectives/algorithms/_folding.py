@@ -21,12 +21,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .. import native
+from ..arithmetic import pow2_floor
 from ..context import CallContext
 from ..ops import Op
 from ..transport import Request
 
 __all__ = [
-    "Fold", "pieces", "even_bounds", "prefix_bounds", "send_segments", "recv_segments", "recv_reduce",
+    "Fold", "pieces", "even_bounds", "send_segments", "recv_segments", "recv_reduce",
     "exchange_reduce", "fold_in", "recursive_halving", "recursive_doubling_allgather",
     "binomial_gather", "ring_pipeline", "binomial_reduce", "binomial_bcast",
     "WORK", "TMP", "ACC32", "ROTATE",
@@ -34,11 +35,6 @@ __all__ = [
 
 # Scratch slots these algorithms use (ctx.scratch); distinct slots never alias.
 WORK, TMP, ACC32, ROTATE = 0, 1, 2, 3
-
-
-def largest_pof2(p: int) -> int:
-    """The largest power of two not above ``p`` (p >= 1)."""
-    return 1 << (p.bit_length() - 1)
 
 
 class Fold:
@@ -56,7 +52,7 @@ class Fold:
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
-        self.pof2 = largest_pof2(size)
+        self.pof2 = pow2_floor(size)
         self.rem = size - self.pof2
         self.newrank = self.newrank_of(rank)
 
@@ -102,14 +98,6 @@ def even_bounds(count: int, parts: int) -> list[int]:
     """Offsets cutting ``count`` elements into ``parts`` blocks that differ by at most one."""
     q, r = divmod(count, parts)
     return [i * q + min(i, r) for i in range(parts + 1)]
-
-
-def prefix_bounds(counts: Sequence[int]) -> list[int]:
-    """Offsets of blocks of ``counts`` elements laid end to end."""
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
 
 
 def send_segments(ctx: CallContext, arr: np.ndarray, peer: int) -> list[Request]:

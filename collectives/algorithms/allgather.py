@@ -19,7 +19,8 @@ import numpy as np
 
 from ..context import CallContext
 from ..registry import register
-from ._blocks import prefix, recursive_doubling_allgather_blocks, ring_allgather_blocks
+from ..arithmetic import prefix
+from ._blocks import recursive_doubling_allgather_blocks, ring_allgather_blocks
 
 __all__ = ["ring", "recursive_doubling", "bruck"]
 

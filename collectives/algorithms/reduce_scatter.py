@@ -20,7 +20,8 @@ from .. import native
 from ..context import CallContext
 from ..ops import Op
 from ..registry import register
-from ._folding import WORK, Fold, fold_in, prefix_bounds, recursive_halving, ring_pipeline
+from ..arithmetic import prefix
+from ._folding import WORK, Fold, fold_in, recursive_halving, ring_pipeline
 
 __all__ = ["reduce_scatter_recursive_halving", "reduce_scatter_ring"]
 
@@ -43,7 +44,7 @@ def reduce_scatter_recursive_halving(ctx: CallContext, sendbuf: np.ndarray, recv
         native.copy(recvbuf, sendbuf)
         return
     fold = Fold(rank, p)
-    displs = prefix_bounds(counts)
+    displs = prefix(counts)
     if fold.folded_out:
         fold_in(ctx, fold, sendbuf, sendbuf, op)
         ctx.recv(recvbuf, rank + 1)
@@ -73,7 +74,7 @@ def reduce_scatter_ring(ctx: CallContext, sendbuf: np.ndarray, recvbuf: np.ndarr
         counts: elements per block.
         op: the reduction.
     """
-    bounds = prefix_bounds(counts)
+    bounds = prefix(counts)
     partial = ctx.scratch(bounds[-1], sendbuf.dtype, WORK)
 
     def dest_of(block: int) -> np.ndarray:

@@ -15,7 +15,8 @@ import numpy as np
 from .. import native
 from ..context import CallContext
 from ..registry import register
-from ._blocks import binomial_scatter_blocks, prefix, rotated
+from ..arithmetic import prefix
+from ._blocks import binomial_scatter_blocks, rotated
 
 __all__ = ["linear", "binomial"]
 

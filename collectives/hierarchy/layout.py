@@ -14,23 +14,16 @@ from typing import Sequence
 import numpy as np
 
 from .. import native
+from ..arithmetic import prefix
 from .topology import Topology
 
-__all__ = ["blocks", "prefix", "to_order", "from_order", "host_order", "slot_parts", "local_counts"]
+__all__ = ["blocks", "to_order", "from_order", "host_order", "slot_parts", "local_counts"]
 
 
 def blocks(n: int, parts: int) -> list[int]:
     """``n`` elements in ``parts`` blocks differing by at most one (the larger first)."""
     q, r = divmod(int(n), parts)
     return [q + (1 if i < r else 0) for i in range(parts)]
-
-
-def prefix(counts: Sequence[int]) -> list[int]:
-    """Offsets of blocks of ``counts`` laid end to end (one more entry than ``counts``)."""
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + int(c))
-    return out
 
 
 def host_order(topo: Topology) -> list[int]:

@@ -22,8 +22,9 @@ from typing import Sequence
 import numpy as np
 
 from .. import native
+from ..arithmetic import prefix
 from . import agreement
-from .layout import blocks, from_order, host_order, local_counts, prefix, slot_parts, to_order
+from .layout import blocks, from_order, host_order, local_counts, slot_parts, to_order
 from .table import SLICED, hierarchical
 
 __all__ = ["bcast", "allgather", "gather", "scatter"]

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from .. import native
+from ..arithmetic import byte_view, prefix
 from ..ops import Op
 from . import agreement
 from .checks import INLINE_BYTES, inline
-from .layout import prefix
 from .table import ONE_ROUND, hierarchical
 
 if TYPE_CHECKING:
@@ -37,10 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["one_round"]
 
 _EMPTY = np.zeros(0, np.uint8)
-
-
-def _bytes(arr: np.ndarray | None) -> np.ndarray:
-    return _EMPTY if arr is None or arr.size == 0 else arr.reshape(-1).view(np.uint8)
 
 
 def one_round(h: "HierarchicalCommunicator", ctx, payload: np.ndarray, local_counts: Sequence[int],
@@ -81,7 +77,7 @@ def _sum_contribution(h, dtype: np.dtype, op: Op) -> Callable[[list[np.ndarray]]
 
 def _reduce_all(h, ctx, buf: np.ndarray, op: Op) -> list[np.ndarray]:
     n, L = buf.nbytes, h.topology.local_size
-    return one_round(h, ctx, _bytes(buf), [n] * L, _sum_contribution(h, buf.dtype, op), lambda j: n)
+    return one_round(h, ctx, byte_view(buf), [n] * L, _sum_contribution(h, buf.dtype, op), lambda j: n)
 
 
 @hierarchical("allreduce", ONE_ROUND, "local allgather with the check; host sums in one round between hosts")
@@ -100,7 +96,7 @@ def reduce(h, ctx, buf: np.ndarray, root: int, op: Op) -> None:
 @hierarchical("reduce_scatter", ONE_ROUND, "local allgather with the check; host sums in one round between hosts")
 def reduce_scatter(h, ctx, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], op: Op) -> None:
     n, L = send.nbytes, h.topology.local_size
-    data = one_round(h, ctx, _bytes(send), [n] * L, _sum_contribution(h, send.dtype, op), lambda j: n)
+    data = one_round(h, ctx, byte_view(send), [n] * L, _sum_contribution(h, send.dtype, op), lambda j: n)
     lo = prefix(counts)[h.rank]
     parts = [d.view(send.dtype)[lo:lo + recv.size] for d in data]
     if recv.size:
@@ -112,7 +108,7 @@ def _from_root(h, ctx, mine: np.ndarray | None, n: int, root: int) -> np.ndarray
     t = h.topology
     h0, l0 = t.where(root)
     counts = [n if (t.node == h0 and i == l0) else 0 for i in range(t.local_size)]
-    got = one_round(h, ctx, _bytes(mine), counts, lambda parts: parts[l0] if t.node == h0 else _EMPTY,
+    got = one_round(h, ctx, byte_view(mine), counts, lambda parts: parts[l0] if t.node == h0 else _EMPTY,
                     lambda j: n if j == h0 else 0)
     return got[h0]
 
@@ -138,7 +134,7 @@ def _blocks_everywhere(h, ctx, mine: np.ndarray, counts: Sequence[int], item: in
     t = h.topology
     host_bytes = [sum(int(counts[r]) for r in ranks) * item for ranks in t.hosts]
     local = [int(counts[r]) * item for r in t.local_ranks]
-    return one_round(h, ctx, _bytes(mine), local, lambda parts: np.concatenate(parts) if parts else _EMPTY,
+    return one_round(h, ctx, byte_view(mine), local, lambda parts: np.concatenate(parts) if parts else _EMPTY,
                      lambda j: host_bytes[j])
 
 
@@ -174,7 +170,7 @@ def alltoall(h, ctx, send: np.ndarray, recv: np.ndarray) -> None:
     t, p = h.topology, h.size
     b = send.size // p
     n = send.nbytes
-    data = one_round(h, ctx, _bytes(send), [n] * t.local_size,
+    data = one_round(h, ctx, byte_view(send), [n] * t.local_size,
                      lambda parts: np.concatenate(parts) if parts else _EMPTY, lambda j: n * len(t.hosts[j]))
     me = h.rank
     for j, ranks in enumerate(t.hosts):

@@ -23,7 +23,7 @@ import re
 from .pages import PAGE
 
 __all__ = ["SHM_DIR", "MAGIC", "LINE", "MiB", "WINDOW_HEADER_BYTES", "Layout", "Segment", "segment_path",
-           "default_ring_bytes", "align", "pow2_floor"]
+           "default_ring_bytes", "align"]
 
 SHM_DIR = "/dev/shm"
 MAGIC = 0x636F6C6C5F73686D  # "coll_shm"
@@ -74,11 +74,6 @@ WINDOW_HEADER_BYTES = 16 * 1024
 def align(n: int, a: int) -> int:
     """``n`` rounded up to a multiple of ``a``."""
     return (n + a - 1) // a * a
-
-
-def pow2_floor(n: int) -> int:
-    """The largest power of two not above ``n`` (1 for n < 2)."""
-    return 1 << max(n.bit_length() - 1, 0)
 
 
 def default_ring_bytes(size: int) -> int:

@@ -29,15 +29,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from collectives import native
-from collectives import config
+from collectives import config, native
+from collectives.arithmetic import pow2_floor
 from collectives.errors import BadArgument, CollectiveTimeout, PeerLost
 from collectives.waiting import Backoff
 
 from . import cma
 from .layout import (CPU_WORDS, MAGIC, MiB, Q_ALLOC, Q_ATTACHED, Q_CMA, Q_CPUS, Q_DONE, Q_EPOCH, Q_INBOX,
                      Q_MAGIC, Q_NATIVE, Q_PID, Q_POST, Q_PROBE, Q_RING, Q_SECRET, Q_SIZE, Q_SLEEP, Q_WINDOW, SHM_DIR,
-                     WINDOW_HEADER_BYTES, Layout, Segment, align, default_ring_bytes, pow2_floor, segment_path)
+                     WINDOW_HEADER_BYTES, Layout, Segment, align, default_ring_bytes, segment_path)
 from .liveness import PeerWatch, exited
 from .pages import PAGE
 from .records import CallRecords

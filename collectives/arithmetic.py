@@ -1,0 +1,39 @@
+"""Small arithmetic the algorithms, transports and cost models share.
+
+* :func:`pow2_floor`: the largest power of two not above n;
+* :func:`prefix`: where blocks laid end to end begin (and the end);
+* :func:`byte_view`: the bytes of an array, as a flat ``uint8`` array (no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["pow2_floor", "prefix", "byte_view"]
+
+_NO_BYTES = np.zeros(0, np.uint8)
+_NO_BYTES.flags.writeable = False
+
+
+def pow2_floor(n: int) -> int:
+    """The largest power of two not above ``n`` (1 for n < 2)."""
+    return 1 << max(int(n).bit_length() - 1, 0)
+
+
+def prefix(counts: Sequence[int]) -> list[int]:
+    """Offsets of blocks of ``counts`` elements laid end to end: where each
+    begins, and last the total (one more entry than ``counts``)."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + int(c))
+    return out
+
+
+def byte_view(buf: np.ndarray | None) -> np.ndarray:
+    """The bytes of the C-contiguous array ``buf`` as a flat ``uint8`` array
+    sharing its memory (an empty one for None or an empty array)."""
+    if buf is None or buf.size == 0:
+        return _NO_BYTES
+    return buf.reshape(-1).view(np.uint8)
