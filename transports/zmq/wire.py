@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import zmq
 
+from collectives.arithmetic import byte_view
 from collectives.errors import BadArgument, CollectiveError, PeerLost
 from collectives.signature import NO_SIG, SEQ_MASK, Sig, fields
 
@@ -91,4 +92,4 @@ def bytes_view(buf: np.ndarray, writable: bool = False) -> np.ndarray:
         raise BadArgument("zmq transport needs C-contiguous buffers")
     if writable and not buf.flags.writeable:
         raise BadArgument("receive buffer is read-only")
-    return buf.reshape(-1).view(np.uint8) if buf.size else np.empty(0, np.uint8)
+    return byte_view(buf) if buf.size else np.empty(0, np.uint8)  # writable even when empty
