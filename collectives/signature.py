@@ -9,7 +9,11 @@ three integers:
 
 * word 0: ``refused:1 | seq:23 | collective:4 | op:4 | dtype:8 | algorithm:8 | root:16``
 * word 1: the element count (the same on every rank: see :func:`count_of`)
-* word 2: a digest of the v-counts (0 for the even collectives)
+* word 2: the v-counts (0 for the even collectives): the counts themselves
+  where they fit (top bit set, then the number of ranks in 7 bits, then
+  each count in an equal share of the other 56 bits), else a 63-bit hash;
+  either way a mismatch names the counts where they can be known
+  (:func:`counts_of`)
 
 ``refused`` marks a root that refused its own arguments (a gather's receive
 buffer too small, say): the call is then refused on every rank
@@ -30,8 +34,8 @@ import numpy as np
 from .errors import BadArgument, MismatchedCollective
 
 __all__ = ["Sig", "NO_SIG", "checks_enabled", "REFUSED", "SEQ_BITS", "make", "with_seq", "refused", "fields",
-           "describe", "check_message", "check_all", "out_of_step", "counts_digest", "dtype_code", "seq_of_tag",
-           "agreement", "is_agreement", "AGREEMENT"]
+           "describe", "check_message", "check_all", "out_of_step", "counts_digest", "counts_of", "dtype_code",
+           "seq_of_tag", "agreement", "is_agreement", "AGREEMENT"]
 
 #: Three 64-bit words (see the module docstring); a plain tuple, compared with ``!=``.
 Sig = tuple
@@ -102,12 +106,48 @@ def algorithm_code(name: str) -> int:
     return zlib.crc32(name.encode()) % 255 + 1
 
 
+_LITERAL = 1 << 63
+_LITERAL_BITS = 56
+#: Hashed counts this process made, by digest, so that its messages can name
+#: them (the newest few: a peer's hashed counts cannot be told).
+_HASHED: dict[int, tuple[int, ...]] = {}
+_HASHED_KEPT = 64
+
+
 def counts_digest(counts: Sequence[int] | None) -> int:
-    """A 64-bit digest of v-collective counts (0 for None)."""
+    """Word 2 of a signature for v-collective ``counts`` (0 for None): the
+    counts themselves when they fit (see the module docstring), else a
+    63-bit hash of them."""
     if counts is None:
         return 0
+    n = len(counts)
+    if 0 < n < 128:
+        width = _LITERAL_BITS // n
+        if width and all(0 <= c < (1 << width) for c in counts):
+            word = _LITERAL | (n << _LITERAL_BITS)
+            for i, c in enumerate(counts):
+                word |= int(c) << (i * width)
+            return word
     data = np.asarray(counts, dtype=np.int64).tobytes()
-    return (zlib.crc32(data) << 32) | zlib.crc32(data, 0x5BD1E995) or 1
+    digest = ((zlib.crc32(data) << 32) | zlib.crc32(data, 0x5BD1E995)) & ~_LITERAL or 1
+    if digest not in _HASHED:
+        if len(_HASHED) >= _HASHED_KEPT:
+            del _HASHED[next(iter(_HASHED))]
+        _HASHED[digest] = tuple(int(c) for c in counts)
+    return digest
+
+
+def counts_of(digest: int) -> tuple[int, ...] | None:
+    """The counts of word 2 of a signature, where they can be known: always
+    when they fit in it, and hashed ones this process made; else None."""
+    if digest & _LITERAL:
+        n = (digest >> _LITERAL_BITS) & 0x7F
+        width = _LITERAL_BITS // n if n else 0
+        if not width:
+            return None
+        mask = (1 << width) - 1
+        return tuple((digest >> (i * width)) & mask for i in range(n))
+    return _HASHED.get(digest)
 
 
 def make(collective: str, algorithm: str, op: str | None = None, root: int | None = None,
@@ -217,7 +257,10 @@ _FIELD_ORDER = ("seq", "collective", "algorithm", "op", "root", "dtype", "count"
 
 def _value(name: str, v: object) -> str:
     if name == "counts":
-        return "no v-counts" if not v else f"v-counts digest {v:#x}"
+        if not v:
+            return "no v-counts"
+        counts = counts_of(v)
+        return str(list(counts)) if counts is not None else f"other counts (digest {v:#x})"
     if name == "seq":
         return f"call #{v}"
     return "none" if v is None else str(v)

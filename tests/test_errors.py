@@ -130,3 +130,48 @@ def test_mismatched_collective_is_an_error_not_a_hang():
     for o in outcomes:
         assert o.ok and o.value in ("MismatchedCollective", "PeerLost", "CollectiveTimeout"), str(o)
     assert any(o.value == "MismatchedCollective" for o in outcomes)
+
+
+# -------------------------------------------------- v-counts that differ
+
+
+def v_counts_differ(comm, collective: str, counts: list[int], theirs: list[int]):
+    """Rank 1 passes ``theirs`` for the v-counts, every other rank ``counts``
+    (the same total): every rank raises MismatchedCollective in that call."""
+    mine = theirs if comm.rank == 1 else counts
+    total, r = sum(mine), comm.rank
+    comm.barrier()  # every rank is past its start-up: an abort must find them all in the call
+    t0 = time.monotonic()
+    try:
+        if collective == "allgatherv":
+            comm.allgatherv(np.ones(mine[r], np.float32), np.zeros(total, np.float32), mine)
+        else:
+            comm.reduce_scatterv(np.ones(total, np.float32), np.zeros(mine[r], np.float32), mine)
+    except CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+@pytest.mark.parametrize("collective", ["allgatherv", "reduce_scatterv"])
+def test_differing_v_counts_are_named(collective, transport):
+    counts, theirs = [1, 2, 3], [2, 1, 3]
+    outcomes = run_ranks(v_counts_differ, 3, collective, counts, theirs, transport=transport, timeout=60,
+                         comm_timeout=10)
+    for r, (kind, message, took) in enumerate(outcomes):
+        assert kind == "MismatchedCollective", f"rank {r}: {kind}: {message}"
+        assert took < 5, f"rank {r} took {took:.2f}s"
+        assert "counts: " in message and "rank 1 has [2, 1, 3]" in message, f"rank {r}: {message}"
+        assert "[1, 2, 3]" in message and "digest" not in message, f"rank {r}: {message}"
+
+
+def test_v_counts_too_large_to_carry_are_named_where_known():
+    """Counts too large for the signature's word travel as a hash: the rank
+    that finds the mismatch names its own counts, and the other rank's as
+    other counts (a rank that hears of it through an abort says the same)."""
+    counts, theirs = [300_000, 1, 2], [300_000, 2, 1]
+    outcomes = run_ranks(v_counts_differ, 3, "allgatherv", counts, theirs, timeout=60, comm_timeout=10)
+    for r, (kind, message, took) in enumerate(outcomes):
+        assert kind == "MismatchedCollective", f"rank {r}: {kind}: {message}"
+        assert str(theirs) in message or str(counts) in message, f"rank {r}: {message}"
+        assert "other counts (digest 0x" in message, f"rank {r}: {message}"
