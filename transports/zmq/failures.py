@@ -96,7 +96,10 @@ class Failures:
         closed, or that this transport has."""
         if self._broken is not None and (self._blocks(tag) or (peer is not None and self._gone(peer))):
             raise copy_error(self._broken)
-        if peer is not None and peer in self._said_bye and (self._lanes is None or not self._lanes.is_open(peer)):
+        if (peer is not None and peer in self._said_bye and peer not in self._aborted_by
+                and (self._lanes is None or not self._lanes.is_open(peer))):
+            # (a peer that aborted closes after its abort: the abort, taken once every
+            # lost peer is explained, or this rank's own verdict on a lost peer, is the error)
             raise PeerLost(f"rank {self.rank}: {self._name(peer)} closed its transport while rank {self.rank} "
                            "still waited on it", peer)
         if self._closed:
@@ -108,6 +111,10 @@ class Failures:
         side ends (at once: the connection is gone) name the error."""
         self._drive_until(lambda: self._broken is not None or self._settled(peer),
                           time.monotonic() + GRACE_SECONDS, peer)
+        if self._broken is None and peer in self._aborted_by:
+            # its abort is held while another peer's loss is unexplained: that loss is
+            # declared (or explained) within its grace period, then one of them breaks this rank
+            self._drive_until(lambda: self._broken is not None, time.monotonic() + 2 * GRACE_SECONDS, peer)
         self._check_lost_send(peer, tag)
         raise PeerLost(f"rank {self.rank}: a send to {self._name(peer)} failed", peer)
 
