@@ -184,15 +184,124 @@ def root_refusals(comm):
     return report
 
 
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
 @pytest.mark.parametrize("p", [2, 3])
-def test_a_roots_refusal_reaches_every_rank_and_the_next_call_works(p):
+def test_a_roots_refusal_reaches_every_rank_and_the_next_call_works(p, transport):
+    """On shared memory (the window and the named algorithms' rings) and over
+    TCP, where the refusal travels in the rooted call's signature check."""
     want = p * (p + 1) / 2
-    for r, report in enumerate(run_ranks(root_refusals, p, timeout=120)):
+    for r, report in enumerate(run_ranks(root_refusals, p, transport=transport, timeout=120)):
         for case, outcome, message, elapsed, after in report:
             assert outcome == "BadArgument", f"rank {r}, {case}: {outcome} {message}"
             assert "rank 0" in message, f"rank {r}, {case}: does not name the root: {message}"
             assert elapsed < BOUND, f"rank {r}, {case}: {elapsed:.2f} s"
             assert after == want, f"rank {r}, {case}: the next allreduce gave {after}"
+
+
+def non_root_refusals(comm):
+    """Rank 1, not the root, refuses a rooted call (a receive buffer of the
+    wrong size, a read-only one): every rank raises BadArgument in that call,
+    naming rank 1, nothing is written, and the next call works."""
+    p, report = comm.size, []
+    caps = frozenset(comm.transport.capabilities)
+    for collective in ("bcast", "scatter", "gather"):  # (a reduce's other ranks only read their buffers)
+        for algo in ["auto"] + named_algorithms(collective, caps):
+            raw, x = guarded(4, "float32", comm.rank + 1)
+            t0 = time.monotonic()
+            try:
+                if collective == "bcast":
+                    x.flags.writeable = comm.rank != 1
+                    comm.bcast(x, 0, algorithm=algo)
+                elif collective == "scatter":  # (counts agree: only rank 1's buffer is wrong)
+                    recv = x if comm.rank != 1 else guarded(3, "float32", 2)[1]
+                    comm.scatterv(np.ones(4 * p, np.float32) if comm.rank == 0 else None, recv, [4] * p, 0,
+                                  algorithm=algo)
+                elif collective == "gather":
+                    send = x if comm.rank != 1 else guarded(3, "float32", 2)[1]
+                    comm.gatherv(send, np.zeros(4 * p, np.float32) if comm.rank == 0 else None, [4] * p, 0,
+                                 algorithm=algo)
+                outcome, message = "ok", ""
+            except CollectiveError as exc:
+                outcome, message = type(exc).__name__, str(exc)
+            elapsed = time.monotonic() - t0
+            y = np.full(3, comm.rank + 1.0)
+            comm.allreduce(y)
+            report.append((f"{collective} ({algo})", outcome, message, elapsed,
+                           intact([raw], [4]) and bool(np.all(x == comm.rank + 1)), float(y[0])))
+    return report
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_a_non_roots_refusal_of_a_rooted_call_reaches_every_rank_and_the_next_call_works(transport):
+    p = 3
+    for r, report in enumerate(run_ranks(non_root_refusals, p, transport=transport, timeout=120)):
+        for case, outcome, message, elapsed, untouched, after in report:
+            assert outcome == "BadArgument", f"rank {r}, {case}: {outcome} {message}"
+            assert "rank 1" in message, f"rank {r}, {case}: does not name rank 1: {message}"
+            assert elapsed < BOUND, f"rank {r}, {case}: {elapsed:.2f} s"
+            assert untouched, f"rank {r}, {case}: a buffer or guard changed"
+            assert after == p * (p + 1) / 2, f"rank {r}, {case}: the next allreduce gave {after}"
+
+
+def numpy_scalar(comm):
+    """Every rank passes a numpy scalar, which cannot hold a result."""
+    comm.barrier()  # every rank is past its start-up: an abort must find them all in the call
+    out = []
+    for value in (np.float32(1.0), np.int64(3)):
+        t0 = time.monotonic()
+        try:
+            comm.allreduce(value)
+            out.append(("ok", "", time.monotonic() - t0))
+        except CollectiveError as exc:
+            out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+        if comm.transport.name == "zmq":
+            break  # over messages a refusal of a call that is not rooted aborts the communicator
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_a_numpy_scalar_is_a_bad_argument_on_every_rank(transport):
+    for r, report in enumerate(run_ranks(numpy_scalar, 2, transport=transport, timeout=60)):
+        for kind, message, elapsed in report:
+            assert kind == "BadArgument", f"rank {r}: {kind} {message}"
+            assert "numpy scalar" in message and "allreduce #" in message, f"rank {r}: {message}"
+            assert elapsed < BOUND, f"rank {r}: {elapsed:.2f} s"
+
+
+def prepared_mismatch(comm, field: str, both_prepared: bool):
+    """An allreduce repeated until it is a prepared call (the shared window's
+    native plan), then rank 1 changes ``field``: every rank raises
+    MismatchedCollective in that call, naming the field, guards intact.
+    ``both_prepared``: rank 1's call was made (and prepared) before too."""
+    n = 8
+    other = {"dtype": ("float64", n), "count": ("float32", n + 1)}[field]
+    for _ in range(5):
+        for dtype, count in [("float32", n)] + ([other] if both_prepared else []):
+            x = np.ones(count, dtype)
+            comm.allreduce(x)
+            assert x[0] == comm.size
+    dtype, count = other if comm.rank == 1 else ("float32", n)
+    raw, x = guarded(count, dtype, 1)
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    return outcome, message, time.monotonic() - t0, intact([raw], [count]), bool(np.all(x == 1))
+
+
+@pytest.mark.parametrize("both_prepared", [False, True], ids=["one-side", "both-sides"])
+@pytest.mark.parametrize("field", ["dtype", "count"])
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_mismatch_of_prepared_calls_is_caught_on_every_rank(p, field, both_prepared):
+    words = {"dtype": "float64", "count": "x 9"}[field]
+    for r, (outcome, message, elapsed, guards, untouched) in enumerate(
+            run_ranks(prepared_mismatch, p, field, both_prepared, timeout=60)):
+        assert outcome == "MismatchedCollective", f"rank {r}: {outcome} {message}"
+        assert words in message and "allreduce #" in message, f"rank {r}: {message}"
+        assert elapsed < BOUND, f"rank {r}: {elapsed:.2f} s"
+        assert guards and untouched, f"rank {r}: its buffer or a guard changed"
 
 
 def one_rank_bad_argument(comm, algorithm: str):
