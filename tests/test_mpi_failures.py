@@ -3,8 +3,10 @@
 A rank that raises, calls ``sys.exit(0)``, aborts or is killed in the
 middle of a loop of allreduces; ranks whose calls disagree with equal byte
 counts (dtype, op, collective), through the Communicator with our
-algorithms and MPI's own; and the transport's own checks with explicit
-signatures. Every run has a hard deadline (past it the whole process group
+algorithms and MPI's own; ranks that disagree on a rooted call's root; a
+rank stopped with SIGSTOP (one verdict on every survivor, naming it, its
+host and pid, and where each rank is); and the transport's own checks with
+explicit signatures. Every run has a hard deadline (past it the whole process group
 of mpiexec is killed) and every rank's outcome and time is checked; each
 rank writes them to a file (see ``tests/mpi_failure_main.py``).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -250,3 +253,154 @@ def test_transport_checks_explicit_signatures(tmp_path):
         assert aborted["error_type"] == "PeerLost", aborted
         assert "rank 0 aborted: gave up on purpose" in aborted["message"], aborted
         assert aborted["elapsed"] < PROMPT, aborted
+
+
+# ------------------------------------------- rank programs in this module
+
+
+def _launch_here(tmp_path, p: int, main: str, *args: str) -> subprocess.Popen:
+    """``mpiexec -n p`` of this module's function ``main(OUTDIR, *args)``."""
+    call = ", ".join(repr(a) for a in (str(tmp_path), *args))
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_mpi_failures as t; t.{main}({call})"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
+    return subprocess.Popen([MPIEXEC, "-n", str(p), sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def _write(outdir: str, rank: int, out: dict) -> None:
+    path = os.path.join(outdir, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".tmp", path)
+
+
+def roots_main(outdir: str, collective: str, roots: str) -> None:
+    """One rank of :func:`test_ranks_that_disagree_on_the_root_raise_in_that_call`:
+    rank r takes ``roots[r]`` (comma-separated) for the root of ``collective``."""
+    import numpy as np
+
+    import collectives
+    from collectives.errors import CollectiveError
+
+    comm = collectives.init(transport="mpi", timeout=COMM_TIMEOUT)
+    x = np.zeros(16, np.float32)
+    comm.allreduce(x)
+    root = [int(r) for r in roots.split(",")][comm.rank]
+    start = time.monotonic()
+    try:
+        if collective == "bcast":
+            comm.bcast(x, root=root)
+        else:
+            comm.gather(x, np.zeros(16 * comm.size, np.float32) if comm.rank == root else None, root=root)
+        out = {"ok": True, "error_type": "", "message": ""}
+    except CollectiveError as exc:
+        out = {"ok": False, "error_type": type(exc).__name__, "message": str(exc)}
+    out["elapsed"] = time.monotonic() - start
+    _write(outdir, comm.rank, out)
+    comm.close()
+
+
+@pytest.mark.parametrize("collective", ["bcast", "gather"])
+@pytest.mark.parametrize("roots,said", [("0,1", "root: rank 0 has 0, rank 1 has 1"),
+                                        ("1,0,0", "root: rank 0 has 1, ranks 1, 2 have 0")])
+def test_ranks_that_disagree_on_the_root_raise_in_that_call(collective, roots, said, tmp_path):
+    """Ranks that each take themselves for the root (each would only send),
+    or each another (each would only wait): every rank raises
+    MismatchedCollective in that call, at once, naming the ranks' roots."""
+    p = len(roots.split(","))
+    proc = _launch_here(tmp_path, p, "roots_main", collective, roots)
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"mpiexec was still running after {DEADLINE}s (killed)\n{output[-3000:]}")
+    for r in range(p):
+        path = tmp_path / f"rank-{r}.json"
+        assert path.exists(), f"rank {r} wrote nothing\n{output[-3000:]}"
+        out = json.loads(path.read_text())
+        assert out["error_type"] == "MismatchedCollective", f"rank {r}: {out}"
+        assert said in out["message"] and f"{collective} #2" in out["message"], f"rank {r}: {out}"
+        assert out["elapsed"] < PROMPT, f"rank {r} took {out['elapsed']:.2f}s"
+
+
+# ------------------------------------------------------------- a hung rank
+
+#: The communicators' timeout in the stopped-rank test.
+STOP_TIMEOUT = 2.0
+
+
+def stopped_main(outdir: str) -> None:
+    """One rank of :func:`test_a_stopped_rank_is_named_by_one_verdict` (run
+    under mpiexec): after one allreduce, the last rank writes its pid and
+    stops itself (SIGSTOP) before the next; every rank writes its outcome of
+    that next allreduce to OUTDIR/rank-N.json (the stopped one once the test
+    continues it)."""
+    import numpy as np
+
+    import collectives
+    from collectives.errors import CollectiveError
+
+    comm = collectives.init(transport="mpi", timeout=STOP_TIMEOUT)
+    x = np.ones(1024, np.float32)
+    comm.allreduce(x)
+    victim = comm.size - 1
+    if comm.rank == victim:
+        with open(os.path.join(outdir, "victim.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.path.join(outdir, "victim.tmp"), os.path.join(outdir, "victim"))
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test continues it once the others have written
+    start = time.monotonic()
+    try:
+        comm.allreduce(x)
+        out = {"ok": True, "error_type": "", "message": ""}
+    except CollectiveError as exc:
+        out = {"ok": False, "error_type": type(exc).__name__, "message": str(exc)}
+    out.update(elapsed=time.monotonic() - start, pid=os.getpid())
+    _write(outdir, comm.rank, out)
+    comm.close()
+
+
+def test_a_stopped_rank_is_named_by_one_verdict(tmp_path):
+    """Rank 2 of 3 is stopped (SIGSTOP) before a call: ranks 0 and 1 raise
+    CollectiveTimeout within the timeout and a second, with the same verdict:
+    rank 2, its host and pid, has not arrived (no answer), and where each
+    rank is (its collective and call number); "timed out" is said once. The
+    stopped rank raises too once it runs again (the verdict aborted the job)."""
+    p, victim = 3, 2
+    proc = _launch_here(tmp_path, p, "stopped_main")
+    done = [tmp_path / f"rank-{r}.json" for r in range(p) if r != victim]
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline and proc.poll() is None and not all(d.exists() for d in done):
+            time.sleep(0.05)  # polls for the ranks' files; orders nothing
+        if (tmp_path / "victim").exists():
+            os.kill(int((tmp_path / "victim").read_text()), signal.SIGCONT)
+        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"mpiexec was still running after {DEADLINE}s (killed)\n{output[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    outs = {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(p)
+            if (tmp_path / f"rank-{r}.json").exists()}
+    assert set(outs) == set(range(p)), f"ranks {sorted(set(range(p)) - set(outs))} wrote nothing\n{output[-3000:]}"
+    pid = outs[victim]["pid"]
+    verdicts = set()
+    for r in range(p):
+        out = outs[r]
+        assert out["error_type"] == "CollectiveTimeout", f"rank {r}: {out}"
+        message = out["message"]
+        if r == victim:
+            assert "aborted" in message, f"the stopped rank: {message}"
+            continue
+        assert out["elapsed"] < STOP_TIMEOUT + 1.0, f"rank {r} took {out['elapsed']:.2f}s: {message}"
+        assert re.search(rf"rank {victim} \(host [^,()]+, pid {pid}\) has not arrived: no answer", message), message
+        assert re.search(r"where each rank is: rank 0 in allreduce #2 \(\w+\): sum of float32 x 1024 for [\d.]+ s, "
+                         r"waiting for rank \d; rank 1 in allreduce #2 .* for [\d.]+ s, waiting for rank \d; "
+                         rf"rank {victim} did not answer", message), message
+        assert message.count("timed out") == 1, message
+        verdicts.add(message[message.index("verdict: "):])
+    assert len(verdicts) == 1, verdicts

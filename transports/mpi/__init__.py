@@ -12,7 +12,8 @@ One module per job:
 ``messages``    the message format: the header, small messages staged whole,
                 large ones as a header and then a payload, truncation
 ``waits``       polling a request against its deadline
-``control``     the control communicator: aborts and goodbyes
+``control``     the control communicator: aborts, goodbyes, status queries
+``diagnosis``   a timeout's verdict: who has not arrived, where each rank is
 ``native``      MPI's own collectives and the ranks' agreement on a signature
 ``errors``      MPI's errors as the library's
 ``tags``        tags and the calls they belong to

@@ -1,4 +1,4 @@
-"""The control communicator: aborts and goodbyes.
+"""The control communicator: aborts, goodbyes and status queries.
 
 Failures: :meth:`ControlChannel.abort` never calls ``MPI_Abort``: it sends
 its reason (and the first call it did not complete) to every peer over the
@@ -10,7 +10,7 @@ may finish; a rank that received an abort does not pass it on.
 the last call it took part in); a peer waiting on it raises PeerLost at
 once when the closed rank never entered the call, and after
 :data:`~.waits.CONFIRM_SECONDS` when it did (what it sent has had time to
-land).
+land). Status queries and their answers are :mod:`.diagnosis`'s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from collectives.errors import CollectiveError, PeerLost, from_abort
 from collectives.signature import SEQ_MASK
 
+from .diagnosis import QUERY, STATUS
 from .tags import before, call_of
 from .waits import MpiRequest
 
@@ -61,6 +62,10 @@ class ControlChannel:
                 self._aborted = (data[8:].decode("utf-8", "replace"), peer, first)
             elif tag == GOODBYE:
                 self._gone[peer] = struct.unpack_from("<q", data)[0] if len(data) >= 8 else -1
+            elif tag == QUERY:
+                self._on_query(peer, data)
+            elif tag == STATUS:
+                self._on_status(peer, data)
 
     def _receive_matched(self, msg, buf: bytearray, seconds: float = 1.0) -> bool:
         """Receive the probed message ``msg`` into ``buf`` (a truncated one

@@ -55,6 +55,7 @@ class Send(MpiRequest):
     """A send of one message, header and payload staged together (``keep``)."""
 
     __slots__ = ("_req", "_keep")
+    action = "sending to"
 
     def __init__(self, transport: "MpiTransport", peer: int, tag: int, req: Any, keep: Any) -> None:
         self._t, self._peer, self._tag = transport, peer, tag
@@ -95,6 +96,7 @@ class Recv(MpiRequest):
 
     __slots__ = ("_req", "_buf", "_sig", "_staging")
     receives = True
+    action = "receiving from"
 
     def __init__(self, transport: "MpiTransport", peer: int, tag: int, buf: np.ndarray, sig: Sig) -> None:
         self._t, self._peer, self._tag = transport, peer, tag

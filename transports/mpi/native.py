@@ -39,6 +39,7 @@ class CollectiveWait(MpiRequest):
     """A request of one of MPI's own collectives (every rank takes part)."""
 
     __slots__ = ("_req",)
+    action = "waiting for every rank in MPI's own collective"
 
     def __init__(self, transport: "MpiTransport", tag: int, req) -> None:
         super().__init__(transport, -1, tag)

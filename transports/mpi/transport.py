@@ -31,6 +31,7 @@ from collectives.signature import NO_SIG, Sig, out_of_step
 from collectives.transport import Request, Transport
 
 from .control import ControlChannel
+from .diagnosis import Diagnosis
 from .errors import mpi_error
 from .messages import HEADER, HEADER_BYTES, SMALL_BYTES, LargeRecv, LargeSend, Send, SmallRecv
 from .native import Native
@@ -48,7 +49,7 @@ def _mpi():
     return MPI
 
 
-class MpiTransport(ControlChannel, Transport):
+class MpiTransport(ControlChannel, Diagnosis, Transport):
     """Point-to-point over duplicates of MPI_COMM_WORLD (or of a given
     communicator): one for data, one for control (see the package docstring)."""
 
@@ -84,6 +85,11 @@ class MpiTransport(ControlChannel, Transport):
         self._call: tuple[Sig, str | None] = (NO_SIG, None)  # the current call's signature and refusal
         self._probe = MPI.Status()
         self._native = Native(self)
+        try:
+            self._exchange_names()  # every rank's host and pid, for the errors' messages
+        except MPI.Exception as exc:
+            raise TransportUnavailable(f"rank {self.rank}: MPI could not exchange the ranks' names: "
+                                       f"{exc.Get_error_string().splitlines()[-1]}") from None
 
     def _duplicate(self, comm):
         dup = comm.Dup()
@@ -155,6 +161,7 @@ class MpiTransport(ControlChannel, Transport):
         """Remember the call (its refusal is what MPI's own collectives tell the peers)."""
         self._call = (sig, refusal)
         self._last_tag = 2 * seq + 1
+        self._call_since = time.monotonic()
 
     @property
     def call_signature(self) -> Sig:

@@ -2,9 +2,10 @@
 
 A wait polls its MPI request; after :data:`SPIN` polls, each further poll
 also runs the transport's slow path (:meth:`~.transport.MpiTransport._watch`:
-aborts and goodbyes on the control communicator, a peer out of step or
-gone), sleeping up to :data:`NAP` between polls. A sign of trouble fails
-the wait once it has held :data:`CONFIRM_SECONDS`.
+aborts, goodbyes and status queries on the control communicator, a peer out
+of step or gone), sleeping up to :data:`NAP` between polls. A sign of
+trouble fails the wait once it has held :data:`CONFIRM_SECONDS`. A wait that
+runs out raises the timeout's verdict (:mod:`.diagnosis`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from collectives.errors import CollectiveError, CollectiveTimeout
+from collectives.errors import CollectiveError
 from collectives.transport import Request
 
 from .tags import call_of
@@ -92,6 +93,8 @@ class MpiRequest(Request):
         self._suspect: tuple[tuple, float] | None = None  # (sign of trouble, since when)
 
     receives = False
+    #: What a wait on it does, for a timeout's message ("receiving from" rank N).
+    action = "waiting on"
 
     def _poll(self) -> bool:
         """One MPI test; True when the operation is finished (raises its error)."""
@@ -123,20 +126,24 @@ class MpiRequest(Request):
             if self._poll():
                 return
             limit = t.timeout if timeout is None else timeout
-            deadline = time.monotonic() + limit
+            start = time.monotonic()
+            deadline = start + limit
             spins = 0
+            t._waiting = self._peer if self._peer >= 0 else -2  # (what a status query hears)
             while True:
                 spins += 1
                 if spins > SPIN:
                     if t._watch(self):
                         return
                     if time.monotonic() > deadline:
-                        raise CollectiveTimeout(f"rank {t.rank}: {self._what()} timed out after {limit:.3g}s")
+                        raise t._timed_out(self, start, limit)
                     time.sleep(0 if spins < 1000 else NAP)
                 if self._poll():
                     return
         except t._MPI.Exception as exc:
             raise self._fail(t._mpi_error(exc, self._what())) from None
+        finally:
+            t._waiting = -1
 
     def _what(self) -> str:
         return f"MPI request with rank {self._peer} in {call_of(self._tag)}"
