@@ -49,6 +49,10 @@ class RankFailure(AssertionError):
     """One or more ranks failed or did not finish in time."""
 
 
+#: A rank's exit status when closing its communicators raised.
+CLOSE_FAILED = 3
+
+
 def _child(conn, rank: int, size: int, env: dict, transport: str, comm_timeout: float,
            fn: Callable, args: tuple, kwargs: dict) -> None:
     os.environ.clear()
@@ -67,6 +71,7 @@ def _child(conn, rank: int, size: int, env: dict, transport: str, comm_timeout: 
         conn.send(Outcome(rank, False, None, type(exc).__name__, str(exc), traceback.format_exc(),
                           time.monotonic() - start))
     finally:
+        status = 0
         try:
             if comm is not None:
                 comm.close()
@@ -74,9 +79,12 @@ def _child(conn, rank: int, size: int, env: dict, transport: str, comm_timeout: 
 
             for other in live_communicators():  # e.g. one a shrink made: closed as a normal exit would
                 other.close()
+        except BaseException:  # the parent fails the run on this status (CLOSE_FAILED)
+            traceback.print_exc()
+            status = CLOSE_FAILED
         finally:
             conn.close()
-            os._exit(0)
+            os._exit(status)
 
 
 def run_ranks(fn: Callable, nprocs: int, *args: Any, transport: str = "shm", timeout: float = 60.0,
@@ -131,13 +139,20 @@ def run_ranks(fn: Callable, nprocs: int, *args: Any, transport: str = "shm", tim
                     outcomes[r] = Outcome(r, False, None, "ProcessDied", f"exit code {procs[r].exitcode}")
                     pending.discard(r)
     finally:
-        for p in procs:
+        killed = set()
+        for r, p in enumerate(procs):
             p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
             if p.is_alive():
+                killed.add(r)
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
         for c in conns:
             c.close()
+    for r, o in enumerate(outcomes):  # returned, then crashed or failed while closing: a failure too
+        code = procs[r].exitcode
+        if o is not None and o.ok and r not in killed and code not in (0, None):
+            why = "closing raised (see its stderr)" if code == CLOSE_FAILED else f"exit code {code}"
+            outcomes[r] = Outcome(r, False, None, "ClosedBadly", f"returned, then {why}", "", o.elapsed)
     missing = [r for r, o in enumerate(outcomes) if o is None]
     if missing:
         report = "\n".join(str(o) for o in outcomes if o is not None)

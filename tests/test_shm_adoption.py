@@ -33,10 +33,18 @@ pytestmark = pytest.mark.skipif(not _works(), reason="this kernel cannot map a s
 
 
 def _maps_a_file(lo: int, hi: int) -> bool:
+    """Whether [lo, hi) is one shared mapping of a segment's file (adopted pages)."""
     try:
-        return os.readlink(f"/proc/self/map_files/{lo:x}-{hi:x}").startswith("/dev/shm/")
+        if not os.readlink(f"/proc/self/map_files/{lo:x}-{hi:x}").startswith("/dev/shm/"):
+            return False
     except OSError:
         return False
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            if span == f"{lo:x}-{hi:x}":
+                return perms.endswith("s")
+    return False
 
 
 def _bounds(x: np.ndarray) -> tuple[int, int]:
@@ -235,3 +243,4 @@ def test_one_rank_adopted_the_other_fresh_each_call(monkeypatch):
     got = run_ranks(mixed_and_freed, 2, 3 << 20, timeout=60)
     assert [bad for bad, _ in got] == [[], []]
     assert got[0][1] and not got[1][1]
+

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import re
 
 from .pages import PAGE
@@ -123,11 +124,14 @@ class Layout:
 
 
 class Segment:
-    """One rank's mapped segment: the mapping, its bytes (``mv``) and its
-    control words (``q``, 8-byte words over the control page and ring lines)."""
+    """One rank's mapped segment: the mapping, its bytes (``mv``), its
+    control words (``q``, 8-byte words over the control page and ring lines)
+    and, for this rank's own segment, a descriptor of its file (``fd``, or -1),
+    which adopted pages are made private with (see :mod:`.pages`)."""
 
-    def __init__(self, path: str, mm: mmap.mmap, layout: Layout) -> None:
+    def __init__(self, path: str, mm: mmap.mmap, layout: Layout, fd: int = -1) -> None:
         self.path = path
+        self.fd = fd
         self.mm = mm
         self.mv = memoryview(mm)
         self.q = self.mv[:layout.ctrl_bytes].cast("Q")
@@ -147,3 +151,6 @@ class Segment:
             self.mm.close()
         except (BufferError, ValueError):
             pass  # user arrays still point into it; freed when they go
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

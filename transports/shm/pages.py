@@ -140,9 +140,21 @@ def _covered(lo: int, hi: int, maps: list, fits: Callable[[tuple], bool]) -> boo
 
 
 def _private_anonymous(m: tuple) -> bool:
-    """Whether a mapping is private, anonymous and writable (the heap, or malloc's own)."""
+    """Whether a mapping is private, writable memory of this process alone: the
+    heap or malloc's own, or what an earlier transport's adoption left
+    (a private mapping of its deleted pool file, see :func:`_make_private`)."""
     _, _, perms, _, _, inode, name = m
-    return perms == "rw-p" and not inode and (not name or name.startswith(("[heap", "[anon")))
+    if perms != "rw-p":
+        return False
+    return (not inode and (not name or name.startswith(("[heap", "[anon")))) or _leftover_adoption(name)
+
+
+#: The names of the library's segments (see layout.segment_path), as /proc/self/maps shows them.
+_SEGMENT_FILES = "/dev/shm/coll-"
+
+
+def _leftover_adoption(name: str) -> bool:
+    return name.startswith(_SEGMENT_FILES) and name.endswith(" (deleted)")
 
 
 def _mapped_file(lo: int, hi: int) -> str | None:
@@ -156,12 +168,14 @@ def _mapped_file(lo: int, hi: int) -> str | None:
 
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MADV_REMOVE, _MADV_POPULATE_WRITE = 9, 23
-_PROT_RW, _MAP_PRIVATE_ANON_FIXED = 3, 0x02 | 0x20 | 0x10
+_PROT_RW, _MAP_PRIVATE_ANON_FIXED, _MAP_PRIVATE_FIXED = 3, 0x02 | 0x20 | 0x10, 0x02 | 0x10
 _mremap = libc_function("mremap", ctypes.c_void_p,
                         [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p])
 _mmap = libc_function("mmap", ctypes.c_void_p,
                       [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long])
 _madvise = libc_function("madvise", ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+_fallocate = libc_function("fallocate", ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long])
+_FALLOC_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01
 
 
 def populate(address: int, nbytes: int) -> None:
@@ -179,10 +193,27 @@ def _map_again(src: int, nbytes: int, dst: int) -> bool:
     return _mremap(src, 0, nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED, dst) == dst
 
 
-def _make_private(lo: int, hi: int) -> None:
-    """Replace the mapping of [lo, hi) by private memory with the same contents
-    (kept meanwhile in a mapping of its own: malloc might place a copy in
-    the very range, which may be free heap)."""
+def _make_private(lo: int, hi: int, fd: int, offset: int) -> None:
+    """Make the mapping of the pool's file at [lo, hi) (``offset`` into the
+    file, ``fd`` open on it) private to this process, with the same bytes.
+
+    One ``mmap(MAP_PRIVATE | MAP_FIXED)`` of the same part of the file
+    replaces the shared mapping atomically: a thread that writes there
+    meanwhile (malloc hands freed adopted pages out again) writes either into
+    the file, which the private mapping shows, or into the private mapping.
+    ``MADV_POPULATE_WRITE`` then copies every page now, so that nothing a
+    peer might still write into the pool shows here any more, and the file's
+    pages there are freed (on kernels without it, a page is copied when this
+    process first writes it, and the file keeps its pages).
+    Without a descriptor (-1), the bytes are copied out and back around an
+    anonymous mapping, which is right only while no other thread runs (a
+    forked child).
+    """
+    if fd >= 0:
+        if _mmap(lo, hi - lo, _PROT_RW, _MAP_PRIVATE_FIXED, fd, offset) == lo:
+            if _madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0:  # every page copied: the file's can go
+                _fallocate(fd, _FALLOC_PUNCH_HOLE_KEEP_SIZE, offset, hi - lo)
+            return
     with mmap.mmap(-1, hi - lo) as keep:
         kept = np.frombuffer(keep, np.uint8)
         np.copyto(kept, _bytes_at(lo, hi - lo))
@@ -224,6 +255,8 @@ class Adoptions:
         take: ``take(nbytes)`` -> offset of a free page-aligned block in the
             pool, or None.
         give: ``give(offset, nbytes)`` returns a block.
+        fd: a descriptor of the pool's file (-1 if none), which :meth:`close`
+            makes adopted ranges private with, atomically (see :func:`_make_private`).
     """
 
     #: Buffers smaller than this are never adopted.
@@ -234,8 +267,9 @@ class Adoptions:
     _SEEN_MAX = 1024
 
     def __init__(self, pool: np.ndarray, take: Callable[[int], int | None],
-                 give: Callable[[int, int], None]) -> None:
+                 give: Callable[[int, int], None], fd: int = -1) -> None:
         self._pool = pool
+        self._fd = fd
         self._base = pool.ctypes.data
         self._take, self._give = take, give
         self._entries: dict[tuple[int, int], tuple[int, int, int, int]] = {}  # key -> (lo, hi, pool offset, uses)
@@ -338,13 +372,14 @@ class Adoptions:
         _madvise(self._base + off, nbytes, _MADV_REMOVE)  # the pages' memory goes back now
         self._give(off, nbytes)
 
-    def close(self) -> None:
+    def close(self, forked: bool = False) -> None:
         """Make every range that maps the pool's file private again (before the
-        pool goes, and in a forked child); adopt nothing more."""
+        pool goes, and in a forked child, which must leave the file alone: it
+        copies); adopt nothing more."""
         _open.discard(self)
         if self._file is not None and self.works:
-            for s, e, _ in self._others(_mappings()):
-                _make_private(s, e)
+            for s, e, offset in self._others(_mappings()):
+                _make_private(s, e, -1 if forked else self._fd, offset)
         self._entries.clear()
         self._blocks.clear()
         self.works = False
@@ -354,8 +389,8 @@ _open: set[Adoptions] = set()  # not closed yet: a forked child closes them all
 
 
 def _privatize_after_fork() -> None:
-    for adoptions in list(_open):
-        adoptions.close()
+    for adoptions in list(_open):  # the child runs alone: copying out and back is safe
+        adoptions.close(forked=True)
 
 
 if hasattr(os, "register_at_fork"):

@@ -129,9 +129,10 @@ def _create(job: str, rank: int, size: int, layout: Layout, secret: int, probe_a
     try:
         os.ftruncate(fd, layout.total)
         mm = mmap.mmap(fd, layout.total)
+        keep = os.dup(fd)  # adopted pages are made private with it (see .pages)
     finally:
         os.close(fd)
-    seg = Segment(path, mm, layout)
+    seg = Segment(path, mm, layout, keep)
     q = seg.q
     q[Q_PID], q[Q_SIZE], q[Q_RING] = os.getpid(), size, layout.ring
     q[Q_WINDOW], q[Q_ALLOC], q[Q_SECRET] = layout.window, layout.pool, secret

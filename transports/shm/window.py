@@ -59,7 +59,8 @@ class ShmWindow(SharedWindow):
         self._regions = [np.frombuffer(s.mm, np.uint8, lay.window, lay.window_off) for s in t._segs]
         self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]
         self._pool_base = self._pools[t.rank].ctypes.data
-        self._adoptions = Adoptions(self._pools[t.rank], t._pool_block, t._pool.give) if adopt else None
+        self._adoptions = (Adoptions(self._pools[t.rank], t._pool_block, t._pool.give, t._segs[t.rank].fd)
+                           if adopt else None)
         self._mapped_in: set[tuple[int, int, int]] = set()
         self._epoch = 0
         self._peer_q = [s.q for s in t._segs]
