@@ -15,7 +15,7 @@ import pytest
 
 from collectives import PeerLost
 from collectives.signature import NO_SIG
-from collectives.transports.zmq import lanes
+from collectives.transports.zmq import handshake, lanes
 from harness import run_ranks
 
 
@@ -27,7 +27,7 @@ def _pair():
 def _accept_in_thread(listener, key: bytes, result: dict) -> threading.Thread:
     def run():
         conn, _ = listener.accept()
-        result["peer"] = lanes._accept_from(conn, 0, 4, key, b"job", time.monotonic() + 5)
+        result["peer"] = handshake.accept_from(conn, 0, 4, key, b"job", time.monotonic() + 5)
         conn.close()
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -38,7 +38,7 @@ def test_the_handshake_proves_the_secret_both_ways():
     listener, port = _pair()
     result: dict = {}
     t = _accept_in_thread(listener, b"k" * 32, result)
-    sock = lanes._connect_to(0, 2, f"127.0.0.1:{port}", b"k" * 32, b"job", time.monotonic() + 5)
+    sock = handshake.connect_to(0, 2, f"127.0.0.1:{port}", b"k" * 32, b"job", time.monotonic() + 5)
     t.join(5)
     sock.close()
     listener.close()
@@ -51,7 +51,7 @@ def test_a_wrong_secret_is_refused_on_both_sides(caplog):
     t = _accept_in_thread(listener, b"k" * 32, result)
     with caplog.at_level(logging.WARNING, logger="collectives.zmq"):
         with pytest.raises(PeerLost, match="refused this rank's TCP lane"):
-            lanes._connect_to(0, 2, f"127.0.0.1:{port}", b"x" * 32, b"job", time.monotonic() + 5)
+            handshake.connect_to(0, 2, f"127.0.0.1:{port}", b"x" * 32, b"job", time.monotonic() + 5)
         t.join(5)
     listener.close()
     assert result["peer"] is None
@@ -75,7 +75,7 @@ def test_garbage_and_silence_are_refused(garbage):
     th = threading.Thread(target=stranger, daemon=True)
     th.start()
     conn, _ = listener.accept()
-    result["peer"] = lanes._accept_from(conn, 0, 4, b"k" * 32, b"job", deadline)
+    result["peer"] = handshake.accept_from(conn, 0, 4, b"k" * 32, b"job", deadline)
     conn.close()
     listener.close()
     th.join(5)

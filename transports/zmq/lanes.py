@@ -5,17 +5,10 @@ lower), authenticated both ways with the job's secret, then non-blocking
 and driven by whichever thread of the rank waits. A message is a header
 (tag, length) and its payload, written with one ``sendmsg`` straight from
 the user's buffer and read with ``recv_into`` straight into the posted
-receive's buffer; no I/O thread stands between the ranks. Measured here on
-loopback: an 8-byte exchange takes 3.6 us against 52 us over ZeroMQ PAIR
-sockets, a 16 MiB one 7.9 ms against 13.2 ms.
+receive's buffer; no I/O thread stands between the ranks (docs/tcp.md has the
+measurements).
 
-Handshake (the acceptor speaks first, so nothing can be replayed): the
-acceptor sends a fresh nonce; the connector answers with its rank, a nonce
-of its own and an HMAC over the job, both nonces and its rank; the acceptor
-answers with an HMAC over the same in the other direction. A connection
-that fails it (a stranger, a wrong secret, garbage, silence) is logged and
-dropped, and the acceptor goes on waiting for its peers; once every peer is
-connected, the listening socket is closed.
+Handshake: :mod:`.handshake`.
 
 Frames: a header ``(tag, total bytes, signature)`` (the signature's three
 words, see :mod:`collectives.signature`) and the payload. Two negative
@@ -47,10 +40,7 @@ send lock.
 from __future__ import annotations
 
 import collections
-import errno
-import hmac
 import logging
-import os
 import select
 import socket
 import struct
@@ -61,6 +51,8 @@ from typing import Any, Callable, ContextManager, Sequence
 import numpy as np
 
 from collectives.errors import CollectiveTimeout, PeerLost
+
+from .handshake import HANDSHAKE_SECONDS, accept_from, connect_to, tune
 from collectives.signature import NO_SIG, Sig
 
 __all__ = ["Lanes", "LaneSend", "BYE_TAG", "ABORT_TAG"]
@@ -79,21 +71,13 @@ ABORT_BYTES = 4096
 CONTROL_TAG = -3
 #: Longest such message a lane accepts.
 CONTROL_BYTES = 1 << 16
-HELLO = struct.Struct("<8sI16s32s")  # magic, rank, connector's nonce, mac
-MAGIC = b"CLLANE01"
-NONCE = 16
 #: A payload that cannot land in a posted buffer (a reducing receive, or no
 #: receive yet) is read in chunks of this many bytes (a multiple of every item size).
 CHUNK = 256 * 1024
-#: Seconds a connection may take over its handshake.
-HANDSHAKE_SECONDS = 5.0
 #: Chunks of early messages kept for reuse (fresh memory costs a page fault
 #: per page: 64 MiB ring allreduces took twice as long without them).
 POOLED_CHUNKS = 256
 
-
-def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, label + b"|" + b"|".join(parts), "sha256").digest()
 
 
 class LaneSend:
@@ -216,7 +200,7 @@ class Lanes:
             publish(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
             job_id = job.encode()
             for peer in range(rank):
-                socks[peer] = _connect_to(peer, rank, lookup(peer, max(deadline - time.monotonic(), 0.0)),
+                socks[peer] = connect_to(peer, rank, lookup(peer, max(deadline - time.monotonic(), 0.0)),
                                           key, job_id, deadline, name(peer), watch)
             while any(socks[p] is None for p in range(rank + 1, size)):
                 left = deadline - time.monotonic()
@@ -228,7 +212,7 @@ class Lanes:
                 ready, _, _ = select.select([listener], [], [], min(left, 0.05))
                 if ready:
                     conn, who = listener.accept()
-                    peer = _accept_from(conn, rank, size, key, job_id,
+                    peer = accept_from(conn, rank, size, key, job_id,
                                         min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
                     if peer is None or peer <= rank or socks[peer] is not None:
                         if peer is not None:
@@ -246,7 +230,7 @@ class Lanes:
             listener.close()
         for s in socks:
             if s is not None:
-                _tune(s)
+                tune(s)
         return cls(rank, socks, start, lost, matching, aborted)
 
     # -- sending -------------------------------------------------------------
@@ -563,77 +547,3 @@ class Lanes:
                     lane.sock.close()
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setblocking(False)
-
-
-def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes | None:
-    """``n`` bytes from the blocking-by-deadline ``sock``; None on end of file or time out."""
-    data = bytearray()
-    while len(data) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        sock.settimeout(left)
-        try:
-            got = sock.recv(n - len(data))
-        except (socket.timeout, OSError):
-            return None
-        if not got:
-            return None
-        data += got
-    return bytes(data)
-
-
-def _connect_to(peer: int, rank: int, where: str, key: bytes, job: bytes, deadline: float,
-                name: str = "", watch: Callable[[], None] = lambda: None) -> socket.socket:
-    host, _, port = where.rpartition(":")
-    name = name or f"rank {peer}"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CollectiveTimeout(f"rank {rank}: could not open a TCP lane to {name} at {where}")
-        try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=min(left, HANDSHAKE_SECONDS))
-            break
-        except OSError as exc:
-            if exc.errno not in (errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EAGAIN, None):
-                raise
-            watch()
-            time.sleep(0.01)
-    try:
-        theirs = _recv_exactly(sock, NONCE, deadline)
-        mine = os.urandom(NONCE)
-        if theirs is not None:
-            sock.sendall(HELLO.pack(MAGIC, rank, mine, _mac(key, b"lane-connect", job, b"%d" % rank, theirs, mine)))
-            answer = _recv_exactly(sock, 32, deadline)
-            if answer is not None and hmac.compare_digest(
-                    answer, _mac(key, b"lane-accept", job, b"%d" % peer, mine, theirs)):
-                return sock
-        raise PeerLost(f"rank {rank}: {name} refused this rank's TCP lane (do all ranks have the same "
-                       "job secret?)", peer)
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _accept_from(conn: socket.socket, rank: int, size: int, key: bytes, job: bytes,
-                 deadline: float) -> int | None:
-    """The authenticated rank of a new connection, or None (logged) when it fails the handshake."""
-    try:
-        mine = os.urandom(NONCE)
-        conn.settimeout(max(deadline - time.monotonic(), 0.01))
-        conn.sendall(mine)
-        hello = _recv_exactly(conn, HELLO.size, deadline)
-        if hello is not None:
-            magic, peer, theirs, mac = HELLO.unpack(hello)
-            if magic == MAGIC and 0 <= peer < size and hmac.compare_digest(
-                    mac, _mac(key, b"lane-connect", job, b"%d" % peer, mine, theirs)):
-                conn.sendall(_mac(key, b"lane-accept", job, b"%d" % rank, theirs, mine))
-                return peer
-    except OSError:
-        pass
-    log.warning("rank %d: refused a TCP lane connection that failed the job's handshake", rank)
-    return None
