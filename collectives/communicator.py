@@ -12,10 +12,10 @@ Failures (the contract, in full in docs/failures.md):
   :class:`~collectives.errors.MismatchedCollective` before touching each
   other's data, and the communicator is aborted.
 * A rank whose own arguments are wrong once the algorithm is known refuses
-  the call: on a shared window (and for a root's arguments everywhere)
-  every rank raises :class:`~collectives.errors.BadArgument` in that same
-  call and the communicator stays usable; over messages a non-root's
-  refusal aborts the communicator, so that the others raise at once.
+  the call: on a shared window, and in rooted calls everywhere, every rank
+  raises :class:`~collectives.errors.BadArgument` in that same call and
+  the communicator stays usable; in other calls over messages the refusal
+  aborts the communicator, so that the others raise at once.
 * Any other error during a call (a timeout, a lost peer, a mismatch) aborts
   the communicator on every rank: later calls raise at once with the
   original reason. :meth:`Communicator.abort` does the same on demand.

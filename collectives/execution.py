@@ -349,7 +349,7 @@ class CallExecution:
         seq = self._next_seq()
         handle = Handle(timeout)
         if self._recorder is not None and not (self._eager and self._queue.idle):
-            self._recorder.schedule(seq)
+            self._recorder.schedule(seq, plan.sig, timeout)
         if self._eager and self._queue.idle:
             try:
                 result = self._execute(plan, seq, timeout)

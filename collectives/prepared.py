@@ -66,13 +66,13 @@ class PreparedCalls(dict):
         call's arrays are the algorithm's array arguments, in order (so a
         persistent plan's ``on_arrays`` may take them directly). Plans with a
         finalizer (``avg``), staged device buffers, a refusal or no data, and
-        rooted calls over messages (they start with the root's verdict), are
+        rooted calls over messages (they start with a signature check), are
         not kept."""
         if key in self:
             return
         entry = None
         if (plan.finalize is None and not staged and plan.refusal is None and not plan.empty
-                and not (plan.collective in ROOTED and not plan.algo.needs)):  # those start with a verdict
+                and not (plan.collective in ROOTED and not plan.algo.needs)):  # those start with a check
             func = plan.algo.func
             if plan.algo.prepare is not None:
                 func = plan.algo.prepare(transport, *plan.args) or func

@@ -85,6 +85,8 @@ class Survival:
                            job=job, options=self._options)
         new.epoch = self.epoch + 1
         new.original_ranks = [self.original_ranks[r] for r in survivors]
+        if new._recorder is not None:  # its records name the ranks of the job as it started
+            new._recorder.peers = list(new.original_ranks)
         log.info("rank %d: shrank to %d ranks (failed: %s), now rank %d of epoch %d", self.rank, len(survivors),
                  sorted(self._known_failed), new.rank, new.epoch)
         return new

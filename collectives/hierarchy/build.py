@@ -57,6 +57,8 @@ def _open_host(topo: Topology, job: str, timeout: float, options: dict[str, Any]
     except (CollectiveError, OSError) as exc:  # TransportUnavailable included
         return None, f"{type(exc).__name__}: {exc}"
     comm = HostCommunicator(tr, timeout=timeout, job=f"{job}.node{topo.node}", options=options)
+    if comm._recorder is not None:  # its records name world ranks
+        comm._recorder.peers = list(topo.local_ranks)
     return SharedHost(topo, comm), ""
 
 

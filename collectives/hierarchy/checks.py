@@ -103,7 +103,10 @@ def describe(sig: Sig) -> str:
 
 def _value(name: str, v: object) -> str:
     if name == "counts":
-        return "no v-counts" if not v else f"v-counts digest {v:#x}"
+        if not v:
+            return "no v-counts"
+        counts = signature.counts_of(v)
+        return f"counts {list(counts)}" if counts is not None else f"counts (digest {v:#x})"
     if name == "seq":
         return f"call #{v}"
     return "none" if v is None else str(v)
