@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from collectives.errors import CollectiveError, CollectiveTimeout, abort_reason
 from collectives.signature import NO_SIG, SEQ_MASK, Sig, check_all, describe
+from collectives.timeout_verdict import timeout_verdict
 
 from .tags import before
 
@@ -178,28 +179,12 @@ class Diagnosis:
         elapsed, total = ended - since, start + limit - since
         silent = [p for p in range(self.size) if p != self.rank and p not in replies]
         behind = [p for p, st in sorted(replies.items()) if before(2 * st.seq + 1 if st.seq >= 0 else -1, tag)]
-        late = silent or behind
-        names = " and ".join(self._name(p) for p in late)
-        verb = "has" if len(late) == 1 else "have"
-        kind: type[CollectiveError] = CollectiveTimeout
-        if silent:
-            cause = (f"{names} {verb} not arrived: no answer within {QUERY_SECONDS:g} s "
-                     "(stopped, hung, or busy outside the library)")
-        elif behind:
-            cause = f"{names} {verb} not arrived: still in an earlier call"
-        else:
-            mismatch = self._disagreement(seq, sig, replies)
-            if mismatch is not None:
-                kind, cause = type(mismatch), str(mismatch)
-            else:
-                cause = ("every rank has arrived, yet none sent what the others wait for "
-                         "(do all ranks make the same calls with the same arguments?)")
+        mismatch = None if silent or behind else self._disagreement(seq, sig, replies)
         waited = f" {self._name(req._peer)}" if req._peer >= 0 else ""
-        where = "; ".join(self._where(p, replies, req._peer, seq, sig, elapsed) for p in range(self.size))
-        error = kind(f"{call}: {self._name(self.rank)} timed out after {elapsed:.1f} s (timeout {total:.1f} s) "
-                     f"{req.action}{waited}; verdict: {cause}; where each rank is: {where}")
-        error.origin = self.rank
-        return error
+        return timeout_verdict(call, self._name(self.rank), elapsed, total, f"{req.action}{waited}",
+                               [self._name(p) for p in silent], [self._name(p) for p in behind], mismatch,
+                               [self._where(p, replies, req._peer, seq, sig, elapsed) for p in range(self.size)],
+                               QUERY_SECONDS, self.rank)
 
     def _disagreement(self, seq: int, sig: Sig, replies: dict[int, Status]) -> CollectiveError | None:
         sigs = [sig if p == self.rank else replies[p].sig for p in range(self.size)]

@@ -11,6 +11,7 @@ import zmq
 
 from collectives.errors import CollectiveError, CollectiveTimeout, abort_reason
 from collectives.signature import NO_SIG, Sig, check_all, describe
+from collectives.timeout_verdict import timeout_verdict
 
 from .wire import (DEFER_SECONDS, DIAGNOSING, HEADER, KIND_QUERY, KIND_STATUS, QUERY_SECONDS, STATUS, PeerStatus,
                    call_name, copy_error, older)
@@ -105,27 +106,11 @@ class Diagnosis:
         elapsed, limit = time.monotonic() - since, deadline - since
         silent = [p for p in range(self.size) if p != self.rank and p not in replies]
         behind = [p for p, st in sorted(replies.items()) if older(st.seq, seq)]
-        late = silent or behind
-        names = " and ".join(self._name(p) for p in late)
-        verb = "has" if len(late) == 1 else "have"
-        kind: type[CollectiveError] = CollectiveTimeout
-        if silent:
-            cause = (f"{names} {verb} not arrived: no answer within {QUERY_SECONDS:g} s "
-                     "(stopped, hung, or busy outside the library)")
-        elif behind:
-            cause = f"{names} {verb} not arrived: still in an earlier call"
-        else:
-            mismatch = self._disagreement(seq, sig, replies)
-            if mismatch is not None:
-                kind, cause = type(mismatch), str(mismatch)
-            else:
-                cause = ("every rank has arrived, yet none sent what the others wait for "
-                         "(do all ranks make the same calls with the same arguments?)")
-        where = "; ".join(self._where(p, replies, peer, seq, sig) for p in range(self.size))
-        error = kind(f"{call}: rank {self.rank} timed out after {elapsed:.1f} s (timeout {limit:.1f} s) "
-                     f"{action} rank {peer}; verdict: {cause}; where each rank is: {where}")
-        error.origin = self.rank
-        return error
+        mismatch = None if silent or behind else self._disagreement(seq, sig, replies)
+        return timeout_verdict(call, f"rank {self.rank}", elapsed, limit, f"{action} rank {peer}",
+                               [self._name(p) for p in silent], [self._name(p) for p in behind], mismatch,
+                               [self._where(p, replies, peer, seq, sig) for p in range(self.size)], QUERY_SECONDS,
+                               self.rank)
 
     def _disagreement(self, seq: int, sig: Sig, replies: dict[int, PeerStatus]) -> CollectiveError | None:
         """The mismatch of every rank's signature when all are in call ``seq``
