@@ -45,7 +45,6 @@ import datetime
 import time
 from typing import Any, NamedTuple
 
-import zmq
 
 from collectives.errors import BadArgument, CollectiveTimeout, PeerLost
 
@@ -144,16 +143,7 @@ class Agreement:
         if self._lanes is not None:
             for peer in peers:
                 self._lanes.send_control(peer, frame)
-        acquired = self._send_lock.acquire(timeout=1.0)
-        try:
-            for peer in peers:
-                try:
-                    self._dealers[peer].send(frame, zmq.NOBLOCK)
-                except (zmq.ZMQError, KeyError):
-                    pass
-        finally:
-            if acquired:
-                self._send_lock.release()
+        self._send_frame(frame, peers)
 
     def _lane_control(self, peer: int, payload: bytes) -> None:
         """A message of the transport's own that came in-band on ``peer``'s lane."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import zmq
 
 from collectives.errors import CollectiveError, CollectiveTimeout, abort_reason
 from collectives.signature import NO_SIG, Sig, check_all, describe
@@ -74,15 +73,7 @@ class Diagnosis:
         body = STATUS.pack(qid, self._call_seq, *self._call_sig, self._waiting,
                            DIAGNOSING if self._diagnosing else 0,
                            time.monotonic() - self._call_since if self._call_seq >= 0 else 0.0)
-        frame = HEADER.pack(KIND_STATUS, qid, 0, 0, 0, 0, 0) + body
-        acquired = self._send_lock.acquire(timeout=1.0)
-        try:
-            self._dealers[peer].send(frame, zmq.NOBLOCK)
-        except (zmq.ZMQError, KeyError):
-            pass
-        finally:
-            if acquired:
-                self._send_lock.release()
+        self._send_frame(HEADER.pack(KIND_STATUS, qid, 0, 0, 0, 0, 0) + body, [peer])
 
     def _note_status(self, peer: int, body: Any) -> None:
         if len(body) < STATUS.size:

@@ -169,12 +169,17 @@ class Failures:
             self._lanes.abort(text.decode("utf-8", "replace"), first, origin)
 
     def _broadcast(self, frame: bytes) -> None:
+        self._send_frame(frame, list(self._dealers))
+
+    def _send_frame(self, frame: bytes, peers: list[int]) -> None:
+        """Send a message of the transport's own to ``peers`` over ZeroMQ, as
+        far as it goes now (never blocks on a peer, never raises)."""
         acquired = self._send_lock.acquire(timeout=1.0)
         try:
-            for sock in self._dealers.values():
+            for peer in peers:
                 try:
-                    sock.send(frame, zmq.NOBLOCK)
-                except zmq.ZMQError:
+                    self._dealers[peer].send(frame, zmq.NOBLOCK)
+                except (zmq.ZMQError, KeyError):
                     pass
         finally:
             if acquired:
