@@ -15,6 +15,8 @@ import traceback
 
 import pytest
 
+from launched import results as rank_results
+
 HERE = os.path.abspath(__file__)
 DEADLINE = 90
 PER_RANK, STEPS, LR = 4, 4, 0.1
@@ -118,14 +120,6 @@ def main():
 
 # ---------------------------------------------------------------------- test side
 
-def _results(stdout):
-    decoder, found, at = json.JSONDecoder(), [], stdout.find("RESULT ")
-    while at >= 0:
-        obj, _ = decoder.raw_decode(stdout, at + len("RESULT "))
-        found.append(obj)
-        at = stdout.find("RESULT ", at + 1)
-    return found
-
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_jax_adapter_matches_single_process(p):
@@ -136,7 +130,7 @@ def test_jax_adapter_matches_single_process(p):
     res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    results = _results(res.stdout)
+    results = rank_results(res.stdout)
     assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures)

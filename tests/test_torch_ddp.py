@@ -33,6 +33,8 @@ import traceback
 
 import pytest
 
+from launched import clean_env, results as rank_results
+
 HERE = os.path.abspath(__file__)
 DEADLINE = 150
 STEPS = 4
@@ -298,23 +300,6 @@ def main(names):
 
 # ---------------------------------------------------------------------- test side
 
-def _clean_env():
-    drop = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
-            "PMI_", "OMPI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _results(stdout):
-    """Every rank's RESULT object (lines of different ranks may interleave)."""
-    decoder, found, at = json.JSONDecoder(), [], stdout.find("RESULT ")
-    while at >= 0:
-        obj, _ = decoder.raw_decode(stdout, at + len("RESULT "))
-        found.append(obj)
-        at = stdout.find("RESULT ", at + 1)
-    return found
-
 
 def _run(p, *checks, torchrun=False, env=None):
     if torchrun:
@@ -323,9 +308,9 @@ def _run(p, *checks, torchrun=False, env=None):
     else:
         argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10),
                 HERE, *checks]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=env or _clean_env())
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=env or clean_env())
     out = res.stdout + res.stderr
-    results = _results(res.stdout)
+    results = rank_results(res.stdout)
     assert res.returncode == 0, out[-4000:]
     assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
@@ -363,7 +348,7 @@ def test_without_autoload_the_name_is_unknown(torch_installed, tmp_path):
               "except Exception as exc:\n"
               "    print('REFUSED', exc)\n"
               "print('IMPORTED', 'collectives' in sys.modules)\n")
-    env = {**_clean_env(), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env = {**clean_env(), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "store")], capture_output=True, text=True,
                          timeout=60, env=env)
     assert "REFUSED Unknown backend type collectives" in res.stdout, res.stdout + res.stderr
@@ -376,7 +361,7 @@ def test_a_broken_package_does_not_break_import_torch(torch_installed, tmp_path)
     broken = tmp_path / "collectives"
     broken.mkdir()
     (broken / "__init__.py").write_text("raise RuntimeError('this install is broken')\n")
-    env = {**_clean_env(), "PYTHONPATH": str(tmp_path)}
+    env = {**clean_env(), "PYTHONPATH": str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", "import torch; print('TORCH OK')"], capture_output=True, text=True,
                          timeout=60, env=env, cwd=tmp_path)
     assert res.returncode == 0 and "TORCH OK" in res.stdout, res.stdout + res.stderr

@@ -28,6 +28,8 @@ import traceback
 
 import pytest
 
+from launched import clean_env, results as rank_results
+
 HERE = os.path.abspath(__file__)
 DEADLINE = 150
 
@@ -43,7 +45,7 @@ def _setup():
     return torch, dist
 
 
-def _functional_results(torch, dist, group):
+def _functionalresults(torch, dist, group):
     """What each functional collective gives on ``group``."""
     import torch.distributed._functional_collectives as fc
 
@@ -68,8 +70,8 @@ def _functional_results(torch, dist, group):
 def check_functional(torch, dist):
     """Functional collectives on the collectives group equal Gloo's."""
     gloo = dist.new_group(backend="gloo")
-    ours = _functional_results(torch, dist, dist.group.WORLD)
-    theirs = _functional_results(torch, dist, gloo)
+    ours = _functionalresults(torch, dist, dist.group.WORLD)
+    theirs = _functionalresults(torch, dist, gloo)
     return [f"{name}: {ours[name].tolist()} on collectives, {theirs[name].tolist()} on gloo"
             for name in ours if not torch.equal(ours[name], theirs[name])]
 
@@ -132,30 +134,13 @@ def main(names):
 
 # ---------------------------------------------------------------------- test side
 
-def _clean_env():
-    drop = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
-            "PMI_", "OMPI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _results(stdout):
-    """Every rank's RESULT object (lines of different ranks may interleave)."""
-    decoder, found, at = json.JSONDecoder(), [], stdout.find("RESULT ")
-    while at >= 0:
-        obj, _ = decoder.raw_decode(stdout, at + len("RESULT "))
-        found.append(obj)
-        at = stdout.find("RESULT ", at + 1)
-    return found
-
 
 def _run(p, *checks):
     argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10),
             HERE, *checks]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=_clean_env())
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=clean_env())
     out = res.stdout + res.stderr
-    results = _results(res.stdout)
+    results = rank_results(res.stdout)
     assert res.returncode == 0, out[-4000:]
     assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]

@@ -19,6 +19,8 @@ import traceback
 
 import pytest
 
+from launched import clean_env, results as rank_results
+
 HERE = os.path.abspath(__file__)
 DEADLINE = 100
 
@@ -377,28 +379,11 @@ def main(names):
 
 # ---------------------------------------------------------------------- test side
 
-def _clean_env():
-    drop = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
-            "PMI_", "OMPI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _results(stdout):
-    """Every rank's RESULT object (lines of different ranks may interleave)."""
-    decoder, found, at = json.JSONDecoder(), [], stdout.find("RESULT ")
-    while at >= 0:
-        obj, _ = decoder.raw_decode(stdout, at + len("RESULT "))
-        found.append(obj)
-        at = stdout.find("RESULT ", at + 1)
-    return found
-
 
 def _run(argv, p):
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=_clean_env())
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=clean_env())
     out = res.stdout + res.stderr
-    results = _results(res.stdout)
+    results = rank_results(res.stdout)
     assert res.returncode == 0, out[-4000:]
     assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
