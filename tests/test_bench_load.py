@@ -1,0 +1,173 @@
+"""``collectives bench --background-load N[:KIND]``: the competing processes run through the
+whole sweep and none is left after it, however the bench ends (normally, Ctrl-C, SIGKILL);
+and the JAX comparison with mpi4jax (skipped without mpi4jax)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from collectives.bench.background import BackgroundLoad, parse_load
+
+BENCH = [sys.executable, "-m", "collectives.bench"]
+PIDS_LINE = "# background load: "
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter, or None when it is gone; a pid reused by another program is gone too."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"collectives.bench.background" not in f.read():
+                return None
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    return _state(pid) not in (None, "Z", "X")
+
+
+def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
+    """Waits (a condition, with a deadline) until no pid runs; returns those still running."""
+    end = time.monotonic() + deadline_s
+    while True:
+        left = [p for p in pids if _running(p)]
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
+
+
+class _Bench:
+    """The bench in a child process; threads drain its stdout and stderr, and ``pids(deadline)``
+    waits until its stderr names the load's pids."""
+
+    def __init__(self, args: list[str], cwd) -> None:
+        self.proc = subprocess.Popen(BENCH + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._pids: list[int] = []
+        self._named = threading.Event()
+        self._threads = [threading.Thread(target=self._drain, args=(self.proc.stdout, self.out), daemon=True),
+                         threading.Thread(target=self._drain, args=(self.proc.stderr, self.err), daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _drain(self, stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+            if line.startswith(PIDS_LINE) and "pids" in line:
+                self._pids = [int(w) for w in line.split("pids", 1)[1].split()]
+                self._named.set()
+        self._named.set()  # the stream ended: nothing more will come
+
+    def pids(self, deadline_s: float) -> list[int]:
+        self._named.wait(deadline_s)
+        return self._pids
+
+    def wait(self, deadline_s: float) -> tuple[int, str, str]:
+        try:
+            self.proc.wait(timeout=deadline_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        for t in self._threads:
+            t.join(timeout=10)
+        return self.proc.returncode, "".join(self.out), "".join(self.err)
+
+
+def test_load_specs():
+    assert parse_load("4") == (4, "busy") and parse_load("2:bursty") == (2, "bursty")
+    assert parse_load(None) == (0, "busy")
+    for bad in ("x", "2:spin", "-1"):
+        with pytest.raises(ValueError):
+            parse_load(bad)
+
+
+def test_the_load_runs_through_the_sweep_and_is_gone_after(tmp_path):
+    bench = _Bench(["allreduce", "-n", "2", "--sizes", "8,32K", "--iters", "20", "--warmup", "2", "--compare", "mpi",
+                    "--background-load", "2:bursty", "--json", "r.json"], tmp_path)
+    try:
+        pids = bench.pids(60)
+        assert len(pids) == 2, "".join(bench.err)
+        assert all(_running(p) for p in pids)  # started before the sweep
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as f:
+            assert b"bursty" in f.read()
+    finally:
+        status, out, err = bench.wait(180)
+    assert status == 0, out[-2000:] + err[-2000:]
+    assert "2 of 2 still running at the end of the sweeps" in err  # none died during the sweep
+    assert [p for p in pids if _state(p) is not None] == []  # reaped, not even a zombie
+    doc = json.loads((tmp_path / "r.json").read_text())
+    load = doc["background_load"]
+    assert load["n"] == 2 and load["kind"] == "bursty" and load["pids"] == pids and load["alive_at_end"] == 2
+    assert "# background load: 2 bursty processes" in out
+    assert "p99(us)" in out and "mpich-p99" in out
+    assert all("time_us_p99" in r for r in doc["results"])
+
+
+def test_ctrl_c_stops_the_load(tmp_path):
+    bench = _Bench(["allreduce", "-n", "2", "--sizes", "8", "--iters", "100000000", "--warmup", "1",
+                    "--background-load", "2:busy"], tmp_path)
+    try:
+        pids = bench.pids(60)
+        assert len(pids) == 2, "".join(bench.err)
+        bench.proc.send_signal(signal.SIGINT)
+    finally:
+        status, out, err = bench.wait(60)
+    assert status == 130, err[-2000:]
+    assert [p for p in pids if _state(p) is not None] == []
+
+
+def test_a_killed_bench_leaves_no_load_behind(tmp_path):
+    bench = _Bench(["allreduce", "-n", "2", "--sizes", "8", "--iters", "100000000", "--warmup", "1",
+                    "--background-load", "2:bursty"], tmp_path)
+    try:
+        pids = bench.pids(60)
+        assert len(pids) == 2, "".join(bench.err)
+        bench.proc.kill()  # SIGKILL: no code of the bench runs
+    finally:
+        bench.wait(30)
+    assert _wait_gone(pids, 30) == []  # the kernel's parent-death signal
+
+
+def test_an_exception_in_the_block_stops_the_load():
+    with pytest.raises(RuntimeError):
+        with BackgroundLoad(2, "busy") as load:
+            pids = load.pids
+            assert load.alive() == 2
+            raise RuntimeError("boom")
+    assert [p for p in pids if _state(p) is not None] == []
+
+
+# -- JAX: the in-jit allreduce against mpi4jax -------------------------------------------------------
+
+
+def test_jax_compare_prints_both_and_the_ratio(tmp_path):
+    pytest.importorskip("jax")
+    from collectives.bench.jax_compare import mpi4jax_available
+
+    ok, why = mpi4jax_available()
+    if not ok:
+        pytest.skip(why)
+    res = subprocess.run([sys.executable, "-m", "collectives.bench.jax_compare", "-n", "2", "--sizes", "8,4K",
+                          "--rounds", "1", "--iters", "5", "--json", "j.json"], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "# wrong results: 0" in res.stdout
+    lines = [ln.split() for ln in res.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert [ln[0] for ln in lines] == ["8", "4096"]
+    assert all(float(ln[-1]) > 0 for ln in lines)  # the ratio column
+    assert "mpi4jax: mpi4jax" in res.stdout and "allreduce_tree_in_jit" in res.stdout
+    data = json.loads((tmp_path / "j.json").read_text())
+    assert {r["side"] for r in data["rounds"]} == {"ours", "mpi4jax"}
