@@ -459,6 +459,20 @@ class Communicator(CallExecution, Survival):
         """Nonblocking :meth:`alltoall`."""
         return self._post(self._plan(self._planner.alltoall, sendbuf, recvbuf, algorithm), timeout)
 
+    def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int], recvbuf: Any, recvcounts: Sequence[int], *,
+                  algorithm: str = "auto", timeout: float | None = None) -> Any:
+        """Uneven alltoall: ``sendcounts[j]`` elements of ``sendbuf`` (blocks in
+        rank order) go to rank j, which receives them as block i of ``recvbuf``
+        (``recvcounts[i]`` elements from rank i). Returns ``recvbuf``."""
+        return self._call(self._plan(self._planner.alltoallv, sendbuf, sendcounts, recvbuf, recvcounts, algorithm),
+                          timeout)
+
+    def ialltoallv(self, sendbuf: Any, sendcounts: Sequence[int], recvbuf: Any, recvcounts: Sequence[int], *,
+                   algorithm: str = "auto", timeout: float | None = None) -> Handle:
+        """Nonblocking :meth:`alltoallv`."""
+        return self._post(self._plan(self._planner.alltoallv, sendbuf, sendcounts, recvbuf, recvcounts, algorithm),
+                          timeout)
+
     def barrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> None:
         """Wait until every rank has entered the barrier."""
         key = ("barrier", algorithm)

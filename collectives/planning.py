@@ -35,6 +35,9 @@ __all__ = ["Plan", "Planner", "ROOTED"]
 ROOTED = frozenset({"scatter", "gather", "reduce"})
 
 
+#: The v-counts of an alltoallv's signature: the same on every rank, apart from an alltoall's.
+ALLTOALLV_COUNTS = (-1,)
+
 class Plan:
     """A validated call.
 
@@ -345,6 +348,36 @@ class Planner:
         if np.shares_memory(send, recv):
             return self._refused("alltoall", algo, sig, recvbuf, "sendbuf and recvbuf overlap")
         return Plan("alltoall", algo, (send, recv), recvbuf, sig)
+
+    def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int], recvbuf: Any, recvcounts: Sequence[int],
+                  algorithm: str) -> Plan:
+        """Uneven blocks: ``pairwise`` only. The signature leaves the counts
+        out (each rank's differ: its count is the number of ranks); each
+        message's length is checked against its receive, so counts two ranks
+        disagree on are an error."""
+        send = self.flat(sendbuf, writable=False, what="sendbuf")
+        recv, why = self.written(recvbuf, "recvbuf")
+        sendcounts, _ = self.counts(sendcounts)
+        recvcounts, _ = self.counts(recvcounts)
+        if algorithm not in ("auto", "pairwise"):
+            raise BadArgument(f"alltoallv runs the pairwise algorithm only, not {algorithm!r}")
+        algo = self.pick("alltoall", "pairwise", send.nbytes, send.dtype)
+        sig = self._sig("alltoall", algo, None, None, send.dtype, self.size, ALLTOALLV_COUNTS)  # never "empty"
+        problem = why
+        if send.dtype != recv.dtype:
+            problem = f"sendbuf has dtype {send.dtype}, recvbuf has {recv.dtype}"
+        elif send.size != sum(sendcounts):
+            problem = f"sendbuf holds {send.size} elements, the sendcounts add up to {sum(sendcounts)}"
+        elif recv.size != sum(recvcounts):
+            problem = f"recvbuf holds {recv.size} elements, the recvcounts add up to {sum(recvcounts)}"
+        elif sendcounts[self.rank] != recvcounts[self.rank]:
+            problem = (f"this rank sends itself {sendcounts[self.rank]} elements but receives "
+                       f"{recvcounts[self.rank]} from itself")
+        elif np.shares_memory(send, recv):
+            problem = "sendbuf and recvbuf overlap"
+        if problem is not None:
+            return self._refused("alltoall", algo, sig, recvbuf, problem)
+        return Plan("alltoall", algo, (send, recv, sendcounts, recvcounts), recvbuf, sig)
 
     def barrier(self, algorithm: str) -> Plan:
         algo = self.pick("barrier", algorithm, 0, np.dtype(np.uint8))

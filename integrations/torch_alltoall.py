@@ -1,23 +1,16 @@
-"""All-to-all of the torch backend, even (one collective) and uneven (pairwise messages).
-
-An uneven all-to-all is pairwise point-to-point on tags of its own
-(``2**26`` + call number), started after the collectives queued before it
-(a barrier orders it), in a thread.
-"""
+"""All-to-all of the torch backend: even (the communicator's alltoall) and
+uneven (its alltoallv), each one collective call, queued like every other."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from collectives.errors import BadArgument
 
-from .torch_p2p import ALLTOALLV_TAG_BASE, TAG_LIMIT
-from .torch_tensors import Staged, as_numpy, check_cpu, mark_written
-from .torch_work import CollectivesWork
+from .torch_tensors import Staged, as_numpy, check_cpu
 
 __all__ = ["AllToAll"]
 
@@ -54,41 +47,10 @@ class AllToAll:
     def _alltoallv(self, what: str, out: torch.Tensor, src: torch.Tensor, send_counts: list[int],
                    recv_counts: list[int], finish: Callable[[], None] | None, written: Any, inputs: Any,
                    **extra: Any) -> dist.Work:
-        """Uneven all-to-all of contiguous ``src`` into ``out``: pairwise
-        point-to-point after the queued collectives (a barrier orders it)."""
-        mark_written(written)
-        work: CollectivesWork | None = None
-        try:
-            with self._lock:
-                work = self._collective_work(what, "all_to_all", inputs, written, written, **extra)
-                self._alltoallv_seq = (self._alltoallv_seq + 1) % TAG_LIMIT
-                tag = ALLTOALLV_TAG_BASE + self._alltoallv_seq
-                barrier = self.comm.ibarrier()  # start after what is queued
-        except BaseException as exc:
-            work = work if work is not None else CollectivesWork(written, what, self.comm.rank)
-            self._fail(work, exc)
-            return work
-
-        def exchange() -> None:
-            barrier.wait()
-            self._exchange_blocks(as_numpy(src), as_numpy(out), send_counts, recv_counts, tag)
-
-        return self._in_thread(work, exchange, finish)
-
-    def _exchange_blocks(self, src: np.ndarray, out: np.ndarray, send_counts: list[int],
-                         recv_counts: list[int], tag: int) -> None:
-        send_off = np.concatenate([[0], np.cumsum(send_counts)]).astype(int)
-        recv_off = np.concatenate([[0], np.cumsum(recv_counts)]).astype(int)
-        me = self.rank()
-        out[recv_off[me]:recv_off[me + 1]] = src[send_off[me]:send_off[me + 1]]
-        reqs = []
-        for peer in range(self.size()):
-            if peer == me:
-                continue
-            reqs.append(self.comm.irecv(out[recv_off[peer]:recv_off[peer + 1]], peer, tag, timeout=self.timeout))
-            reqs.append(self.comm.isend(src[send_off[peer]:send_off[peer + 1]], peer, tag, timeout=self.timeout))
-        for r in reqs:
-            r.wait()
+        """Uneven all-to-all of contiguous ``src`` into ``out`` (the communicator's alltoallv)."""
+        return self._chain(what, "all_to_all",
+                           [lambda: self.comm.ialltoallv(as_numpy(src), send_counts, as_numpy(out), recv_counts)],
+                           written, finish, None, written, inputs=inputs, **extra)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:

@@ -97,7 +97,6 @@ class CollectivesProcessGroup(Collectives, AllToAll, SparseAllreduce, MonitoredB
         self._group_name = ""
         self._group_desc = ""
         self._global_ranks: list[int] | None = None
-        self._alltoallv_seq = 0
         self._p2p_seq = 0
         self._monitored_seq = 0
         self._notices = Notices(comm, self.timeout)

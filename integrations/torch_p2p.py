@@ -30,16 +30,14 @@ from collectives.waiting import wait_until
 from .torch_tensors import Staged, as_numpy, check_cpu, mark_written
 from .torch_work import CollectivesWork
 
-__all__ = ["TAG_LIMIT", "NOTICE_TAG_BASE", "ALLTOALLV_TAG_BASE", "MONITORED_TAG_BASE", "user_tag", "Notices",
+__all__ = ["TAG_LIMIT", "NOTICE_TAG_BASE", "MONITORED_TAG_BASE", "user_tag", "Notices",
            "PointToPoint"]
 
 #: The backend's tag space. Tags of send/recv: [0, 2**25). Their notices
-#: (see the module's docstring) travel on 2**25 + tag, uneven all-to-all
-#: (:mod:`.torch_alltoall`) on 2**26 + call number, monitored barriers
+#: (see the module's docstring) travel on 2**25 + tag, monitored barriers
 #: (:mod:`.torch_monitored`) on 2**26 + 2**25 + two tags per call.
 TAG_LIMIT = 1 << 25
 NOTICE_TAG_BASE = 1 << 25
-ALLTOALLV_TAG_BASE = 1 << 26
 MONITORED_TAG_BASE = (1 << 26) + (1 << 25)  # monitored barriers: two tags per call
 _NOTICE = np.empty(0, np.uint8)
 

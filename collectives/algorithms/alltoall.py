@@ -1,4 +1,5 @@
-"""alltoall algorithms (``f(ctx, sendbuf, recvbuf)``, p equal blocks).
+"""alltoall algorithms (``f(ctx, sendbuf, recvbuf)``, p equal blocks; ``pairwise``
+also takes uneven blocks: ``f(ctx, sendbuf, recvbuf, sendcounts, recvcounts)``).
 
 * ``pairwise``: p - 1 exchange steps (partner rank ^ k for p a power of two,
   else send to rank + k and receive from rank - k):
@@ -10,24 +11,43 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
+from ..arithmetic import prefix
 from ..context import CallContext
 from ..registry import register
+from ..signature import counts_digest
 
 __all__ = ["pairwise", "bruck"]
 
 
-@register("alltoall", "pairwise", description="p-1 pairwise exchanges (large messages)")
-def pairwise(ctx: CallContext, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-    """Step k exchanges one block with one partner."""
+@register("alltoall", "pairwise", description="p-1 pairwise exchanges (large messages; uneven blocks too)")
+def pairwise(ctx: CallContext, sendbuf: np.ndarray, recvbuf: np.ndarray, sendcounts: Sequence[int] | None = None,
+             recvcounts: Sequence[int] | None = None) -> None:
+    """Step k exchanges one block with one partner; with counts (alltoallv),
+    block i of ``sendbuf`` holds ``sendcounts[i]`` elements for rank i, and
+    block i of ``recvbuf`` ``recvcounts[i]`` from rank i."""
     p, r = ctx.size, ctx.rank
-    b = sendbuf.size // p
-    recvbuf[r * b:(r + 1) * b] = sendbuf[r * b:(r + 1) * b]
+    uneven = sendcounts is not None
+    if not uneven:
+        sendcounts = recvcounts = [sendbuf.size // p] * p
+    so, ro = prefix(sendcounts), prefix(recvcounts)
+    recvbuf[ro[r]:ro[r + 1]] = sendbuf[so[r]:so[r + 1]]
     pow2 = p & (p - 1) == 0
     for k in range(1, p):
         dst, src = (r ^ k, r ^ k) if pow2 else ((r + k) % p, (r - k) % p)
-        ctx.sendrecv(sendbuf[dst * b:(dst + 1) * b], dst, recvbuf[src * b:(src + 1) * b], src)
+        out, into = sendbuf[so[dst]:so[dst + 1]], recvbuf[ro[src]:ro[src + 1]]
+        if not uneven:
+            ctx.sendrecv(out, dst, into, src)
+            continue
+        # Each message says what its sender sends and expects back; each receive, what it
+        # expects and sends back: the two signatures are equal only when both ranks agree.
+        w0 = ctx.sig[0]
+        s = ctx.transport.isend(out, dst, ctx.tag, (w0, sendcounts[dst], counts_digest([recvcounts[dst]])))
+        q = ctx.transport.irecv(into, src, ctx.tag, (w0, recvcounts[src], counts_digest([sendcounts[src]])))
+        ctx.waitall((q, s))
 
 
 @register("alltoall", "bruck", description="Bruck: ceil(log p) steps with packing (small messages)")
