@@ -156,8 +156,14 @@ class CallQueue:
                 self._pending -= 1
                 self._cv.notify_all()
 
-    def close(self) -> None:
-        """Stop the worker once the queue is empty."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker once the queue is empty, and wait (``timeout`` at
+        most) until it has: a worker still running a task's callbacks when the
+        interpreter shuts down is killed in the middle of them (in native code,
+        such as torch's, that aborts the process)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
