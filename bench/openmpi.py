@@ -59,6 +59,8 @@ MARKER = "collectives-openmpi.json"
 VENV_FORMAT = 1
 
 _OB1_SM = ["--mca", "pml", "ob1", "--mca", "btl", "self,sm"]
+# UCX's PML declines shared memory alone unless told to take any transport and device
+_UCX = ["--mca", "pml", "ucx", "--mca", "pml_ucx_tls", "any", "--mca", "pml_ucx_devices", "any"]
 #: Candidate launch settings for one host (mpiexec options); ``core`` binding is
 #: made ``core:overload-allowed`` when ranks outnumber cores.
 SETTINGS: dict[str, list[str]] = {
@@ -69,14 +71,14 @@ SETTINGS: dict[str, list[str]] = {
     "ob1-sm-collsm": _OB1_SM + ["--mca", "coll_sm_priority", "100"],
     "ob1-sm-adapt": _OB1_SM + ["--mca", "coll_adapt_priority", "100"],
     "ob1-sm-noyield": _OB1_SM + ["--mca", "mpi_yield_when_idle", "0"],
-    # UCX's PML declines shared memory alone unless told to take any transport and device
-    "ucx": ["--mca", "pml", "ucx", "--mca", "pml_ucx_tls", "any", "--mca", "pml_ucx_devices", "any"],
+    "ucx": _UCX,
+    "ucx-core": _UCX + ["--bind-to", "core"],
 }
 #: The settings ``tune`` compares by default (coll/sm is far slower at 1 MiB and up, and at 4 ranks on
 #: 2 cores at every size: measured once, left out).
-TUNED = ["default", "ob1-sm", "ob1-sm-core", "ob1-sm-none", "ob1-sm-adapt", "ob1-sm-noyield", "ucx"]
+TUNED = ["default", "ob1-sm", "ob1-sm-core", "ob1-sm-none", "ob1-sm-adapt", "ob1-sm-noyield", "ucx", "ucx-core"]
 #: What ``--compare openmpi`` uses (measured: docs/performance.md, "Open MPI").
-DEFAULT_SETTING = "ob1-sm-core"
+DEFAULT_SETTING = "ucx-core"
 
 
 class OpenMpiUnavailable(RuntimeError):
@@ -194,7 +196,7 @@ def ensure_venv(venv: Path | str | None = None, *, rebuild: bool = False, log: T
                  or marker.get("python") != sys.version.split()[0] or not _bin(venv, "mpiexec").exists())
         if rebuild or stale:
             t0 = time.monotonic()
-            print(f"collectives bench: making Open MPI's environment in {venv} (once; about half a minute: "
+            print(f"collectives bench: making Open MPI's environment in {venv} (once; under a minute: "
                   f"{OPENMPI_REQUIREMENT}, mpi4py, numpy and this checkout; 'collectives bench "
                   "--rebuild-openmpi' makes it again)", file=log, flush=True)
             if venv.exists():
