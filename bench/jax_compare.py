@@ -20,7 +20,7 @@ runs and the reason is said.
 
 ::
 
-    python -m collectives.bench.jax_compare                      # 2 ranks, 8 B to 64 MiB, 3 rounds
+    python -m collectives.bench.jax_compare                      # 2 ranks, 8 B to 64 MiB (x8), 3 rounds
     python -m collectives.bench.jax_compare -n 2 --sizes 8,1K,1M,64M --rounds 5 --json j.json
 """
 
@@ -180,8 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m collectives.bench.jax_compare",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", "--nprocs", type=int, default=2)
-    ap.add_argument("--sizes", default="8:64M", help="lo:hi (powers of --factor) or a list")
-    ap.add_argument("--factor", type=float, default=4.0)
+    ap.add_argument("--sizes", default="8,64,512,4K,32K,256K,1M,4M,16M,64M",
+                    help="a list (8,1K,1M) or lo:hi (powers of --factor)")
+    ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--iters", type=int, default=200, help="timed calls for small sizes (fewer from 64 KiB up)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the two jobs")
     ap.add_argument("--sides", default="ours,mpi4jax")
