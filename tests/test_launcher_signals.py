@@ -184,7 +184,11 @@ def _pids(up: dict[int, tuple[int, int]], but: int | None = None) -> list[int]:
 def test_a_launcher_killed_with_sigkill_takes_every_rank_and_what_they_started(tmp_path, start):
     job = start(["-n", "3", _rank_script(tmp_path)])
     up = job.ranks_up(3)
-    # what the fixture looks for afterwards: the ranks and their children
+    # what the fixture looks for afterwards: the ranks and their children (a child's command
+    # line can read empty for a moment after it started: look again until it shows, 10 s at most)
+    end = time.monotonic() + 10
+    while not set(_pids(up)) <= set(_processes(_mentioning(str(tmp_path)))) and time.monotonic() < end:
+        time.sleep(0.05)
     assert set(_pids(up)) <= set(_processes(_mentioning(str(tmp_path))))
     job.proc.kill()
     assert job.proc.wait(timeout=END_SECONDS) == -signal.SIGKILL
