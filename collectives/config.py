@@ -86,6 +86,9 @@ def _settings() -> dict[str, Setting]:
         Setting("SHM_CMA", "bool", True, "read and write peers' private memory directly (cross-memory attach) "
                 "where permitted", "shm"),
         Setting("SHM_ADOPT", "bool", True, "move buffers used again and again into the shared pool in place", "shm"),
+        Setting("SHM_YIELD_US", "float", 20000.0, "how long a wait keeps yielding the CPU (after its spin) before it "
+                "blocks until woken, microseconds: a blocked rank waits for the scheduler to wake it, which on a busy "
+                "machine costs every call 100 us or more", "shm"),
         Setting("WINDOW_DIRECT_BYTES", "bytes", None, "read peers' buffers directly from this size on, for every "
                 "collective (default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
         Setting("NATIVE", "bool", True, "use the C fast path when it is built", "shm"),

@@ -142,7 +142,7 @@ def fence_with_long_blocks(comm, delay):
     import collectives.transports.shm.waking as waking
 
     waking.BLOCK_FIRST = waking.BLOCK_MAX = 5.0
-    waking.SHARED_CORES_YIELD_SECONDS = 0.0
+    comm.transport._yield = 0.0  # block at once
     return late_fence(comm, delay)
 
 
@@ -150,18 +150,20 @@ def receive_with_long_blocks(comm, delay):
     import collectives.transports.shm.waking as waking
 
     waking.BLOCK_FIRST = waking.BLOCK_MAX = 5.0
-    waking.SHARED_CORES_YIELD_SECONDS = 0.0
+    comm.transport._yield = 0.0
     return late_sender(comm, delay)
 
 
 @needs_futex
 @pytest.mark.parametrize("p", [2, 3])
-def test_the_writer_rings_a_blocked_fence(p):
+def test_the_writer_rings_a_blocked_fence(monkeypatch, p):
+    monkeypatch.setenv("COLLECTIVES_SHM_YIELD_US", "0")  # every wait blocks at once
     waits = run_ranks(fence_with_long_blocks, p, 0.3, timeout=60)
     assert max(waits) < 3.0  # woken by the last rank's epoch, not by the 5 s bound
 
 
 @needs_futex
-def test_the_sender_rings_a_blocked_receiver():
+def test_the_sender_rings_a_blocked_receiver(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_YIELD_US", "0")
     ok, waited, _ = run_ranks(receive_with_long_blocks, 2, 0.3, timeout=60)[0]
     assert ok and waited < 3.0

@@ -19,7 +19,8 @@ message names:
   every rank in that call, at once, naming the ranks and their roots;
 * an abort reaches a waiting peer at once with the aborting rank's kind
   of error, spares calls the aborting rank completed, and every later
-  operation raises it again;
+  operation raises it again; what the aborting rank sent before it
+  aborted is still delivered;
 * a link cut between two namespaces (no reset; heartbeats stop) is told
   apart from a dead process.
 """
@@ -374,6 +375,44 @@ def test_an_abort_reaches_a_waiting_peer_at_once_with_its_kind(kind):
     assert raised_at - aborted_at < 0.5, f"raised {raised_at - aborted_at:.3f}s after the abort"
     assert earlier == list(range(8)), "a call the aborting rank completed could not finish"
     assert later0 == later1 == [(kind, True)] * 3, (later0, later1)
+
+
+def receive_after_the_sender_aborted(comm, nbytes: int):
+    """Rank 0 sends ``nbytes`` on a point-to-point tag, then aborts. Rank 1
+    learns of the abort first (a collective receive raises it), then posts
+    the receive for what rank 0 sent before aborting: it is delivered
+    whole (as a slower rank's part of setting up a communicator is), and a
+    receive of something rank 0 never sent raises the abort."""
+    t = comm.transport
+    payload = ((np.arange(nbytes, dtype=np.int64) * 7 + 3) % 251).astype(np.uint8)
+    if comm.rank == 0:
+        t.isend(payload, 1, 2).wait(20)
+        t.abort(abort_reason(collectives.MismatchedCollective("rank 0 gives up")))
+        return None
+    start = time.monotonic()
+    try:
+        t.irecv(np.zeros(8, np.uint8), 0, 2 * 3 + 1).wait(20)  # never sent
+        told = "received"
+    except CollectiveError as exc:
+        told = type(exc).__name__
+    got = np.zeros(nbytes, np.uint8)
+    t.irecv(got, 0, 2).wait(20)
+    try:
+        t.irecv(np.zeros(8, np.uint8), 0, 4).wait(20)  # never sent
+        after = "received"
+    except CollectiveError as exc:
+        after = (type(exc).__name__, "gives up" in str(exc))
+    return told, bool(np.array_equal(got, payload)), after, time.monotonic() - start
+
+
+@pytest.mark.parametrize("nbytes", [8, 64 * 1024])
+def test_what_a_rank_sent_before_aborting_is_still_delivered(nbytes):
+    _, (told, intact, after, took) = run_ranks(receive_after_the_sender_aborted, 2, nbytes,
+                                               transport="zmq", timeout=60)
+    assert told == "MismatchedCollective", told
+    assert intact, "the message sent before the abort was not delivered whole"
+    assert after == ("MismatchedCollective", True), after
+    assert took < 10, f"took {took:.2f}s"
 
 
 # -- a cut link between two network namespaces -----------------------------------------

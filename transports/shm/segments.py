@@ -41,7 +41,7 @@ from .layout import (CPU_WORDS, MAGIC, MiB, Q_ALLOC, Q_ATTACHED, Q_CMA, Q_CPUS, 
 from .liveness import PeerWatch, exited
 from .pages import PAGE
 from .records import CallRecords
-from .waking import spin_seconds
+from .waking import spin_seconds, yield_seconds
 
 __all__ = ["Settings", "SegmentSetup", "available", "settings", "shm_free_bytes", "affinity"]
 
@@ -253,6 +253,7 @@ class SegmentSetup:
                 words[i] |= int(seg.q[Q_CPUS + i])
         self.cores = max(sum(bin(w).count("1") for w in words), 1)
         self._spin = spin_seconds(self.size, self.cores)
+        self._yield = yield_seconds()
 
     def _probe_cma(self, deadline: float) -> None:
         """Agree whether every rank may read and write every other's private

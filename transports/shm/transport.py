@@ -32,7 +32,7 @@ from .requests import RequestWaits
 from .rings import Rings
 from . import agreement, segments
 from .segments import SegmentSetup, affinity, shm_free_bytes
-from .waking import Waking, spin_seconds
+from .waking import Waking, spin_seconds, yield_seconds
 from .window import ShmWindow
 
 __all__ = ["SharedMemoryTransport"]
@@ -111,6 +111,7 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._cma_wanted = cma
         self.cores = len(affinity())  # until the rendezvous tells every rank's
         self._spin = spin_seconds(size, self.cores)
+        self._yield = yield_seconds()
         deadline = time.monotonic() + timeout
         try:
             self._rendezvous(deadline)

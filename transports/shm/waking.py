@@ -3,8 +3,8 @@ peer's counter.
 
 When every rank has a core of its own, a wait spins for
 :data:`OWN_CORE_SPIN_SECONDS`; when ranks share cores, it yields at once
-(a spin would only delay the rank it waits for) for
-:data:`SHARED_CORES_YIELD_SECONDS`. Then it blocks on a futex over its own
+(a spin would only delay the rank it waits for). Either way it then yields
+for :func:`yield_seconds` (``COLLECTIVES_SHM_YIELD_US``). Then it blocks on a futex over its own
 ``Q_SLEEP`` word, which a peer wakes (:meth:`Waking._wake`) after writing
 anything the sleeper may wait for (a ring's head or tail, the fence
 epoch, a window post, the closed and abort flags). Timed sleeps would cost
@@ -16,22 +16,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from collectives import config
 from collectives.errors import CollectiveTimeout
 from collectives.waiting import Backoff, futex_wait, futex_wake
 
 from .layout import Q_PID, Q_SLEEP
 from .records import WAIT_WINDOW
 
-__all__ = ["Waking", "OWN_CORE_SPIN_SECONDS", "SHARED_CORES_YIELD_SECONDS", "BLOCK_FIRST", "BLOCK_MAX",
+__all__ = ["Waking", "OWN_CORE_SPIN_SECONDS", "BLOCK_FIRST", "BLOCK_MAX", "spin_seconds", "yield_seconds",
            "native_wait_ns"]
 
 #: Spin this long before yielding when every rank has a core of its own.
 OWN_CORE_SPIN_SECONDS = 50e-6
-#: The native window's waits, after that spin, yield this long before
-#: handing the wait back to Python (which blocks).
-OWN_CORE_YIELD_SECONDS = 20e-6
-#: When ranks share cores, yield this long before blocking.
-SHARED_CORES_YIELD_SECONDS = 200e-6
 #: A blocked wait sleeps until a peer wakes it, but at most this long at first,
 #: growing to BLOCK_MAX: the bound on a lost wake-up, and how often a blocked
 #: rank looks whether its peers are still alive.
@@ -44,11 +40,24 @@ def spin_seconds(size: int, cores: int) -> float:
     return OWN_CORE_SPIN_SECONDS if size <= cores else 0.0
 
 
+def yield_seconds() -> float:
+    """How long a wait yields the CPU before it blocks (``COLLECTIVES_SHM_YIELD_US``).
+
+    Blocking hands the core to other work, but a blocked rank runs again
+    only when the scheduler wakes it: on a busy machine that costs 100 us
+    or more, and once the ranks fall out of step every call pays it (a
+    "slow mode" of about 110 us per call, at every size, measured with four
+    competing processes on two cores). A rank that yields stays runnable
+    and answers within microseconds of being scheduled, as MPI's polling
+    ranks do; it blocks only when its peers stay away longer than this.
+    """
+    return float(config.get("SHM_YIELD_US")) * 1e-6
+
+
 def native_wait_ns(spin: float) -> tuple[int, int]:
     """(spin, yield) in nanoseconds of the native window's bounded waits, for
     a transport that spins ``spin`` seconds (see :func:`spin_seconds`)."""
-    seconds = (OWN_CORE_SPIN_SECONDS, OWN_CORE_YIELD_SECONDS) if spin else (0.0, SHARED_CORES_YIELD_SECONDS)
-    return int(seconds[0] * 1e9), int(seconds[1] * 1e9)
+    return int(spin * 1e9), int(yield_seconds() * 1e9)
 
 
 class Waking:
@@ -97,10 +106,8 @@ class Waking:
         (at once with ``block_now``)."""
         if block_now:
             return Backoff(deadline, "", spins=0, yields=0, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
-        if self._spin:
-            return Backoff(deadline, "", spin_time=self._spin, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
-        return Backoff(deadline, "", spins=0, yield_time=SHARED_CORES_YIELD_SECONDS, first_sleep=BLOCK_FIRST,
-                       max_sleep=BLOCK_MAX)
+        return Backoff(deadline, "", spins=0 if not self._spin else 20, spin_time=self._spin,
+                       yield_time=self._yield, first_sleep=BLOCK_FIRST, max_sleep=BLOCK_MAX)
 
     def _wait_counter(self, q: memoryview, index: int, target: int, peer: int, deadline: float,
                       what: str, block_now: bool = False) -> None:

@@ -89,13 +89,29 @@ class Failures:
         first = self._broken_first
         return first < 0 or tag is None or not tag & 1 or not older(tag >> 1, first)
 
-    def _raise_if_broken(self, peer: int | None = None, tag: int | None = None) -> None:
+    def _spares_receive(self, peer: int, tag: int) -> bool:
+        """Whether a point-to-point receive from ``peer`` still waits although
+        the transport broke: ``peer`` is the rank whose abort broke it and
+        that abort has not come on the channel carrying ``peer``'s data yet,
+        so what ``peer`` sent before it aborted (e.g. its part of setting up
+        a communicator that a slower rank is still in) is still delivered.
+        The abort follows on that channel, or the channel ends."""
+        broken = self._broken
+        if tag & 1 or broken is None or broken.origin != peer or peer in self._abort_in_band:
+            return False
+        if self._lanes is not None:
+            return self._lanes.is_open(peer)
+        return peer not in self._lost_since
+
+    def _raise_if_broken(self, peer: int | None = None, tag: int | None = None, receiving: bool = False) -> None:
         """Raise the error that broke the transport (when it applies to an
         operation with ``tag`` on ``peer``: see :meth:`_blocks`; a call it
-        spares still fails once ``peer`` is gone), or that ``peer`` has
-        closed, or that this transport has."""
+        spares still fails once ``peer`` is gone; a receive, see
+        :meth:`_spares_receive`), or that ``peer`` has closed, or that this
+        transport has."""
         if self._broken is not None and (self._blocks(tag) or (peer is not None and self._gone(peer))):
-            raise copy_error(self._broken)
+            if not (receiving and self._spares_receive(peer, tag)):
+                raise copy_error(self._broken)
         if (peer is not None and peer in self._said_bye and peer not in self._aborted_by
                 and (self._lanes is None or not self._lanes.is_open(peer))):
             # (a peer that aborted closes after its abort: the abort, taken once every

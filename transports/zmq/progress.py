@@ -192,6 +192,8 @@ class Progress:
         """A message of the transport's own: abort, goodbye, status query or reply."""
         if kind == KIND_ABORT:  # tag: the first call not completed; total: 1 + the rank a relay names
             self._aborted_by.add(peer)
+            if self._lanes is None:  # the abort came on the channel that carries the peer's data
+                self._abort_in_band.add(peer)
             text = bytes(header.buffer[HEADER.size:]).decode(errors="replace")
             self._aborts.append((peer if total == 0 else total - 1, text, tag))
         elif kind == KIND_BYE:

@@ -187,7 +187,7 @@ class RecvRequest(Request):
             raise self.error
         if self.complete:
             return True
-        self._transport._raise_if_broken(self.peer, self.tag)
+        self._transport._raise_if_broken(self.peer, self.tag, receiving=True)
         return False
 
     def wait(self, timeout: float | None = None) -> None:

@@ -69,6 +69,9 @@ class ZmqTransport(Progress, Failures, Diagnosis, Agreement, Transport):
         self._retries: dict[int, int] = {}  # reconnections refused since a peer's connection dropped
         self._aborts: collections.deque[tuple[int, str, int]] = collections.deque()  # received, not yet taken
         self._aborted_by: set[int] = set()
+        # peers whose abort came on the channel that carries their data (their lane, or
+        # ZeroMQ without lanes): everything they sent before aborting has arrived
+        self._abort_in_band: set[int] = set()
         self._stale: list[Any] = []  # ended lanes' sockets, to take out of the poller
         self._broken: CollectiveError | None = None
         self._broken_first = -1  # the error spares collective calls before this one (-1: spares none)
@@ -184,6 +187,7 @@ class ZmqTransport(Progress, Failures, Diagnosis, Agreement, Transport):
         """An abort arrived in-band on ``peer``'s lane (``peer``'s own, or
         ``origin``'s relayed by ``peer`` as it closed)."""
         self._aborted_by.add(peer)
+        self._abort_in_band.add(peer)
         self._aborts.append((peer if origin < 0 else origin, text, first))
 
     def _name(self, peer: int) -> str:
@@ -343,17 +347,17 @@ class ZmqTransport(Progress, Failures, Diagnosis, Agreement, Transport):
 
     def _post_recv(self, data: np.ndarray, peer: int, tag: int, reduce: tuple | None, sig: Sig) -> Request:
         self._check_peer(peer)
-        if self._broken is not None and self._blocks(tag):
-            raise copy_error(self._broken)
         key = (peer, tag)
         with self._cv:
             queue = self._unexpected.get(key)
-            if queue:
+            if queue:  # arrived before the transport broke (if it did): it is still delivered
                 req = queue.popleft()
                 if not queue:
                     del self._unexpected[key]
                 req.attach(data, reduce, sig)
                 return req
+            if self._broken is not None and self._blocks(tag) and not self._spares_receive(peer, tag):
+                raise copy_error(self._broken)
             req = RecvRequest(self, peer, tag, data, reduce, sig)
             if tag & 1 and self._unexpected:
                 stray = self._stray(peer, tag)
