@@ -379,3 +379,52 @@ def test_window_collectives_private_and_shared_buffers(cma, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(2 << 20))  # the largest read directly
     for bad in run_ranks(window_collectives, 3, timeout=120):
         assert not bad
+
+
+def test_peer_checks_from_several_threads_at_once():
+    """Waits of one transport may run in several threads (the torch backend
+    waits in its own): the peer watch answers them all at once, never
+    raising (a poll object taken by two threads at once raises
+    "concurrent poll() invocation", which aborted a rank), and each sees a
+    peer die."""
+    import subprocess
+    import sys
+    import threading
+
+    from collectives.transports.shm.liveness import PeerWatch
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    watch = PeerWatch({1: child.pid})
+    start, errors, seen = threading.Barrier(8), [], []
+
+    def ask(calls: int) -> None:
+        start.wait(timeout=30)
+        try:
+            for _ in range(calls):
+                if watch.dead():
+                    seen.append("dead too early")
+                    return
+        except Exception as exc:  # noqa: BLE001  (the failure this test is about)
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    try:
+        threads = [threading.Thread(target=ask, args=(20000,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors and not seen, (errors[:3], seen[:3])
+        child.stdin.close()
+        child.wait(timeout=30)
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(watch.dead())) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert answers == [{1}] * 8, answers
+    finally:
+        watch.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)

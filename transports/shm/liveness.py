@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -62,11 +63,13 @@ class PeerWatch:
     """Tells whether peer processes are still alive: a pidfd per peer where
     the system has them (readable once the process exited, zombie or reaped,
     and never confused with a later process of the same pid), else
-    :func:`exited` on the pid."""
+    :func:`exited` on the pid. Safe to ask from several threads at once
+    (waits of one transport may run in several: a poll object is not)."""
 
     def __init__(self, pids: dict[int, int]) -> None:
         self._fds: dict[int, int] = {}
         self._pids = pids
+        self._lock = threading.Lock()
         self._poll = select.poll() if hasattr(select, "poll") else None
         for rank, pid in pids.items():
             try:
@@ -79,22 +82,25 @@ class PeerWatch:
     def dead(self) -> set[int]:
         """Ranks whose process has exited."""
         gone: set[int] = set()
-        if self._fds:
-            gone.update(self._fds[fd] for fd, _ in self._poll.poll(0))
+        with self._lock:
+            fds = self._fds
+            if fds:
+                gone.update(fds[fd] for fd, _ in self._poll.poll(0))
         for rank, pid in self._pids.items():
-            if rank in gone or rank in self._fds.values():
+            if rank in gone or rank in fds.values():
                 continue
             if exited(pid):
                 gone.add(rank)
         return gone
 
     def close(self) -> None:
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = {}
+        with self._lock:
+            for fd in self._fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds = {}
 
 
 class Liveness:
