@@ -39,6 +39,7 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
+from collectives.arithmetic import parse_bytes
 from collectives.environment import detect_launch
 from collectives.launcher import launch
 from collectives.registry import COLLECTIVES
@@ -53,25 +54,18 @@ from .sweep import REDUCE_OPS, run_sweep
 __all__ = ["main", "parse_sizes"]
 
 DEFAULT_SIZES = "8:4M"
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def _bytes(text: str) -> int:
-    text = text.strip().upper().removesuffix("B")
-    unit = text[-1] if text and text[-1] in "KMG" else ""
-    return int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
 
 
 def parse_sizes(spec: str, factor: float = 2.0) -> list[int]:
     """``"8:64M"`` -> 8, 16, ..., 64 MiB (times ``factor``); ``"8,1K,1M"`` -> those sizes."""
     if ":" in spec:
-        lo, hi = (_bytes(s) for s in spec.split(":", 1))
+        lo, hi = (parse_bytes(s) for s in spec.split(":", 1))
         out, s = [], max(lo, 1)
         while s <= hi:
             out.append(int(s))
             s = max(s * factor, s + 1)
         return out
-    return [_bytes(s) for s in spec.split(",")]
+    return [parse_bytes(s) for s in spec.split(",")]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ def _measure(comm, call, algos: list[str], repeats: int) -> tuple[dict, dict, di
 def rank_main(ns) -> int:
     import collectives
     from collectives.cost_models import predict
-    from collectives.cost_models.explain import parse_bytes
+    from collectives.arithmetic import parse_bytes
     from collectives.cost_models.profile import host_cores, load_profile
     from collectives.cost_models.selector import ModelSelector
     from collectives.cost_models.timing import collective_call

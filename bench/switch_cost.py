@@ -49,7 +49,7 @@ def _block(comm, call, iters: int) -> float:
 
 
 def rank_main(ns) -> int:
-    from collectives.cost_models.explain import parse_bytes
+    from collectives.arithmetic import parse_bytes
 
     job = os.environ.get("COLLECTIVES_JOB", "switch")
     comms = {"on": _open(ns.switch, ns.on, job + "-on"), "off": _open(ns.switch, ns.off, job + "-off")}

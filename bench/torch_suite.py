@@ -1,55 +1,15 @@
 """PyTorch's own distributed test suite on the ``collectives`` backend, beside Gloo.
 
 ``python -m collectives.bench.torch_suite [--ranks 2,3,8] [--backend both]
-[-k PATTERN] [--jobs N] [--timeout S] [--json FILE] [--reference FILE]`` runs the CPU tests of
-``torch.testing._internal.distributed.distributed_test`` (the module behind
-torch's ``test/distributed/test_distributed_spawn.py``: the class
-``DistributedTest._DistTestBase`` run as ``TestDistBackend``, one process
-per rank started by ``spawn``) at each world size, once on the
-``collectives`` backend and once on Gloo, and prints, per world size and
-backend, how many tests passed, failed, were skipped and errored (timeouts
-count as errors), how long they took, and every test that passes on Gloo
-but not on ours with its failure's first line.
-
-What the driver changes, and nothing else:
-
-* Selection is Gloo's. ``BACKEND=gloo``, ``WORLD_SIZE=N`` and
-  ``INIT_METHOD=file://...`` are set before the suite is imported, so every
-  decorator that skips a test by backend name, world size or init method
-  decides as it does for Gloo; torch's own driver sets the same three.
-* On ``collectives`` (only there), inside each rank's process, the suite
-  module's name ``dist`` is bound to a copy of ``torch.distributed`` whose
-  ``init_process_group``, ``new_group``, ``new_subgroups`` and
-  ``new_subgroups_by_enumeration`` create with backend ``"collectives"``
-  what the suite asks of ``"gloo"`` (by name or ``dist.Backend.GLOO``).
-  Every process group the suite builds is therefore ours, and
-  ``dist.get_backend()`` says ``"collectives"``. Nothing else in torch is
-  touched: torch's own code calls the real functions.
-* On ``collectives``, ``"collectives"`` is added to the suite's lists of
-  backends whose profiler events it checks (``PROFILING_SUPPORTED_BACKENDS``,
-  ``SEND_RECV_PROFILING_SUPPORTED_BACKENDS``), so the profiled variants
-  check our events exactly as they check Gloo's (``--no-profile-checks``
-  leaves the lists as torch ships them).
-* A test whose decorators skip it on every rank whatever the backend does
-  (``skip_if_no_gpu`` and ``skip_if_lt_x_gpu`` without accelerators,
-  ``skip_if_small_worldsize`` below 8 ranks, ``skip_if_odd_worldsize`` at
-  odd sizes) is reported skipped, with torch's message, without starting
-  its ranks (``--spawn-all`` starts them anyway).
-* Each test gets a hard timeout (``--timeout``, default 120 s plus 15 s per
-  rank): torch's own per-test timeout is set to it, and a test whose worker
-  has not reported 30 s after it is killed with its processes and counted
-  as an error.
-
-Tests that torch's front end restricts to Gloo by name are listed in
-:data:`GLOO_ONLY` with the line of torch that restricts them (and the test
-that checks the backend's name against ``BACKEND``); they are reported
-apart and are not differences. The exit status is 1 when some other test
-passes on Gloo but not on ours.
-
-The tests run in worker processes (``--jobs`` of them), each bound to one
-backend and world size and fed test names one at a time; a worker that is
-killed is replaced. Logs of every worker go to ``--logs`` (a temporary
-folder by default).
+[-k PATTERN] [--jobs N] [--timeout S] [--json FILE] [--reference FILE]``
+runs the CPU tests of ``torch.testing._internal.distributed.distributed_test``
+at each world size on both backends and prints, per world size and
+backend, the tests passed, failed, skipped and errored, and every test that
+passes on Gloo but not on ours. What the driver changes (Gloo's selection,
+every group built as ours, our profiler events checked as Gloo's, certain
+skips not started, hard timeouts) and the tests torch restricts to Gloo by
+name (:data:`GLOO_ONLY`) are in docs/torch.md. This module drives; what runs
+in the workers and the ranks is :mod:`.torch_suite_rank`.
 """
 
 from __future__ import annotations
@@ -64,40 +24,16 @@ import sys
 import tempfile
 import threading
 import time
-import types
-import unittest
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-__all__ = ["TestResult", "GLOO_ONLY", "SuiteOptions", "run_suite", "suite_tests", "gloo_only", "main"]
+from .torch_suite_rank import (BACKEND_ENV, GLOO_ONLY, MODULE as RANK_MODULE, PROFILE_ENV, SPAWN_ALL_ENV,
+                               TIMEOUT_ENV, first_line, gloo_only, suite_tests)
+
+__all__ = ["TestResult", "GLOO_ONLY", "SuiteOptions", "run_suite", "suite_tests", "gloo_only", "first_line", "main"]
 
 BACKENDS = ("collectives", "gloo")
-SUITE = "torch.testing._internal.distributed.distributed_test"
-_BACKEND_ENV = "COLLECTIVES_SUITE_BACKEND"
-_PROFILE_ENV = "COLLECTIVES_SUITE_PROFILE_CHECKS"
-_SPAWN_ALL_ENV = "COLLECTIVES_SUITE_SPAWN_ALL"
 _GRACE = 30.0
-_MODULE = "collectives.bench.torch_suite"
-
-#: Tests that cannot pass on another backend than Gloo, and the code of torch
-#: that decides it (found in the installed torch by :func:`gloo_only`): the
-#: front end's ``dist.monitored_barrier`` refuses every backend not named
-#: ``gloo``, and ``test_get_backend`` checks that the backend is named as
-#: ``BACKEND`` says.
-GLOO_ONLY_CODE = {
-    "test_monitored_barrier_gloo": ("torch.distributed.distributed_c10d", "monitored_barrier",
-                                    "get_backend(group) != Backend.GLOO"),
-    "test_monitored_barrier_gloo_subgroup": ("torch.distributed.distributed_c10d", "monitored_barrier",
-                                             "get_backend(group) != Backend.GLOO"),
-    "test_monitored_barrier_failure_order": ("torch.distributed.distributed_c10d", "monitored_barrier",
-                                             "get_backend(group) != Backend.GLOO"),
-    "test_monitored_barrier_wait_all_ranks": ("torch.distributed.distributed_c10d", "monitored_barrier",
-                                              "get_backend(group) != Backend.GLOO"),
-    "test_get_backend": (SUITE, "DistributedTest._DistTestBase.test_get_backend",
-                         "self.assertEqual(dist.get_backend(), backend_str)"),
-}
-GLOO_ONLY: dict[str, str] = {}
-
 
 @dataclass
 class TestResult:
@@ -109,231 +45,6 @@ class TestResult:
     status: str  # passed, failed, skipped, errored
     seconds: float
     message: str = ""
-
-
-def _code_line(module: str, qualname: str, text: str) -> str:
-    """``path:line: code`` of the first line of ``module.qualname``'s source that
-    contains ``text`` (read from the installed torch)."""
-    import importlib
-    import inspect
-
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    obj = inspect.unwrap(obj)
-    lines, first = inspect.getsourcelines(obj)
-    path = inspect.getsourcefile(obj) or module
-    short = path[path.rindex("torch/"):] if "torch/" in path else path
-    for offset, line in enumerate(lines):
-        if text in line:
-            return f"{short}:{first + offset}: {line.strip()}"
-    return f"{short}:{first}: (no line with {text!r})"
-
-
-def gloo_only() -> dict[str, str]:
-    """:data:`GLOO_ONLY_CODE` with the code of the installed torch (needs the
-    suite's environment: ``BACKEND`` and ``WORLD_SIZE`` set)."""
-    if not GLOO_ONLY:
-        for test, where in GLOO_ONLY_CODE.items():
-            GLOO_ONLY[test] = _code_line(*where)
-    return GLOO_ONLY
-
-
-# ------------------------------------------------------------------ rank side
-
-
-class _SuiteDist(types.ModuleType):
-    """``torch.distributed`` as the suite sees it on our backend: groups it asks
-    of Gloo are created on ``backend``; everything else is the real module."""
-
-    _CREATORS = ("init_process_group", "new_group", "new_subgroups", "new_subgroups_by_enumeration")
-
-    def __init__(self, real: types.ModuleType, backend: str) -> None:
-        super().__init__(real.__name__)
-        self._real = real
-        self._backend = backend
-        for name in self._CREATORS:
-            setattr(self, name, self._substituting(getattr(real, name)))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def _substituting(self, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if str(kwargs.get("backend", "")).lower() == "gloo":
-                kwargs["backend"] = self._backend
-            elif fn.__name__ == "init_process_group" and args and str(args[0]).lower() == "gloo":
-                args = (self._backend,) + tuple(args[1:])
-            return fn(*args, **kwargs)
-
-        call.__name__ = fn.__name__
-        call.__wrapped__ = fn
-        return call
-
-
-def _prepare_rank() -> None:
-    """In a rank's process: bind the suite to our backend when asked to."""
-    backend = os.environ.get(_BACKEND_ENV, "gloo")
-    if backend == "gloo":
-        return
-    import torch.distributed as dist
-
-    import collectives.integrations.torch  # noqa: F401  (registers the backend)
-    from torch.testing._internal.distributed import distributed_test as suite
-
-    suite.dist = _SuiteDist(dist, backend)
-    if os.environ.get(_PROFILE_ENV, "1") == "1":
-        for listed in (suite.PROFILING_SUPPORTED_BACKENDS, suite.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
-            if backend not in listed:
-                listed.append(backend)
-
-
-def _suite_class() -> type:
-    """The suite's test class, as torch's ``test_distributed_spawn.py`` builds it."""
-    from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend
-
-    class TorchSuiteTest(TestDistBackend, DistributedTest._DistTestBase):
-        def setUp(self) -> None:
-            super().setUp()
-            self._spawn_processes()
-
-        @classmethod
-        def _run(cls, rank: int, test_name: str, file_name: str, pipe: Any, **kwargs: Any) -> None:
-            _prepare_rank()
-            super()._run(rank, test_name, file_name, pipe, **kwargs)
-
-    TorchSuiteTest.__module__ = _MODULE
-    TorchSuiteTest.__qualname__ = "TorchSuiteTest"
-    return TorchSuiteTest
-
-
-def __getattr__(name: str) -> Any:
-    # The spawned ranks find the test class by name in this module.
-    if name == "TorchSuiteTest":
-        cls = _suite_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
-
-
-def suite_tests() -> list[str]:
-    """Every test name of the suite (needs the suite's environment set)."""
-    from torch.testing._internal.distributed.distributed_test import DistributedTest
-
-    return sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test"))
-
-
-# ---------------------------------------------------------------- worker side
-
-
-_FRAME = re.compile(r"^\s+File \"")
-_PROCESS = re.compile(r"Process (\d+) exited with error code \d+ and exception:\n")
-
-
-def _exception_line(traceback_text: str) -> str:
-    """The first line of the exception a traceback ends with, and the line that
-    says what was expected when it has one (torch's ``Expected 1 but got 0.``,
-    ``Expected exit code 0 but got 10``)."""
-    lines = traceback_text.strip("\n").splitlines()
-    last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=-1)
-    block = lines[last_frame + 1:]
-    start = next((i for i, line in enumerate(block) if line and not line.startswith(" ")), None)
-    if start is None:
-        return lines[-1].strip() if lines else ""
-    first = block[start].strip()
-    expected = [line.strip() for line in block[start + 1:] if line.strip().startswith("Expected")]
-    return " | ".join([first] + expected[-1:])
-
-
-def first_line(message: str) -> str:
-    """The first line worth showing of a failed test's error: the exception of
-    the first rank that raised one, prefixed with its rank."""
-    parts = _PROCESS.split(message)
-    if len(parts) >= 3:
-        return f"rank {parts[1]}: {_exception_line(parts[2])}"[:300]
-    return _exception_line(message)[:300]
-
-
-def _classify(outcome: unittest.TestResult) -> tuple[str, str]:
-    if outcome.skipped:
-        return "skipped", outcome.skipped[0][1].splitlines()[0] if outcome.skipped[0][1] else ""
-    problems = outcome.failures + outcome.errors
-    if not problems:
-        return "passed", ""
-    text = problems[0][1]
-    line = first_line(text)
-    if "terminated or timed out" in text or "Timing out after" in text:
-        return "errored", f"timed out: {line}"
-    if outcome.failures or "AssertionError" in line:
-        return "failed", line
-    return "errored", line
-
-
-def _certain_skip(fn: Any) -> str | None:
-    """The skip message of a test whose decorators make every rank exit with a
-    skip code here whatever the backend does: ``skip_if_no_gpu`` and
-    ``skip_if_lt_x_gpu`` on a machine without accelerators,
-    ``skip_if_small_worldsize`` below 8 ranks, ``skip_if_odd_worldsize`` at an
-    odd number of ranks (as torch decides them: by ``BACKEND`` and
-    ``WORLD_SIZE``); None for any other test."""
-    import torch
-    from torch.testing._internal.common_distributed import TEST_SKIPS
-    from torch.testing._internal.common_utils import TEST_HPU, TEST_XPU
-
-    accelerators = torch.cuda.is_available() or TEST_HPU or TEST_XPU
-    not_mpi = os.environ["BACKEND"] != "mpi"
-    world_size = int(os.environ["WORLD_SIZE"])
-    while fn is not None:
-        code = getattr(fn, "__code__", None)
-        where = getattr(code, "co_qualname", "")
-        if where == "skip_if_no_gpu.<locals>.wrapper" and not accelerators:
-            return TEST_SKIPS["no_cuda"].message
-        if where == "skip_if_lt_x_gpu.<locals>.decorator.<locals>.wrapper" and not accelerators:
-            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-            if not cells.get("allow_cpu", False):
-                return TEST_SKIPS[f"multi-gpu-{cells['x']}"].message
-        if where == "skip_if_small_worldsize.<locals>.wrapper" and not_mpi and world_size < 8:
-            return TEST_SKIPS["small_worldsize"].message
-        if where == "skip_if_odd_worldsize.<locals>.wrapper" and not_mpi and world_size % 2 == 1:
-            return TEST_SKIPS["odd_worldsize"].message
-        fn = getattr(fn, "__wrapped__", None)
-    return None
-
-
-def _run_one(cls: type, name: str) -> tuple[str, str]:
-    fn = getattr(cls, name, None)
-    if os.environ.get(_SPAWN_ALL_ENV) != "1" and not getattr(fn, "__unittest_skip__", False):
-        reason = _certain_skip(fn)
-        if reason is not None:
-            return "skipped", reason
-    outcome = unittest.TestResult()
-    try:
-        cls(name).run(outcome)
-    except BaseException as exc:  # the harness itself broke
-        return "errored", f"{type(exc).__name__}: {exc}"
-    return _classify(outcome)
-
-
-def worker() -> None:
-    """Run test names read from stdin, one JSON result per line on the original stdout.
-
-    The backend and world size come from the environment (set by :func:`run_suite`)."""
-    results = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # the tests' and ranks' own output goes to the log
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    from torch.testing._internal import common_distributed
-
-    timeout = float(os.environ["COLLECTIVES_SUITE_TIMEOUT"])
-    common_distributed.get_timeout = lambda test_id: timeout
-    cls = __getattr__("TorchSuiteTest")
-    for line in sys.stdin:
-        name = line.strip()
-        if not name:
-            continue
-        start = time.monotonic()
-        status, message = _run_one(cls, name)
-        results.write(json.dumps({"test": name, "status": status, "message": message,
-                                  "seconds": round(time.monotonic() - start, 2)}) + "\n")
 
 
 # ---------------------------------------------------------------- driver side
@@ -372,10 +83,10 @@ def suite_environment(backend: str, options: SuiteOptions, scratch: str) -> dict
     env = dict(os.environ)
     init_file = os.path.join(scratch, f"init-{backend}-{options.world_size}-{os.getpid()}")
     env.update({"BACKEND": "gloo", "WORLD_SIZE": str(options.world_size), "TEMP_DIR": scratch,
-                "INIT_METHOD": f"file://{init_file}", _BACKEND_ENV: backend,
-                _PROFILE_ENV: "1" if options.profile_checks else "0",
-                _SPAWN_ALL_ENV: "1" if options.spawn_all else "0",
-                "COLLECTIVES_SUITE_TIMEOUT": str(options.timeout), "OMP_NUM_THREADS": "1",
+                "INIT_METHOD": f"file://{init_file}", BACKEND_ENV: backend,
+                PROFILE_ENV: "1" if options.profile_checks else "0",
+                SPAWN_ALL_ENV: "1" if options.spawn_all else "0",
+                TIMEOUT_ENV: str(options.timeout), "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1"})
     return env
 
@@ -384,7 +95,7 @@ def list_tests(pattern: str | None = None) -> list[str]:
     """The suite's test names matching the regular expression ``pattern`` (and,
     as a side effect, :data:`GLOO_ONLY` filled from the installed torch)."""
     env = suite_environment("gloo", SuiteOptions(2, logs=tempfile.gettempdir()), tempfile.gettempdir())
-    code = (f"import json; from {_MODULE} import suite_tests, gloo_only; "
+    code = (f"import json; from {RANK_MODULE} import suite_tests, gloo_only; "
             f"print(json.dumps([suite_tests(), gloo_only()]))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          timeout=120)
@@ -398,7 +109,7 @@ class _Worker:
 
     def __init__(self, env: dict[str, str], log_path: str) -> None:
         self.log = open(log_path, "a")
-        code = f"from {_MODULE} import worker; worker()"
+        code = f"from {RANK_MODULE} import worker; worker()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
                                      start_new_session=True)

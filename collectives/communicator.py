@@ -38,7 +38,7 @@ from .execution import TAG_SPACE, CallExecution
 from .flight_recorder import FlightRecorder
 from .handles import CallQueue, Handle, RequestHandle
 from .planning import Planner
-from .prepared import PreparedCalls, apart, flat_array, rooted_key
+from .prepared import PreparedCalls, apart, call_key
 from .selection import RuleSelector, Selector, size_bucket
 from .survival import Survival
 from .transport import Transport
@@ -220,12 +220,11 @@ class Communicator(CallExecution, Survival):
         Returns:
             ``buf``.
         """
-        key = ("bcast", algorithm, root, buf.dtype, buf.size) if flat_array(buf) and type(root) is int else None
-        if key is not None and self._run_prepared(key, (buf,), timeout):
+        key = call_key("bcast", algorithm, root, None, buf)
+        if self._run_prepared(key, (buf,), timeout):
             return buf
         plan = self._plan(self._planner.bcast, buf, root, algorithm)
-        if key is not None:
-            self._remember(key, plan, (True,), lambda a: (a[0], root))
+        self._remember(key, plan, (True,), lambda a: (a[0], root))
         return self._call(plan, timeout)
 
     def ibcast(self, buf: Any, root: int = 0, *, algorithm: str = "auto",
@@ -239,12 +238,11 @@ class Communicator(CallExecution, Survival):
 
         Other ranks' ``buf`` is left unchanged. Returns ``buf``.
         """
-        key = (("reduce", algorithm, root, op, buf.dtype, buf.size)
-               if flat_array(buf) and type(root) is int and type(op) is str else None)
-        if key is not None and self._run_prepared(key, (buf,), timeout):
+        key = call_key("reduce", algorithm, root, op, buf)
+        if self._run_prepared(key, (buf,), timeout):
             return buf
         plan = self._plan(self._planner.reduce, buf, root, op, algorithm)
-        if key is not None and plan.args is not None:
+        if plan.args is not None:
             o = plan.args[2]
             self._remember(key, plan, (self.rank == root,), lambda a: (a[0], root, o))
         return self._call(plan, timeout)
@@ -267,12 +265,11 @@ class Communicator(CallExecution, Survival):
         Returns:
             The buffer holding the result (``buf`` or ``out``).
         """
-        key = (("allreduce", algorithm, op, buf.dtype, buf.size)
-               if out is None and type(buf) is np.ndarray and buf.ndim == 1 and type(op) is str else None)
-        if key is not None and self._run_prepared(key, (buf,), timeout):
+        key = call_key("allreduce", algorithm, None, op, buf) if out is None else None
+        if self._run_prepared(key, (buf,), timeout):
             return buf
         plan = self._plan(self._planner.allreduce, buf, op, algorithm, out)
-        if key is not None and plan.args is not None:
+        if plan.args is not None:
             o = plan.args[1]
             self._remember(key, plan, (True,), lambda a: (a[0], o))
         return self._call(plan, timeout)
@@ -289,13 +286,13 @@ class Communicator(CallExecution, Survival):
         ``sendbuf`` (p times ``recvbuf``'s size) matters only on the root.
         Returns ``recvbuf``.
         """
-        key, send = rooted_key("scatter", algorithm, root, recvbuf, sendbuf, self.rank)
-        if key is not None and self._run_prepared(key, (send, recvbuf), timeout):
+        send = sendbuf if type(root) is int and root == self.rank else None  # matters only on the root
+        key = call_key("scatter", algorithm, root, None, recvbuf, send)
+        if self._run_prepared(key, (send, recvbuf), timeout):
             return recvbuf
         counts = [element_count(recvbuf)] * self.size
         plan = self._plan(self._planner.scatterv, sendbuf, recvbuf, counts, root, algorithm, False)
-        if key is not None:
-            self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
+        self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
         return self._call(plan, timeout)
 
     def iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, *, algorithm: str = "auto",
@@ -322,13 +319,13 @@ class Communicator(CallExecution, Survival):
         ``recvbuf`` (p times ``sendbuf``'s size) matters only on the root.
         Returns ``recvbuf`` on the root, None elsewhere.
         """
-        key, recv = rooted_key("gather", algorithm, root, sendbuf, recvbuf, self.rank)
-        if key is not None and self._run_prepared(key, (sendbuf, recv), timeout):
+        recv = recvbuf if type(root) is int and root == self.rank else None  # matters only on the root
+        key = call_key("gather", algorithm, root, None, sendbuf, recv)
+        if self._run_prepared(key, (sendbuf, recv), timeout):
             return recv
         counts = [element_count(sendbuf)] * self.size
         plan = self._plan(self._planner.gatherv, sendbuf, recvbuf, counts, root, algorithm, False)
-        if key is not None:
-            self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
+        self._remember(key, plan, (False, True), lambda a: (a[0], a[1], root, counts))
         return self._call(plan, timeout)
 
     def igather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *, algorithm: str = "auto",
@@ -358,12 +355,9 @@ class Communicator(CallExecution, Survival):
         """
         if recvbuf is None:
             recvbuf = self._gathered(sendbuf)
-        key = None
-        if flat_array(recvbuf) and (sendbuf is None or flat_array(sendbuf)):
-            key = ("allgather", algorithm, recvbuf.dtype, recvbuf.size,
-                   None if sendbuf is None else (sendbuf.dtype, sendbuf.size))
-            if self._run_prepared(key, (recvbuf, sendbuf), timeout):
-                return recvbuf
+        key = call_key("allgather", algorithm, None, None, recvbuf, sendbuf)
+        if self._run_prepared(key, (recvbuf, sendbuf), timeout):
+            return recvbuf
         counts = self._even_counts(element_count(recvbuf), "recvbuf")
         plan = self._plan(self._planner.allgatherv, sendbuf, recvbuf, counts, algorithm, False)
         if key is not None:
@@ -410,13 +404,11 @@ class Communicator(CallExecution, Survival):
 
         Returns ``recvbuf``.
         """
-        key = None
-        if flat_array(sendbuf) and flat_array(recvbuf) and type(op) is str:
-            key = ("reduce_scatter", algorithm, op, sendbuf.dtype, sendbuf.size, recvbuf.dtype, recvbuf.size)
-            if self._run_prepared(key, (sendbuf, recvbuf), timeout):
-                return recvbuf
+        key = call_key("reduce_scatter", algorithm, None, op, sendbuf, recvbuf)
+        if self._run_prepared(key, (sendbuf, recvbuf), timeout):
+            return recvbuf
         plan = self._plan(self._planner.reduce_scatter, sendbuf, recvbuf, op, algorithm)
-        if key is not None and plan.args is not None:
+        if plan.args is not None:
             counts, o = plan.args[2], plan.args[3]
             self._remember(key, plan, (False, True), lambda a: (a[0], a[1], counts, o))
         return self._call(plan, timeout)
@@ -444,14 +436,11 @@ class Communicator(CallExecution, Survival):
 
         Returns ``recvbuf``.
         """
-        key = None
-        if flat_array(sendbuf) and flat_array(recvbuf):
-            key = ("alltoall", algorithm, sendbuf.dtype, sendbuf.size, recvbuf.dtype, recvbuf.size)
-            if self._run_prepared(key, (sendbuf, recvbuf), timeout):
-                return recvbuf
+        key = call_key("alltoall", algorithm, None, None, sendbuf, recvbuf)
+        if self._run_prepared(key, (sendbuf, recvbuf), timeout):
+            return recvbuf
         plan = self._plan(self._planner.alltoall, sendbuf, recvbuf, algorithm)
-        if key is not None:
-            self._remember(key, plan, (False, True), lambda a: a, check=apart)
+        self._remember(key, plan, (False, True), lambda a: a, check=apart)
         return self._call(plan, timeout)
 
     def ialltoall(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
@@ -475,7 +464,7 @@ class Communicator(CallExecution, Survival):
 
     def barrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> None:
         """Wait until every rank has entered the barrier."""
-        key = ("barrier", algorithm)
+        key = call_key("barrier", algorithm, None, None)
         if self._run_prepared(key, (), timeout):
             return
         plan = self._plan(self._planner.barrier, algorithm)

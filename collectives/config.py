@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from .arithmetic import parse_bytes
+
 __all__ = ["Setting", "SETTINGS", "get", "option", "is_set", "log_settings", "markdown"]
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -136,9 +138,6 @@ def _settings() -> dict[str, Setting]:
 
 SETTINGS: dict[str, Setting] = _settings()
 
-_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 def _parse(setting: Setting, raw: str) -> Any:
     kind = setting.kind
     if kind == "bool":
@@ -153,9 +152,7 @@ def _parse(setting: Setting, raw: str) -> Any:
     if kind == "float":
         return float(raw)
     if kind == "bytes":
-        text = raw.strip().upper().removesuffix("B").removesuffix("I")
-        mult = _SUFFIX.get(text[-1:], 1)
-        return int(float(text[:-1] if mult > 1 else text) * mult)
+        return parse_bytes(raw)
     if setting.choices is not None and raw.upper() not in setting.choices and raw not in setting.choices:
         raise ValueError(f"expected one of {', '.join(setting.choices)}")
     return raw

@@ -102,9 +102,10 @@ class CallExecution:
         self._seq = (self._seq + 1) % TAG_SPACE
         return self._seq
 
-    def _run_prepared(self, key: tuple, arrays: tuple, timeout: float | None) -> bool:
-        """Run the prepared call of ``key``; False (nothing done) when there is
-        none or this call needs the full path."""
+    def _run_prepared(self, key: tuple | None, arrays: tuple, timeout: float | None) -> bool:
+        """Run the prepared call of ``key`` (:func:`~collectives.prepared.call_key`);
+        False (nothing done) when there is none (or no key) or this call needs
+        the full path."""
         entry = self._prepared.get(key)
         if entry is None or self._broken is not None or self._closed or self._queue.busy:
             return False  # (tracing keeps no prepared calls: every call takes the full path)
@@ -154,10 +155,10 @@ class CallExecution:
         rec = self._recorder
         return float(rec.start[seq & (rec.capacity - 1)]) if rec is not None else _now()
 
-    def _remember(self, key: tuple, plan: Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
+    def _remember(self, key: tuple | None, plan: Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                   check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
-        if self._tracer is not None or self._log_calls:
-            return  # tracing and logging every call take the full path
+        if key is None or self._tracer is not None or self._log_calls:
+            return  # no key: not a call that can be prepared; tracing and logging every call take the full path
         self._prepared.remember(key, plan, self.transport, self.segment_bytes, self._scratch, writes, args,
                                 bool(plan.write_backs), check, as_is)
 

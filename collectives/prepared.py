@@ -1,11 +1,17 @@
 """Prepared (persistent) calls: a blocking call validated once per signature.
 
 A blocking call on contiguous 1-D numpy arrays is kept, once validated, under
-its key: the collective, the algorithm argument, the root, the op and each
-buffer's dtype and size (see the communicator's public methods). A repeated
-call with the same key skips validation and selection and runs at once, as
-MPI's persistent collectives do; it still carries its signature (kept with
-the entry), so the peers check it like any other call.
+its key (:func:`call_key`: the collective, the algorithm argument, the root,
+the op and each buffer's dtype and size). A repeated call with the same key
+skips validation and selection and runs at once, as MPI's persistent
+collectives do; it still carries its signature (kept with the entry), so the
+peers check it like any other call.
+
+Two layers keep what they make once per call key, each in a
+:class:`BoundedCache`: the communicator its prepared calls
+(:class:`PreparedCalls`), and each shared window what its algorithms make
+per buffer shape for the calls that take the full path (nonblocking calls,
+buffers that are not 1-D arrays): views, pieces, native plans.
 """
 
 from __future__ import annotations
@@ -19,10 +25,52 @@ from .planning import ROOTED, Plan
 from .registry import Algorithm
 from .signature import Sig
 
-__all__ = ["Prepared", "PreparedCalls", "flat_array", "apart", "rooted_key"]
+__all__ = ["BoundedCache", "Prepared", "PreparedCalls", "call_key", "apart"]
 
-#: Entries kept before the oldest half is dropped.
+#: Entries a cache keeps before its oldest half is dropped.
 CAPACITY = 256
+
+_NDARRAY = np.ndarray
+_ABSENT = object()
+
+
+def call_key(collective: str, algorithm: str, root: Any, op: Any, first: Any = _ABSENT, second: Any = _ABSENT,
+             counts: Any = None) -> tuple | None:
+    """The key of a call in a :class:`BoundedCache`: ``collective``,
+    ``algorithm``, ``root`` and ``op`` (None where the collective has none),
+    each array's dtype and size (an array passed as None, one a rank does
+    not pass, such as gather's ``recvbuf`` off the root, keys as None), and
+    ``counts`` where given. None where the call cannot be kept: an array
+    that is not a 1-D numpy array, a root that is not an int, an op that is
+    not a name. (Positional and unrolled: it is on every blocking call.)"""
+    if (root is not None and type(root) is not int) or (op is not None and type(op) is not str):
+        return None
+    if first is _ABSENT:
+        key = (collective, algorithm, root, op)
+    elif type(first) is not _NDARRAY or first.ndim != 1:
+        return None
+    elif second is _ABSENT:
+        key = (collective, algorithm, root, op, first.dtype, first.size)
+    elif second is None:
+        key = (collective, algorithm, root, op, first.dtype, first.size, None, None)
+    elif type(second) is not _NDARRAY or second.ndim != 1:
+        return None
+    else:
+        key = (collective, algorithm, root, op, first.dtype, first.size, second.dtype, second.size)
+    return key if counts is None else key + (tuple(counts),)
+
+
+class BoundedCache(dict):
+    """A dict of at most :data:`CAPACITY` entries: adding one to a full cache
+    drops the oldest half first (``get`` stays a dict's: the hot path)."""
+
+    def keep(self, key: Any, value: Any) -> Any:
+        """Store ``value`` under ``key``; returns ``value``."""
+        if len(self) >= CAPACITY and key not in self:
+            for old in list(self)[:CAPACITY // 2]:
+                del self[old]
+        self[key] = value
+        return value
 
 
 class Prepared:
@@ -54,9 +102,9 @@ class Prepared:
         self.direct = direct
 
 
-class PreparedCalls(dict):
-    """The prepared calls of one communicator, by key (a dict: ``get`` is the
-    hot path); None marks a key whose calls cannot be prepared."""
+class PreparedCalls(BoundedCache):
+    """The prepared calls of one communicator, by :func:`call_key`; None marks
+    a key whose calls cannot be prepared."""
 
     def remember(self, key: tuple, plan: Plan, transport: Any, segment_bytes: int, scratch: dict,
                  writes: tuple[bool, ...], args: Callable[[tuple], tuple], staged: bool,
@@ -79,32 +127,9 @@ class PreparedCalls(dict):
             ctx = CallContext(transport, 0, 0.0, segment_bytes, scratch)
             entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check,
                              getattr(func, "on_arrays", None) if as_is else None)
-        if len(self) >= CAPACITY:
-            for old in list(self)[:CAPACITY // 2]:
-                del self[old]
-        self[key] = entry
-
-
-def flat_array(buf: Any) -> bool:
-    """Whether ``buf`` can take a prepared call: a 1-D numpy array."""
-    return type(buf) is np.ndarray and buf.ndim == 1
+        self.keep(key, entry)
 
 
 def apart(arrays: tuple) -> bool:
     """Whether two contiguous arrays' memory does not overlap (alltoall's sendbuf and recvbuf)."""
     return not np.may_share_memory(arrays[0], arrays[1])
-
-
-def rooted_key(collective: str, algorithm: str, root: Any, everywhere: Any, on_root: Any,
-               rank: int) -> tuple[tuple | None, Any]:
-    """Key of a prepared gather or scatter, whose ``everywhere`` buffer every
-    rank passes and ``on_root`` only the root, with that buffer as this rank
-    takes it (None off the root); (None, None) where the call cannot be
-    prepared."""
-    if not (flat_array(everywhere) and type(root) is int):
-        return None, None
-    mine = on_root if root == rank else None
-    if mine is not None and not flat_array(mine):
-        return None, None
-    return (collective, algorithm, root, everywhere.dtype, everywhere.size,
-            None if mine is None else (mine.dtype, mine.size)), mine

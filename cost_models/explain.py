@@ -20,26 +20,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from collectives.arithmetic import parse_bytes
 from collectives.registry import COLLECTIVES
 
 from .profile import load_profile
 from .selector import Explanation, ModelSelector
 
 __all__ = ["main", "explain", "explain_hosts", "parse_bytes", "transport_capabilities"]
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"4M"`` -> 4194304 (K, M, G are powers of 1024)."""
-    s = text.strip().upper()
-    digits = s.rstrip("KMGIB")
-    unit = s[len(digits):]
-    if unit not in _UNITS or not digits:
-        raise ValueError(f"cannot read a size from {text!r} (examples: 512, 64K, 4M, 1G)")
-    return int(float(digits) * _UNITS[unit])
-
 
 def transport_capabilities(name: str) -> frozenset[str]:
     """The capabilities a transport plugin declares (empty if it cannot be loaded)."""

@@ -136,6 +136,17 @@ def test_decisions_are_made_per_quarter_octave_on_its_least_size() -> None:
 
 def test_parse_bytes() -> None:
     assert parse_bytes("4M") == 4 << 20 and parse_bytes("512") == 512 and parse_bytes("64KiB") == 64 << 10
+    # one reader for every size the library reads: the CLIs, the bench and COLLECTIVES_* settings
+    assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("4Ki") == 4096 and parse_bytes("8KB") == 8192
+    assert parse_bytes(" 2 MB ") == 2 << 20 and parse_bytes("7B") == 7
+    for bad in ("", "K", "4X", "4..5M", "M4"):
+        with pytest.raises(ValueError, match="cannot read a size"):
+            parse_bytes(bad)
+    from collectives import config
+    from collectives.bench.cli import parse_sizes
+
+    assert config._parse(config.SETTINGS["SHM_RING_BYTES"], "2MiB") == 2 << 20
+    assert parse_sizes("8,64K,1M") == [8, 64 << 10, 1 << 20]
 
 
 def test_explain_cli(capsys) -> None:

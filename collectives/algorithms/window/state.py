@@ -15,6 +15,7 @@ import weakref
 
 import numpy as np
 
+from ...prepared import BoundedCache
 from .tuning import PIECE_BYTES, one_fence_limit
 
 __all__ = ["META_BYTES", "DATA_OFFSET", "PAGE", "WindowState", "state_of", "window_state", "single_fence",
@@ -30,8 +31,6 @@ META_BYTES = 4096
 #: page. Half a page off, no common alignment of user buffers comes near.
 DATA_OFFSET = META_BYTES + 2048
 PAGE = 4096
-#: Entries a window's cache keeps before it is emptied.
-_CACHE_MAX = 256
 
 _state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -46,7 +45,7 @@ class WindowState:
         self.half = max(((cap - DATA_OFFSET) // 2) // PAGE * PAGE, 0)
         self.window = window
         self.regions = [window.region(r) for r in range(size)]
-        self.cache: dict[tuple, object] = {}
+        self.cache = BoundedCache()
 
     def next_half(self, deadline: float) -> int:
         """Byte offset of the half to use for the next step (they alternate;
@@ -64,11 +63,8 @@ class WindowState:
         return got
 
     def remember(self, key: tuple, value: object) -> object:
-        """Keep ``value`` under ``key`` (emptying the cache when it is full); returns it."""
-        if len(self.cache) > _CACHE_MAX:
-            self.cache.clear()
-        self.cache[key] = value
-        return value
+        """Keep ``value`` under ``key`` (see :class:`~collectives.prepared.BoundedCache`); returns it."""
+        return self.cache.keep(key, value)
 
 
 def state_of(ctx) -> tuple[object, WindowState]:
