@@ -367,7 +367,7 @@ class CallExecution:
         is pending runs to completion in the calling thread and returns a done
         handle. For callers that wait at once (a framework's blocking call made
         through its nonblocking interface): it saves the two thread hand-offs
-        of the worker lane, tens of microseconds per call."""
+        of the call queue's worker thread, tens of microseconds per call."""
         previous, self._eager = self._eager, True
         try:
             yield self

@@ -1,4 +1,4 @@
-"""Handles of nonblocking operations and the lane that runs collectives in order.
+"""Handles of nonblocking operations and the call queue that runs collectives in order.
 
 Every rank must run its collectives in the same order (as in MPI). A
 communicator's :class:`CallQueue` runs blocking calls inline when nothing

@@ -241,17 +241,25 @@ class Planner:
         if why is not None:
             return self._refused("scatter", algo, sig, recvbuf, why, root)
         if self.rank == root:
-            try:
-                send = self.flat(sendbuf, writable=False, what="sendbuf")
-            except BadArgument as exc:
-                return self._refused("scatter", algo, sig, recvbuf, f"on the root: {exc}", root)
-            if send.dtype != recv.dtype:
-                return self._refused("scatter", algo, sig, recvbuf,
-                                     f"sendbuf on the root has dtype {send.dtype}, recvbuf {recv.dtype}", root)
-            if send.size != sum(counts):
-                return self._refused("scatter", algo, sig, recvbuf,
-                                     f"sendbuf on the root holds {send.size} elements, expected {sum(counts)}", root)
+            send, why = self._root_buffer(sendbuf, "sendbuf", False, recv, "recvbuf", sum(counts))
+            if why is not None:
+                return self._refused("scatter", algo, sig, recvbuf, why, root)
         return Plan("scatter", algo, (send, recv, root, counts), recvbuf, sig, root=root)
+
+    def _root_buffer(self, buf: Any, what: str, writable: bool, other: np.ndarray, other_what: str,
+                     total: int) -> tuple[np.ndarray | None, str | None]:
+        """The root's flat ``buf`` (a scatter's sendbuf, a gather's recvbuf),
+        checked against the rank's ``other`` buffer's dtype and ``total``
+        elements: (the array, None), or (None, why the root refuses the call)."""
+        try:
+            arr = self.flat(buf, writable=writable, what=what)
+        except BadArgument as exc:
+            return None, f"on the root: {exc}"
+        if arr.dtype != other.dtype:
+            return None, f"{what} on the root has dtype {arr.dtype}, {other_what} {other.dtype}"
+        if arr.size != total:
+            return None, f"{what} on the root holds {arr.size} elements, expected {total}"
+        return arr, None
 
     def gatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: Any, algorithm: str,
                 v: bool = True) -> Plan:
@@ -266,16 +274,9 @@ class Planner:
                                  f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}", root)
         recv = None
         if self.rank == root:
-            try:
-                recv = self.flat(recvbuf, writable=True, what="recvbuf")
-            except BadArgument as exc:
-                return self._refused("gather", algo, sig, result, f"on the root: {exc}", root)
-            if recv.dtype != send.dtype:
-                return self._refused("gather", algo, sig, result,
-                                     f"recvbuf on the root has dtype {recv.dtype}, sendbuf {send.dtype}", root)
-            if recv.size != sum(counts):
-                return self._refused("gather", algo, sig, result,
-                                     f"recvbuf on the root holds {recv.size} elements, expected {sum(counts)}", root)
+            recv, why = self._root_buffer(recvbuf, "recvbuf", True, send, "sendbuf", sum(counts))
+            if why is not None:
+                return self._refused("gather", algo, sig, result, why, root)
         return Plan("gather", algo, (send, recv, root, counts), result, sig, root=root)
 
     def allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], algorithm: str,

@@ -7,20 +7,13 @@ package's ``torch.backends`` entry point, or by importing
 :class:`CollectivesProcessGroup`: a Python subclass of
 ``torch.distributed.ProcessGroup`` whose collectives run on a
 :class:`~collectives.Communicator`. Every collective is posted to the
-communicator's FIFO lane (its nonblocking form), so every rank runs them in
+communicator's call queue (its nonblocking form), so every rank runs them in
 call order, and returns a :class:`CollectivesWork` whose future's value is
 the list of output tensors. ``send``/``recv`` go straight to the transport
 with their own tags.
 
-Errors reach the caller as with Gloo: a failed call's ``wait()`` (so every
-blocking call) raises the library's error (a RuntimeError; a timeout's
-message starts with ``Timed out``), its future fails (DDP's backward
-raises), ``is_success()`` is False, and the communicator is aborted, so the
-peers' calls fail too and later calls here fail at once with the first
-reason. The tensors a call writes in place (outputs, received tensors) have
-their autograd version counters bumped when it is made, so a tensor saved
-for backward and then overwritten makes backward raise torch's in-place
-error.
+Errors reach the caller as with Gloo (see :mod:`.torch_work`): a failed
+call's ``wait()`` raises, its future fails, and the communicator is aborted.
 
 torch's ``c10d.Backend`` has no constructor reachable from Python, so the
 backend is a whole ``ProcessGroup`` (as torch's own Python process groups

@@ -1,13 +1,17 @@
 """Test scripts that run as ranks under a launcher (``collectives run``,
 torchrun, mpiexec) and print one ``RESULT <json>`` line each: the
-environment they start from, and reading their results back."""
+environment they start from, a torch rank's main, and reading their
+results back."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
+from typing import Any, Callable
 
-__all__ = ["clean_env", "results"]
+__all__ = ["clean_env", "results", "run_torch_checks"]
 
 #: Variables of the test process's own launch that must not reach the ranks.
 _DROP = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
@@ -29,3 +33,23 @@ def results(stdout: str) -> list[dict]:
         found.append(obj)
         at = stdout.find("RESULT ", at + 1)
     return found
+
+
+def run_torch_checks(checks: dict[str, Callable[[Any, Any], list[str]]], names: list[str],
+                     setup: Callable[[], tuple[Any, Any]]) -> None:
+    """A torch rank's main: ``setup()`` gives (torch, dist); run the named
+    checks (each returns its failures; one that raises fails with its
+    traceback), print this rank's RESULT, end the process group and leave
+    without torch's C++ static destructors (torch 2.13 sometimes aborts in
+    them at exit, under torchrun too, after all work is done)."""
+    torch, dist = setup()
+    failures: list[str] = []
+    for name in names:
+        try:
+            failures += checks[name](torch, dist)
+        except Exception:
+            failures.append(f"{name} raised:\n{traceback.format_exc()}")
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "failures": failures}), flush=True)
+    dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(0)

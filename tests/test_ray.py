@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray", reason="needs Ray: pip install 'collectives[ray
 
 import collectives.integrations.ray as cray  # noqa: E402
 from collectives import BadArgument, CollectiveTimeout, PeerLost  # noqa: E402
+from collectives.integrations.ray_members import RAY_SLACK  # noqa: E402
 
 # Ray's workers cannot import this file: its actor classes travel by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -247,7 +248,8 @@ def test_group_with_a_busy_actor_fails_on_every_rank_and_the_name_stays_free():
         cray.create_collective_group(ws, group_name="late", timeout=timeout)
     elapsed = time.monotonic() - t0
     message = str(info.value)
-    assert elapsed < timeout + 4, elapsed
+    # the driver gives up on its members at 2 x timeout + RAY_SLACK (Ray's own calls are slow on a busy machine)
+    assert elapsed < 2 * timeout + RAY_SLACK + 2, elapsed
     assert "create_collective_group('late')" in message and "rank(s) [2] of 3 did not join" in message, message
     assert "rank 2: still forming the group" in message, message
     get(signal.release.remote())

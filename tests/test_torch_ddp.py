@@ -29,11 +29,10 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 
 import pytest
 
-from launched import clean_env, results as rank_results
+from launched import clean_env, results as rank_results, run_torch_checks
 
 HERE = os.path.abspath(__file__)
 DEADLINE = 150
@@ -285,17 +284,7 @@ CHECKS = {"autoload": check_autoload, "profiler": check_profiler, "unused": chec
 
 
 def main(names):
-    torch, dist = _setup()
-    failures = []
-    for name in names:
-        try:
-            failures += CHECKS[name](torch, dist)
-        except Exception:
-            failures.append(f"{name} raised:\n{traceback.format_exc()}")
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "failures": failures}), flush=True)
-    dist.destroy_process_group()
-    sys.stderr.flush()
-    os._exit(0)  # skip torch's C++ static destructors, which sometimes abort at exit
+    run_torch_checks(CHECKS, names, _setup)
 
 
 # ---------------------------------------------------------------------- test side

@@ -11,15 +11,13 @@ Each test starts one job whose ranks run this file as a script
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys
-import traceback
 
 import pytest
 
-from launched import clean_env, results as rank_results
+from launched import clean_env, results as rank_results, run_torch_checks
 
 HERE = os.path.abspath(__file__)
 DEADLINE = 100
@@ -361,20 +359,7 @@ CHECKS = {"collectives": check_collectives, "ddp": check_ddp, "hooks": check_hoo
 
 
 def main(names):
-    torch, dist = _setup()
-    failures = []
-    for name in names:
-        try:
-            failures += CHECKS[name](torch, dist)
-        except Exception:
-            failures.append(f"{name} raised:\n{traceback.format_exc()}")
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "failures": failures}), flush=True)
-    dist.destroy_process_group()
-    sys.stderr.flush()
-    # torch 2.13 sometimes aborts in its C++ static destructors at interpreter exit
-    # under torchrun ("terminate called without an active exception"), after all
-    # work is done; the checks are over, so leave without running them.
-    os._exit(0)
+    run_torch_checks(CHECKS, names, _setup)
 
 
 # ---------------------------------------------------------------------- test side

@@ -92,13 +92,21 @@ def _leaders(h, root: int) -> tuple[tuple[int, ...], int, int]:
     return leaders, h0, (l0 if t.node == h0 else 0)
 
 
+def _rooted(h, root: int, counts: Sequence[int]) -> tuple:
+    """What a gather or scatter through the leaders needs: (the leaders, the
+    root's host, the local rank leading each host, elements per host,
+    whether this rank is the root, whether it leads its host)."""
+    t = h.topology
+    leaders, h0, lead = _leaders(h, root)
+    hosts = [sum(int(counts[r]) for r in ranks) for ranks in t.hosts]
+    return leaders, h0, lead, hosts, h.rank == root, t.local_rank == lead
+
+
 @hierarchical("gather", SLICED, "gather within each host to its leader, then between the leaders to the root")
 def gather(h, ctx, send: np.ndarray, recv: np.ndarray | None, root: int, counts: Sequence[int]) -> None:
     agreement.check(h, ctx.sig, None)
     t = h.topology
-    leaders, h0, lead = _leaders(h, root)
-    hosts = [sum(int(counts[r]) for r in ranks) for ranks in t.hosts]
-    is_root, leading = h.rank == root, t.local_rank == lead
+    leaders, h0, lead, hosts, is_root, leading = _rooted(h, root, counts)
     whole = None
     if is_root:
         whole = recv if t.contiguous else h.scratch("gather.whole", sum(hosts), send.dtype)
@@ -118,9 +126,7 @@ def gather(h, ctx, send: np.ndarray, recv: np.ndarray | None, root: int, counts:
 def scatter(h, ctx, send: np.ndarray | None, recv: np.ndarray, root: int, counts: Sequence[int]) -> None:
     agreement.check(h, ctx.sig, None)
     t = h.topology
-    leaders, h0, lead = _leaders(h, root)
-    hosts = [sum(int(counts[r]) for r in ranks) for ranks in t.hosts]
-    is_root, leading = h.rank == root, t.local_rank == lead
+    leaders, h0, lead, hosts, is_root, leading = _rooted(h, root, counts)
     whole = None
     if is_root:
         if t.contiguous:
