@@ -2,55 +2,15 @@
 
     collectives calibrate [--transport NAME] [-n P] [--out PATH] [--quick] [--stretch-ranks LIST]
 
-starts P local ranks (2 by default; ``mpiexec`` for ``--transport mpi``).
-Ranks 0 and 1 run a ping-pong sweep from 0 bytes to 64 MiB; half the best
-round trip per size is fitted to ``alpha + n beta`` by least squares,
-weighted by 1/t so that small messages count. Where the transport changes
-protocol with size, a piecewise fit (up to three pieces, the breakpoints
-chosen among the measured sizes) replaces the single line when each piece
-cuts the error by a tenth or more (a protocol change, or messages that no
-longer fit the caches): the lower pieces go to ``protocol``. Ranks 0 and
-1 then send each other 1, 4 and 16 MiB at once: the per-byte time of such
-an exchange over a one-way message's is ``exchange`` (1 on a full-duplex
-network; near 2 on shared memory, where each rank copies its message in and
-its peer's out). Rank 0 also
-measures gamma per dtype (seconds per byte of ``np.add(a, b, out=a)`` on 4 MiB), the copy bandwidth
-(``np.copyto`` of 64 MiB) and the fence (the shared window's fence where
-the transport has one, else a barrier of all ranks).
-
-Then every rank runs a few small collectives (allreduce by recursive
-doubling and by reduce + bcast, bcast and reduce by binomial tree, at 8 B
-and 4 KiB): their times, less what the fitted model already predicts, are
-fitted by least squares to ``call + k overhead``, k being the number of
-messages on the algorithm's critical path. ``overhead`` is the CPU cost an
-algorithm adds around each message (LogP's o) and ``call`` the fixed cost
-of one call. For shared memory, whose ranks share one host by
-construction, the profile also records the host's cores (``cores``).
-
-Then the anchors (``anchors``): every algorithm the transport runs, timed
-at its smallest size (one float32 per rank), which fixes the algorithm's own
-fixed cost in :func:`~.model.predict`, at the pipeline segment (1 MiB: the
-largest message sent whole, where the formulas change shape) and at 4 and
-16 MiB (:data:`LARGE_ANCHOR_BYTES`); between and beyond them the
-prediction scales what the formula adds with size to meet the measurements.
-
-Last, the stretch table (``stretch``): the same probes plus 1 MiB ones run
-(and the shared-window allreduce and bcast where the transport has a
-window) run at P ranks and, in further jobs, at each count of
-``--stretch-ranks`` (on shared memory by default every count above P up
-to 8, or 4 per core); at each count the times are fitted to
-``a L + b B + f F``, L, B and F being the message-latency, per-byte and
-fence terms of the unstretched prediction. Ranks that outnumber the cores
-wait for descheduled peers, which multiplies the latency terms far more
-than the per-byte ones, and a fence waits for every rank; the measured
-factors replace the ``p / cores`` guess. The stretch jobs measure the
-anchors at their rank count too.
-
-The profile is saved where :func:`~.profile.profile_path` says
-(``COLLECTIVES_PROFILE``, else the user's cache directory; see
-:mod:`.profile`, which loads it for the selector). What the ranks measure
-is :mod:`.calibration_measurements`, the fits :mod:`.calibration_fits`;
-this module is the command and the jobs it starts.
+starts P local ranks (``mpiexec`` for ``--transport mpi``) and measures, in
+order: a ping-pong sweep fitted to ``alpha + n beta`` (piecewise where the
+transport changes protocol), the exchange factor, gamma per dtype, the
+copy bandwidth and the fence, the per-message overhead and per-call cost,
+every algorithm's anchors, and the stretch table at further rank counts.
+docs/cost-models.md ("Calibration") says what each step measures and how
+it is fitted. The profile is saved where :func:`~.profile.profile_path`
+says. What the ranks measure is :mod:`.calibration_measurements`, the fits
+:mod:`.calibration_fits`; this module is the command and the jobs it starts.
 """
 
 from __future__ import annotations

@@ -24,24 +24,8 @@ it is made): the first layer computes no BP-GC (nothing needs the gradient
 of the input data); pooling layers have no GEMM and cost their memory
 traffic; the reduction arithmetic of an allreduce costs ``gamma`` per byte.
 
-What the model gives on the paper's cluster (``clusters.skylake``: 1000
-Xeon 8180M nodes, 200 Gb/s, 0.5 us; blocked GEMM; batch 60 per node;
-``allreduce="auto"``), per step at 1000 nodes, star / 2-D mesh::
-
-    network     compute   comm star / mesh   step (overlap)   step (no overlap)
-    AlexNet      96.9 ms    32.9 / 26.3 ms    97.1 / 97.0 ms   129.8 / 123.2 ms
-    VGG16      1450.1 ms    70.2 / 58.2 ms  1450.1 / 1450.1   1520.3 / 1508.2 ms
-    ResNet-50   334.8 ms    45.5 / 13.9 ms   334.8 / 334.8    380.2 / 348.7 ms
-    Inception3  630.0 ms    65.1 / 15.7 ms   630.0 / 630.0    695.1 / 645.7 ms
-
-All four CNNs are compute-bound at batch 60 per node (efficiency >= 99.8 %
-with overlap; 75-98 % without), overlap hides nearly all communication, and
-doubling the link bandwidth to 400 Gb/s shortens the collectives (ResNet-50
-star 45.5 -> 35.0 ms). At 1000 nodes the star's 1-D bucket algorithm pays
-``2 (P-1) alpha`` per layer, so networks of many small layers (ResNet-50,
-Inception v3) communicate less on the mesh, whose latency term is
-``2 (d1 + d2 - 2) alpha``. At batch 1 per node all four are
-communication-bound.
+What it gives on the paper's cluster (four CNNs at 1000 nodes, star and
+2-D mesh) is in docs/training-model.md.
 """
 
 from __future__ import annotations
