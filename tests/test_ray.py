@@ -250,7 +250,10 @@ def test_group_with_a_busy_actor_fails_on_every_rank_and_the_name_stays_free():
     message = str(info.value)
     # the driver gives up on its members at 2 x timeout + RAY_SLACK (Ray's own calls are slow on a busy machine)
     assert elapsed < 2 * timeout + RAY_SLACK + 2, elapsed
-    assert "create_collective_group('late')" in message and "rank(s) [2] of 3 did not join" in message, message
+    assert "create_collective_group('late')" in message, message
+    # the others name rank 2 as missing, or (a loaded machine starts Ray's rendezvous actor late)
+    # say the rendezvous did not answer in time; either way rank 2 is named as still forming
+    assert "rank(s) [2] of 3 did not join" in message or "did not answer within" in message, message
     assert "rank 2: still forming the group" in message, message
     get(signal.release.remote())
     get(busy)
