@@ -12,7 +12,9 @@ field changed) or passes a bad argument as a root. Per scenario and
 transport it prints: trials, the outcomes of the ranks that did not cause
 the fault (the expected error, or anything else), the time from the fault
 to each survivor's error (best and worst), and leftovers (processes still
-alive after the trial, this run's files left in /dev/shm).
+alive after the trial, this run's files left in /dev/shm: the library's,
+and the segments MPI mapped in its ranks, which the trial then removes; a
+killed MPICH job leaves those).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import time
 from collections import defaultdict
 from typing import Sequence
 
+from .faults import remove_left
+
 __all__ = ["main", "SCENARIOS"]
 
 SCENARIOS = ("kill", "stop", "raise", "exit", "abort", "mismatch", "refuse")
@@ -44,9 +48,11 @@ def _rank(ns) -> int:
 
     import collectives
     from collectives import CollectiveError
-    from collectives.bench.faults import Spec, call
+    from collectives.bench.faults import Spec, call, mapped_shm_files
 
     comm = collectives.init(timeout=COMM_TIMEOUT)
+    sys.stdout.write("@@shm" + json.dumps(mapped_shm_files()) + "\n")  # before any fault: MPI's segments
+    sys.stdout.flush()
     rng = random.Random(ns.seed)
     victim, at = rng.randrange(comm.size), rng.randrange(2, 30)
     loop = [Spec("allreduce", count=8), Spec("allreduce", count=300_000), Spec("bcast", count=1000),
@@ -147,7 +153,9 @@ def _trial(transport: str, scenario: str, p: int, seed: int) -> dict:
             _kill_group(proc)
         out, _ = proc.communicate()
         outs.append(out.decode(errors="replace"))
-    records = [json.loads(line[2:]) for out in outs for line in out.splitlines() if line.startswith("@@")]
+    lines = [line for out in outs for line in out.splitlines()]
+    records = [json.loads(line[2:]) for line in lines if line.startswith("@@") and not line.startswith("@@shm")]
+    mapped = [path for line in lines if line.startswith("@@shm") for path in json.loads(line[5:])]
     pids = {rec["pid"] for rec in records}
     _resume(pids)
     time.sleep(0.2)
@@ -158,7 +166,8 @@ def _trial(transport: str, scenario: str, p: int, seed: int) -> dict:
         except OSError:
             pass
     shm = [n for n in _listdir("/dev/shm") if job in n]
-    return {"records": records, "alive": len(alive), "shm": len(shm)}
+    left = remove_left(path for path in mapped if job not in path)  # MPI's own segments, gone with the job
+    return {"records": records, "alive": len(alive), "shm": len(shm) + left}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

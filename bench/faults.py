@@ -4,14 +4,17 @@ made from a description, fresh communicators inside one job, outcomes.
 A *spec* describes one rank's call: ``(collective, algorithm, dtype, count,
 op, root)``. :func:`call` makes it on guarded buffers (each with a guard
 region after its end that must stay untouched) and reports what happened.
+:func:`mapped_shm_files` and :func:`remove_left` clear what a killed MPI job
+leaves in /dev/shm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -36,6 +39,30 @@ class Spec:
 
     def with_(self, **changes: Any) -> "Spec":
         return Spec(**{**self.__dict__, **changes})
+
+
+def mapped_shm_files() -> list[str]:
+    """The files in /dev/shm this process maps. MPICH maps its segments at
+    MPI_Init and removes them at MPI_Finalize, so a job whose rank was killed
+    leaves them: a rank reports these, and its job's runner removes them."""
+    found = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            path = fields[5].strip() if len(fields) == 6 else ""
+            if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+                found.add(path)
+    return sorted(found)
+
+
+def remove_left(paths: Iterable[str]) -> int:
+    """Remove ``paths`` (files of a job that has ended) that still exist; how many did."""
+    removed = 0
+    for path in set(paths):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed += 1
+    return removed
 
 
 def guarded(n: int, dtype: str, value: float = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import collectives  # noqa: E402
 from collectives import errors, signature  # noqa: E402
+from collectives.bench.faults import mapped_shm_files  # noqa: E402
 from collectives.context import CallContext  # noqa: E402
 from collectives.errors import CollectiveError  # noqa: E402
 from collectives.ops import get_op  # noqa: E402
@@ -49,7 +50,9 @@ class Record:
 
     def __init__(self, outdir: str, rank: int, size: int) -> None:
         self.path = os.path.join(outdir, f"rank-{rank}.json")
-        self.data: dict = {"rank": rank, "size": size, "cases": {}, "acted_at": None, "signed": None}
+        # (MPICH's segments: a job whose rank was killed leaves them, and the test removes them)
+        self.data: dict = {"rank": rank, "size": size, "cases": {}, "acted_at": None, "signed": None,
+                           "shm_files": mapped_shm_files()}
 
     def run(self, name: str, body) -> None:
         """Run ``body()`` as case ``name`` and record its outcome."""

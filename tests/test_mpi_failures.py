@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from collectives.bench.faults import remove_left
+
 HERE = os.path.dirname(__file__)
 MAIN = os.path.join(HERE, "mpi_failure_main.py")
 MPIEXEC = shutil.which("mpiexec")
@@ -80,6 +82,7 @@ def launch(tmp_path, p: int, *args: str) -> Run:
         path = tmp_path / f"rank-{r}.json"
         if path.exists():
             run.ranks[r] = json.loads(path.read_text())
+            remove_left(run.ranks[r].get("shm_files", []))  # the job has ended: what MPICH left of it goes
         beat = tmp_path / f"alive-{r}"
         if beat.exists() and beat.stat().st_size >= 8:
             run.alive[r] = struct.unpack("<d", beat.read_bytes()[:8])[0]
