@@ -116,9 +116,14 @@ def test_the_load_runs_through_the_sweep_and_is_gone_after(tmp_path):
     assert all("time_us_p99" in r for r in doc["results"])
 
 
+def _endless_bench(load: str, cwd) -> _Bench:
+    """A bench that would run for hours under ``--background-load load``, started."""
+    return _Bench(["allreduce", "-n", "2", "--sizes", "8", "--iters", "100000000", "--warmup", "1",
+                   "--background-load", load], cwd)
+
+
 def test_ctrl_c_stops_the_load(tmp_path):
-    bench = _Bench(["allreduce", "-n", "2", "--sizes", "8", "--iters", "100000000", "--warmup", "1",
-                    "--background-load", "2:busy"], tmp_path)
+    bench = _endless_bench("2:busy", tmp_path)
     try:
         pids = bench.pids(60)
         assert len(pids) == 2, "".join(bench.err)
@@ -130,8 +135,7 @@ def test_ctrl_c_stops_the_load(tmp_path):
 
 
 def test_a_killed_bench_leaves_no_load_behind(tmp_path):
-    bench = _Bench(["allreduce", "-n", "2", "--sizes", "8", "--iters", "100000000", "--warmup", "1",
-                    "--background-load", "2:bursty"], tmp_path)
+    bench = _endless_bench("2:bursty", tmp_path)
     try:
         pids = bench.pids(60)
         assert len(pids) == 2, "".join(bench.err)
