@@ -34,30 +34,28 @@ _NDARRAY = np.ndarray
 _ABSENT = object()
 
 
-def call_key(collective: str, algorithm: str, root: Any, op: Any, first: Any = _ABSENT, second: Any = _ABSENT,
-             counts: Any = None) -> tuple | None:
-    """The key of a call in a :class:`BoundedCache`: ``collective``,
-    ``algorithm``, ``root`` and ``op`` (None where the collective has none),
-    each array's dtype and size (an array passed as None, one a rank does
-    not pass, such as gather's ``recvbuf`` off the root, keys as None), and
-    ``counts`` where given. None where the call cannot be kept: an array
-    that is not a 1-D numpy array, a root that is not an int, an op that is
-    not a name. (Positional and unrolled: it is on every blocking call.)"""
+def call_key(collective: str, algorithm: str, root: Any, op: Any, first: Any = _ABSENT,
+             second: Any = _ABSENT) -> tuple | None:
+    """The key of a prepared call: ``collective``, ``algorithm``, ``root``
+    and ``op`` (None where the collective has none), and each array's dtype
+    and size (an array passed as None, one a rank does not pass, such as
+    gather's ``recvbuf`` off the root, keys as None). None where the call
+    cannot be kept: an array that is not a 1-D numpy array, a root that is
+    not an int, an op that is not a name. (Positional and unrolled: it is on
+    every blocking call.)"""
     if (root is not None and type(root) is not int) or (op is not None and type(op) is not str):
         return None
     if first is _ABSENT:
-        key = (collective, algorithm, root, op)
-    elif type(first) is not _NDARRAY or first.ndim != 1:
+        return (collective, algorithm, root, op)
+    if type(first) is not _NDARRAY or first.ndim != 1:
         return None
-    elif second is _ABSENT:
-        key = (collective, algorithm, root, op, first.dtype, first.size)
-    elif second is None:
-        key = (collective, algorithm, root, op, first.dtype, first.size, None, None)
-    elif type(second) is not _NDARRAY or second.ndim != 1:
+    if second is _ABSENT:
+        return (collective, algorithm, root, op, first.dtype, first.size)
+    if second is None:
+        return (collective, algorithm, root, op, first.dtype, first.size, None, None)
+    if type(second) is not _NDARRAY or second.ndim != 1:
         return None
-    else:
-        key = (collective, algorithm, root, op, first.dtype, first.size, second.dtype, second.size)
-    return key if counts is None else key + (tuple(counts),)
+    return (collective, algorithm, root, op, first.dtype, first.size, second.dtype, second.size)
 
 
 class BoundedCache(dict):
