@@ -304,6 +304,48 @@ def test_a_mismatch_of_prepared_calls_is_caught_on_every_rank(p, field, both_pre
         assert guards and untouched, f"rank {r}: its buffer or a guard changed"
 
 
+#: collective: (a call on x of 8 float32 per rank, rank 1's differing call, what the error names)
+PREPARED_CALLS = {
+    "bcast": (lambda c, x: c.bcast(x, root=0), lambda c, x: c.bcast(x, root=1), "root"),
+    "reduce": (lambda c, x: c.reduce(x, root=0), lambda c, x: c.reduce(x, root=0, op="max"), "op"),
+    "gather": (lambda c, x: c.gather(x, np.zeros(8 * c.size, np.float32) if c.rank == 0 else None, root=0),
+               lambda c, x: c.gather(x, np.zeros(8 * c.size, np.float32), root=1), "root"),
+    "reduce_scatter": (lambda c, x: c.reduce_scatter(np.ones(8 * c.size, np.float32), x),
+                       lambda c, x: c.reduce_scatter(np.ones(8 * c.size, np.float32), x, op="min"), "op"),
+    "alltoall": (lambda c, x: c.alltoall(np.ones(8 * c.size, np.float32), np.zeros(8 * c.size, np.float32)),
+                 lambda c, x: c.alltoall(np.ones(4 * c.size, np.float32), np.zeros(4 * c.size, np.float32)),
+                 "rank 1 has float32 x"),
+}
+
+
+def prepared_then_different(comm, collective: str):
+    """``collective`` repeated until it is a prepared call on every rank, then
+    rank 1 alone makes it with another root, op or size."""
+    same, different, _ = PREPARED_CALLS[collective]
+    x = np.ones(8, np.float32)
+    for _ in range(5):
+        same(comm, x)
+    t0 = time.monotonic()
+    try:
+        (different if comm.rank == 1 else same)(comm, x)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    return outcome, message, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("collective", sorted(PREPARED_CALLS))
+@pytest.mark.parametrize("p", [2, 3])
+def test_prepared_calls_of_every_kind_check_their_signatures(p, collective):
+    """Prepared calls skip validation, never the signature check: a rank that
+    changes a field of a call every rank has prepared fails it on every rank."""
+    named = PREPARED_CALLS[collective][2]
+    for r, (outcome, message, elapsed) in enumerate(run_ranks(prepared_then_different, p, collective, timeout=60)):
+        assert outcome == "MismatchedCollective", f"rank {r}: {outcome} {message}"
+        assert named in message and f"{collective} #" in message, f"rank {r}: {message}"
+        assert elapsed < BOUND, f"rank {r}: {elapsed:.2f} s"
+
+
 def one_rank_bad_argument(comm, algorithm: str):
     """Rank 1 alone passes a read-only buffer to an allreduce."""
     raw, x = guarded(64, "float32", comm.rank + 1)
