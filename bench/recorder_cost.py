@@ -69,7 +69,7 @@ def measure(rounds: int = 21, iters: int = 20000, nbytes: int = 8, transport: st
     try:
         bufs = {k: np.ones(max(1, nbytes // 4), np.float32) for k in comms}
         for k, c in comms.items():
-            _block(c, bufs[k], max(10, iters // 10))  # warm up: prepared calls, native plans
+            _block(c, bufs[k], max(10, iters // 10))  # warm up: prepared calls, compiled calls
         times: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(rounds):
             for k in (("off", "on") if r % 2 == 0 else ("on", "off")):

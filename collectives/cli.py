@@ -153,9 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``collectives`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
-        from . import __version__, native
+        from . import __version__, compiled
 
-        print(f"collectives {__version__} (native fast path {'built' if native.built else 'not built'}, "
+        print(f"collectives {__version__} (compiled fast path {'built' if compiled.built else 'not built'}, "
               f"Python {sys.version.split()[0]})")
         return 0
     if not argv or argv[0] in ("-h", "--help"):

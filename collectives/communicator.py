@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import debug_log, flight_recorder, native, signature, tracing
+from . import debug_log, flight_recorder, compiled, signature, tracing
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES
 from .errors import BadArgument, CollectiveError
@@ -42,7 +42,7 @@ from .prepared import PreparedCalls, apart, call_key
 from .selection import RuleSelector, Selector, size_bucket
 from .survival import Survival
 from .transport import Transport
-from .window_contract import NATIVE_PLANS
+from .window_contract import COMPILED_CALLS
 
 __all__ = ["Communicator", "live_communicators"]
 
@@ -109,8 +109,8 @@ class Communicator(CallExecution, Survival):
         if self._recorder is not None:
             flight_recorder.install_dump_on_signal(self._recorder)
             window = transport.window
-            if window is not None and NATIVE_PLANS in window.features:
-                r = self._recorder  # native plans record their own calls
+            if window is not None and COMPILED_CALLS in window.features:
+                r = self._recorder  # compiled calls record their own calls
                 window.record_calls(r.ring)
         _live.add(self)
 
@@ -367,7 +367,7 @@ class Communicator(CallExecution, Survival):
             def args(a: tuple) -> tuple:
                 recv, send = a
                 if send is not None and send.size:
-                    native.copy(recv[lo:hi], send)  # a no-op when sendbuf already is this block
+                    compiled.copy(recv[lo:hi], send)  # a no-op when sendbuf already is this block
                 return recv, counts
             self._remember(key, plan, (True, False), args, as_is=False)
         return self._call(plan, timeout)

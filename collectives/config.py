@@ -93,7 +93,7 @@ def _settings() -> dict[str, Setting]:
                 "machine costs every call 100 us or more", "shm"),
         Setting("WINDOW_DIRECT_BYTES", "bytes", None, "read peers' buffers directly from this size on, for every "
                 "collective (default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
-        Setting("NATIVE", "bool", True, "use the C fast path when it is built", "shm"),
+        Setting("COMPILED", "bool", True, "use the C fast path when it is built", "shm"),
         # TCP
         Setting("ZMQ_LANES", "bool", True, "carry the data of TCP jobs on direct lanes (not over ZeroMQ)", "tcp"),
         Setting("ZMQ_REUSE_BUFFERS", "bool", True, "let glibc reuse libzmq's receive buffers", "tcp"),

@@ -4,7 +4,7 @@ Lines go to standard error (or ``COLLECTIVES_DEBUG_FILE``, where ``%h``
 becomes the host name, ``%p`` the process id and ``%r`` the rank: one file
 per rank), each prefixed with host, process id and rank::
 
-    node3:4242:1 collectives INFO init: transport shm (window), native on, ...
+    node3:4242:1 collectives INFO init: transport shm (window), compiled on, ...
 
 ``COLLECTIVES_DEBUG_SUBSYS=init,shm,tcp,select`` keeps only those
 subsystems (loggers ``collectives.<subsys>``; ``^shm`` drops one). At INFO,
@@ -89,11 +89,11 @@ def configure(rank: int | None = None) -> None:
 
 def init_summary(comm, launcher: str, profile: str | None) -> str:
     """The line every rank logs at INFO when it starts."""
-    from . import native
+    from . import compiled
 
     t = comm.transport
     caps = ",".join(sorted(t.capabilities)) or "none"
     return (f"init: rank {comm.rank} of {comm.size}, transport {t.name} ({caps}), launcher {launcher}, "
-            f"native fast path {'on' if native.enabled() is not None else 'off'}, "
+            f"compiled fast path {'on' if compiled.enabled() is not None else 'off'}, "
             f"calibration profile {profile or 'none (the default rule chooses)'}, timeout {comm.timeout:g} s, "
             f"flight recorder {comm._recorder.capacity if comm._recorder else 'off'}")

@@ -3,7 +3,7 @@
 A mixin of :class:`~collectives.communicator.Communicator`: everything
 between a public method and the algorithm. A call is planned
 (:mod:`.planning`), takes the next sequence number, and runs either as a
-prepared call (:mod:`.prepared`; a shared window's native plan where there
+prepared call (:mod:`.prepared`; a shared window's compiled call where there
 is one) or through :meth:`CallExecution._execute`: the call's signature is
 published (``transport.begin_call``), a refusing rank takes part in the
 call to refuse it everywhere, a call that moves no data still meets every
@@ -123,7 +123,7 @@ class CallExecution:
         self._seq = seq = (self._seq + 1) % TAG_SPACE  # tags in step with the full path: ranks may mix both
         rec = self._recorder
         direct = entry.direct
-        if direct is not None:  # a native plan on the call's arrays as they are; it records itself
+        if direct is not None:  # a compiled call on the call's arrays as they are; it records itself
             if timeout is not None and rec is not None:
                 rec.timed(seq, limit)
             try:
@@ -151,7 +151,7 @@ class CallExecution:
         return True
 
     def _started(self, seq: int) -> float:
-        """When call ``seq`` started, as its native plan recorded it (now, where nothing did)."""
+        """When call ``seq`` started, as its compiled call recorded it (now, where nothing did)."""
         rec = self._recorder
         return float(rec.start[seq & (rec.capacity - 1)]) if rec is not None else _now()
 

@@ -80,7 +80,7 @@ class FlightRecorder:
     ``failures``) and its signature record (``sigs``, three uint64 words,
     word 0 with the call number, so that a row of an older call is told
     apart). A shared window's
-    native plans fill their calls' slots themselves (the repeated small
+    compiled calls fill their calls' slots themselves (the repeated small
     calls: nothing is done for them in Python); other calls go through
     :meth:`begin` and :meth:`finish`.
     """

@@ -1,50 +1,17 @@
 """``collectives run``: start N local ranks, like ``torchrun --standalone``
-(several nodes: :mod:`collectives.multinode`, which uses this module's
-:func:`run_processes`).
+(several nodes: :mod:`collectives.multinode`, which uses :func:`run_processes`).
 
 Each rank gets the environment :func:`collectives.init` reads (and torch's
-RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so torch scripts run unchanged);
-with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set (as torchrun
-does; OpenBLAS and torch follow it).
-Output is streamed with a rank prefix. If one rank fails, the others are
-stopped and the launcher exits with that rank's status, as a shell reports
-it: 128 + N for a rank killed by signal N. With ``--on-failure continue``
-the others go on; at the end the launcher names every rank that failed, in
-the order it saw them fail, and exits with the first one's status (as
-torchrun and mpiexec report the first failure). SIGTERM, SIGINT or SIGHUP to the
-launcher stops every rank and the launcher exits with 128 + that signal; a
-timeout exits with 124; a program that cannot be started, with 127 (not
-found) or 126 (not executable).
-
-No rank outlives the launcher:
-
-* Each rank runs in a session (and process group) of its own, so a signal
-  meant for the launcher's terminal reaches the launcher alone; when the job
-  ends, however it ends, the launcher stops every process left in the
-  ranks' groups (SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`).
-* If the launcher dies without stopping them (SIGKILL, a crash), each rank
-  gets SIGKILL from the kernel (Linux ``PR_SET_PDEATHSIG``, set in the rank
-  between fork and exec; it fires when the thread that started the rank
-  exits, and :func:`launch` returns only after its ranks have ended). A
-  watchdog process, which the launcher starts first and which reads a pipe
-  from it, then sees the pipe close and stops every process left in the
-  ranks' groups: the processes the ranks started.
-
-Not covered: a process a rank started that left the rank's group or session
-(``setsid``, ``setpgid``, a daemon) when the launcher dies without stopping
-it; a rank that runs a set-user-ID program (the kernel clears the
-death signal then) while the watchdog is gone too; and, off Linux, the
-death signal itself (only the watchdog acts there).
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT). Output is streamed with a rank
+prefix; one rank's failure stops the others (or not, ``--on-failure
+continue``) and becomes the launcher's exit status. No rank outlives the
+launcher: each runs in a session of its own, gets SIGKILL from the kernel
+when the launcher dies (``PR_SET_PDEATHSIG``), and a watchdog process stops
+what the ranks started. Ranks are bound to cores when they outnumber them.
+The statuses, the guarantees and what they do not cover: docs/launching.md.
 
 This module imports only the standard library: it is also the watchdog's
 script (``python -I -S launcher.py --watch PID``).
-
-Binding (``bind``, or ``COLLECTIVES_BIND``): with ``auto`` (the default),
-when the ranks outnumber the cores this process may use, rank i is bound to
-the i-th of them, round robin, as MPI launchers bind: left to itself, the
-kernel sometimes crowds three of four ranks onto one of two cores, and
-every collective then takes two to three times as long. ``core`` binds
-that way always, ``none`` never.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import native, signature
+from . import compiled, signature
 from .buffers import flat
 from .errors import BadArgument
 from .ops import Op, get_op
@@ -223,7 +223,7 @@ class Planner:
         if why is not None:
             return self._refused("allreduce", algo, sig, result, why)
         if src is not arr:
-            native.copy(arr, src)
+            compiled.copy(arr, src)
         fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" else None
         return Plan("allreduce", algo, (arr, o), result, sig, fin)
 
@@ -304,7 +304,7 @@ class Planner:
                 return self._refused("allgather", algo, sig, recvbuf,
                                      f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
         if send is not mine and send.size:
-            native.copy(mine, send)  # a no-op copy when sendbuf already is this rank's block
+            compiled.copy(mine, send)  # a no-op copy when sendbuf already is this rank's block
         return Plan("allgather", algo, (recv, counts), recvbuf, sig)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any, algorithm: str,

@@ -11,7 +11,7 @@ Two layers keep what they make once per call key, each in a
 :class:`BoundedCache`: the communicator its prepared calls
 (:class:`PreparedCalls`), and each shared window what its algorithms make
 per buffer shape for the calls that take the full path (nonblocking calls,
-buffers that are not 1-D arrays): views, pieces, native plans.
+buffers that are not 1-D arrays): views, pieces, compiled calls.
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ class Prepared:
         sig: the call's signature without its sequence number.
         writes: per array of the call, whether it is written (checked writable).
         args: ``args(arrays)``, the algorithm's arguments for this call's arrays.
-        func: the algorithm's own persistent plan for this signature (see
+        func: the algorithm's own prepared call for this signature (see
             :class:`~collectives.registry.Algorithm`), else its function.
         ctx: the call context, reused (its tag, signature and deadline set per call).
         check: an extra per-call check ``check(arrays) -> bool`` (False: full path).
-        direct: the persistent plan's ``on_arrays``, ``(go, settle)``: it runs
+        direct: the prepared call's ``on_arrays``, ``(go, settle)``: it runs
             from the call's arrays, ``go(arrays, seq, sig)``, and when that
             returns what to wait for, ``settle(arrays, late, deadline)``;
             None if it has none.
@@ -108,9 +108,9 @@ class PreparedCalls(BoundedCache):
                  writes: tuple[bool, ...], args: Callable[[tuple], tuple], staged: bool,
                  check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
         """Keep ``plan`` (just validated) for repeated calls of ``key``, with the
-        algorithm's own persistent plan where it offers one. ``as_is``: the
+        algorithm's own prepared call where it offers one. ``as_is``: the
         call's arrays are the algorithm's array arguments, in order (so a
-        persistent plan's ``on_arrays`` may take them directly). Plans with a
+        prepared call's ``on_arrays`` may take them directly). Plans with a
         finalizer (``avg``), staged device buffers, a refusal or no data, and
         rooted calls over messages (they start with a signature check), are
         not kept."""

@@ -48,7 +48,7 @@ class Algorithm:
         func: the implementation, ``func(ctx, ...)``.
         needs: transport capabilities it requires (e.g. ``{"window"}``).
         description: one line for ``explain`` and docs.
-        prepare: optional persistent plan, ``prepare(transport, *args)`` with
+        prepare: optional prepared call, ``prepare(transport, *args)`` with
             the arguments of a first call (after ``ctx``), returning a
             function with the algorithm's own signature for later calls
             whose arrays have the same dtypes and sizes and whose other
@@ -77,7 +77,7 @@ _load_lock = threading.RLock()
 def register(collective: str, name: str, needs: tuple[str, ...] = (),
              description: str = "", prepare: Callable | None = None) -> Callable[[Callable], Callable]:
     """Decorator: register ``func`` as algorithm ``name`` of ``collective``
-    (``prepare``: its persistent plan, see :class:`Algorithm`)."""
+    (``prepare``: its prepared call, see :class:`Algorithm`)."""
     if collective not in _ALGORITHMS:
         raise ValueError(f"unknown collective {collective!r}")
 

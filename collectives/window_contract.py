@@ -33,7 +33,7 @@ Step
 
 Post
     A rank posts step k when its writes of step k are complete and visible:
-    a per-rank counter set to k that every rank can read. Native plans
+    a per-rank counter set to k that every rank can read. Compiled calls
     (below) synchronise by posts alone; :meth:`SharedWindow.arrive` posts.
 
 Signature record
@@ -62,12 +62,12 @@ Fence
     A barrier of every rank of the window: every write any rank made before
     its fence is visible to every rank after its fence.
 
-Plan (feature ``"native_plans"``)
+Compiled call (feature ``"compiled_calls"``)
     A collective's one-step case as data, run in one call without the
     interpreter: copies before the post, the post (with the call's record),
     a wait for every rank's post of the step and the verification of every
     record, copies after it and at most one reduction, then done with the
-    step. The same plan runs every repeated call of one signature.
+    step. The same compiled call runs every repeated call of one signature.
 
 Every wait takes a ``deadline`` (``time.monotonic()`` seconds) and raises
 :class:`~collectives.errors.CollectiveTimeout` past it, naming the ranks
@@ -81,7 +81,7 @@ alike, before any data of a peer is read.
 Features
 ========
 
-``"native_plans"``: :meth:`~SharedWindow.plan` and :meth:`~SharedWindow.settle`.
+``"compiled_calls"``: :meth:`~SharedWindow.compile` and :meth:`~SharedWindow.settle`.
 ``"pool"``: every rank maps every rank's shared allocation pool, where
     :meth:`~collectives.transport.Transport.alloc` places user buffers:
     :meth:`~SharedWindow.allocation`, :meth:`~SharedWindow.locate`,
@@ -94,7 +94,7 @@ Features
 ``"huge_pages"``: :meth:`~SharedWindow.huge_pages` tells whether a buffer
     lies in huge pages (direct access to other pages may be slow).
 
-``"native_plans"``, ``"pool"`` and ``"direct_access"`` decide which path
+``"compiled_calls"``, ``"pool"`` and ``"direct_access"`` decide which path
 every rank takes, so they must be the same on every rank; ``"adoption"``
 and ``"huge_pages"`` may differ (what they find is published to the peers).
 """
@@ -106,26 +106,26 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["SharedWindow", "WindowPlan", "FEATURES", "NATIVE_PLANS", "POOL", "ADOPTION", "DIRECT_ACCESS",
+__all__ = ["SharedWindow", "CompiledCall", "FEATURES", "COMPILED_CALLS", "POOL", "ADOPTION", "DIRECT_ACCESS",
            "HUGE_PAGES"]
 
-NATIVE_PLANS = "native_plans"
+COMPILED_CALLS = "compiled_calls"
 POOL = "pool"
 ADOPTION = "adoption"
 DIRECT_ACCESS = "direct_access"
 HUGE_PAGES = "huge_pages"
 #: Every feature a window may declare.
-FEATURES = frozenset({NATIVE_PLANS, POOL, ADOPTION, DIRECT_ACCESS, HUGE_PAGES})
+FEATURES = frozenset({COMPILED_CALLS, POOL, ADOPTION, DIRECT_ACCESS, HUGE_PAGES})
 
 
-class WindowPlan(Protocol):
-    """A plan made by :meth:`SharedWindow.plan` (feature ``"native_plans"``)."""
+class CompiledCall(Protocol):
+    """A call compiled by :meth:`SharedWindow.compile` (feature ``"compiled_calls"``)."""
 
     def run(self, arrays: tuple, seq: int, sig: tuple[int, int, int]) -> Any:
         """Take the next step for call ``seq`` whose signature is ``sig`` (its
         three words, without the sequence number) on the call's ``arrays``:
         the window's turn goes up by one; this rank is then done with every
-        earlier step; the plan writes its ``before`` copies (once every rank
+        earlier step; the call writes its ``before`` copies (once every rank
         is done with step k - 2, if they land in the window), writes this
         rank's record of ``seq`` from ``sig``, posts the step, waits for
         every rank's post, verifies every record, does its ``after`` copies
@@ -224,12 +224,12 @@ class SharedWindow(abc.ABC):
             as an arrival, what :meth:`arrive` raises).
         """
 
-    # ------------------------------------------------ feature "native_plans"
+    # ------------------------------------------------ feature "compiled_calls"
 
-    def plan(self, narrays: int, before: list, after: list, reduce: tuple | None,
-             sources: list[int]) -> WindowPlan:
-        """A collective's one-step case as a :class:`WindowPlan` (feature
-        ``"native_plans"``).
+    def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
+                sources: list[int]) -> CompiledCall:
+        """A collective's one-step case as a :class:`CompiledCall` (feature
+        ``"compiled_calls"``).
 
         Args:
             narrays: how many arrays each run passes (at most 4; an array
@@ -237,7 +237,7 @@ class SharedWindow(abc.ABC):
             before: copies ``(src, dst, nbytes)`` made before the post.
             after: copies made once every rank posted and every record agrees.
             reduce: None, or ``(dst, srcs, count, dtype code, op code)``
-                (codes of :func:`collectives.native.kernel_codes`): ``dst =
+                (codes of :func:`collectives.compiled.kernel_codes`): ``dst =
                 srcs[0] op srcs[1] ...`` over ``count`` elements, in rank
                 order, after the ``after`` copies.
             sources: the ranks whose regions ``after`` and ``reduce`` read.
@@ -247,13 +247,13 @@ class SharedWindow(abc.ABC):
         0``, a1 on the others.
 
         Raises:
-            NotImplementedError: the window does not offer ``"native_plans"``.
+            NotImplementedError: the window does not offer ``"compiled_calls"``.
             ValueError, TypeError: a malformed description.
         """
-        raise NotImplementedError("this window has no native plans")
+        raise NotImplementedError("this window has no compiled calls")
 
     def record_calls(self, ring: Any) -> None:
-        """("native_plans") Have every plan run record itself in row
+        """("compiled_calls") Have every compiled call record itself in row
         ``seq & (n - 1)`` of ``ring``, n rows of 8 float64 (one cache line
         each; n a power of two: a flight recorder's ring): its start and end
         (seconds of the monotonic clock, as ``time.monotonic()``) as elements
@@ -261,9 +261,9 @@ class SharedWindow(abc.ABC):
         record) as elements 2 to 4 seen as uint64; None stops it. A window may
         ignore it (its calls are then recorded from Python)."""
 
-    def settle(self, plan: WindowPlan, arrays: tuple, late: Any, deadline: float) -> None:
-        """Finish a :meth:`WindowPlan.run` that returned ``late``: wait, resume,
-        until it is done (feature ``"native_plans"``).
+    def settle(self, call: CompiledCall, arrays: tuple, late: Any, deadline: float) -> None:
+        """Finish a :meth:`CompiledCall.run` that returned ``late``: wait, resume,
+        until it is done (feature ``"compiled_calls"``).
 
         Raises:
             MismatchedCollective, BadArgument: the records disagree, or a
@@ -271,7 +271,7 @@ class SharedWindow(abc.ABC):
             CollectiveTimeout, PeerLost, or the error of a peer's abort (the
                 run is abandoned).
         """
-        raise NotImplementedError("this window has no native plans")
+        raise NotImplementedError("this window has no compiled calls")
 
     # -------------------------------------------------------- feature "pool"
 

@@ -1,58 +1,17 @@
 """The alpha-beta-gamma model: parameters, the formula table and shared terms.
 
 A formula ``T(p, n, P)`` gives the predicted seconds of one algorithm for
-``p`` ranks and ``n`` bytes (the size convention of the selector: the whole
-buffer, or for scatter, gather, allgather, reduce_scatter and alltoall the
-p blocks together) under parameters ``P`` (:class:`Params`, resolved for one
-dtype). Formulas register with :func:`cost_model` under (collective, name),
-the same key as the algorithm they describe.
-
-Terms (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007):
-
-* a message of m bytes costs ``P.msg(m) = alpha + m beta``; a transport
-  that changes protocol with size has piecewise (alpha, beta)
-  (``Params.protocol``);
-* a step in which a rank sends m bytes and receives m bytes at once (an
-  exchange: ring, recursive doubling and halving, pairwise, Bruck, the
-  middle of a chain) costs ``P.xmsg(m) = alpha + m beta x``: x
-  (``Params.exchange``) is 1 on a full-duplex network, and near 2 where the
-  CPUs of both ends move the bytes (shared memory: a rank copies its
-  outgoing message in and its incoming one out), which a one-way ping-pong
-  cannot see;
-* a rank's outgoing and incoming links carry one message at a time, so the
-  messages a rank posts together cost the sum of their ``msg``;
-* reducing m bytes costs ``m gamma`` on the reducing rank;
-* copying m bytes locally costs ``m / mem_bandwidth`` (the simulator does
-  not charge copies; its tests use an infinite bandwidth);
-* a shared-window fence costs ``P.fence`` seconds;
-* every message also costs its sender and receiver ``P.overhead`` of CPU
-  (LogP's o: the algorithm's bookkeeping around a send or receive), so
-  ``msg(m) = alpha + overhead + m beta``; and every call costs ``P.call``
-  once (argument checks, algorithm choice, the plan), added by
-  :func:`predict`;
-* when more ranks share a host than it has cores (``P.cores``), they take
-  turns: every term stretches by ``p / cores``; a calibrated profile
-  replaces that guess with measured stretch factors per rank count
-  (``P.stretch``: one each for the message latency, message-byte, fence
-  and local (copies and reductions) terms, since waiting for a descheduled
-  peer costs latency far more than bandwidth, a fence waits for every rank,
-  and a message's bytes wait for the peer that moves them while a local
-  copy does not);
-* each algorithm's own fixed cost (its Python work per call and per step,
-  which no per-message term captures for every algorithm alike): where a
-  calibrated profile measured an algorithm at its smallest size for this p
-  (``P.anchors``), the prediction is that time plus what the formula adds
-  from there to n bytes; and where it also measured it at larger sizes, what
-  the formula adds between two measured sizes is scaled so that the
-  prediction meets both (beyond the last, at the last interval's scale:
-  the formula gives the shape in between and beyond; the scale covers
-  what the terms miss, such as the CPU time of copies through shared memory
-  competing with the reductions of the same rank).
-
-A long message travels in pieces of ``segment_bytes`` (rounded down to whole
-elements); when the receiver reduces each piece as it lands, the stream
-costs :func:`stream` (pieces arrive back to back; the last reduction ends
-the stream).
+``p`` ranks and ``n`` bytes (the whole buffer, or for scatter, gather,
+allgather, reduce_scatter and alltoall the p blocks together) under
+parameters ``P`` (:class:`Params`, resolved for one dtype). Formulas
+register with :func:`cost_model` under (collective, name), the key of the
+algorithm they describe. The terms (after Thakur, Rabenseifner and Gropp
+2005; Chan et al. 2007): a message ``P.msg(m) = alpha + overhead + m beta``,
+an exchange step ``P.xmsg(m)``, reductions ``m gamma``, local copies, fences,
+a per-call cost, the stretch of ranks that outnumber the cores, and the
+anchors a calibrated profile measured; docs/cost-models.md gives each.
+A long message travels in pieces of ``segment_bytes``; a stream reduced as
+it lands costs :func:`stream`.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _check_mismatches(outcomes, senders_may_finish: bool) -> None:
 @pytest.mark.parametrize("collective", ALL)
 @pytest.mark.parametrize("p", [2, 3])
 def test_shared_window_mismatches_are_caught_on_every_rank(collective, p):
-    """The default path (``auto``: the shared window), small calls (native plans)."""
+    """The default path (``auto``: the shared window), small calls (compiled calls)."""
     outcomes = run_ranks(mismatch_every_field, p, collective, 8, "auto", timeout=120)
     _check_mismatches(outcomes, senders_may_finish=False)
 
@@ -270,7 +270,7 @@ def test_a_numpy_scalar_is_a_bad_argument_on_every_rank(transport):
 
 def prepared_mismatch(comm, field: str, both_prepared: bool):
     """An allreduce repeated until it is a prepared call (the shared window's
-    native plan), then rank 1 changes ``field``: every rank raises
+    compiled call), then rank 1 changes ``field``: every rank raises
     MismatchedCollective in that call, naming the field, guards intact.
     ``both_prepared``: rank 1's call was made (and prepared) before too."""
     n = 8

@@ -28,7 +28,7 @@ def a_few_calls(comm):
 
 def repeated_calls(comm):
     x = np.ones(4, np.float32)
-    for _ in range(6):  # after the first, prepared calls: a native plan records itself
+    for _ in range(6):  # after the first, prepared calls: a compiled call records itself
         comm.allreduce(x)
     comm.allreduce(x, timeout=7.5)
     return comm.flight_record()
@@ -198,7 +198,7 @@ def test_records_name_the_peers_and_queued_calls_keep_their_fields():
 
 
 def test_the_flight_record_says_every_rank_is_a_peer_on_real_ranks():
-    for records in run_ranks(repeated_calls, 2, timeout=60):  # native plans' records too
+    for records in run_ranks(repeated_calls, 2, timeout=60):  # compiled calls' records too
         assert {r["peers"] for r in records} == {"all"}, records
 
 
@@ -331,10 +331,10 @@ def test_merge_takes_a_directory_of_jobs_or_one_job(tmp_path):
 
 
 def _copies(comm, where: str):
-    comm.allgather(np.ones(300_000, np.float32))  # more than one piece: no native plan
+    comm.allgather(np.ones(300_000, np.float32))  # more than one piece: no compiled call
     comm.bcast(np.ones(600_000, np.float32), 0)
     comm.allreduce(np.ones(200_000, np.float32))
-    comm.allreduce(np.ones(4, np.float32))  # a native plan: one step, no phases of its own
+    comm.allreduce(np.ones(4, np.float32))  # a compiled call: one step, no phases of its own
     return comm.rank
 
 

@@ -1,4 +1,4 @@
-"""The shared window's protocol under a mixed load: native plans (which wait
+"""The shared window's protocol under a mixed load: compiled calls (which wait
 only for the ranks they read from), fenced steps of the Python algorithms
 (large messages, half floats, direct reads), prepared and full-path calls,
 nonblocking calls, and ranks that lag at random, in one seeded sequence that
@@ -100,6 +100,6 @@ def test_a_mixed_sequence_of_window_collectives(p, seed):
 
 @pytest.mark.parametrize("p,seed", [(3, 9), (4, 10)])
 def test_the_same_in_python_alone(monkeypatch, p, seed):
-    monkeypatch.setenv("COLLECTIVES_NATIVE", "0")  # fences everywhere, no native plans
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "0")  # fences everywhere, no compiled calls
     for failures in run_ranks(mixed_sequence, p, seed, 80, timeout=240):
         assert not failures, failures

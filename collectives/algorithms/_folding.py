@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..arithmetic import pow2_floor
 from ..context import CallContext
 from ..ops import Op
@@ -195,7 +195,7 @@ def recursive_halving(ctx: CallContext, fold: Fold, work: np.ndarray, bounds: Se
     if src is None or src is work:
         src = work
     elif mask == 0:
-        native.copy(work, src)
+        compiled.copy(work, src)
     while mask:
         peer = fold.real(nr ^ mask)
         mid = lo + mask
@@ -266,7 +266,7 @@ def ring_pipeline(ctx: CallContext, src: np.ndarray, dest_of: Callable[[int], np
     p, rank = ctx.size, ctx.rank
     if p == 1:
         if not np.shares_memory(src, dest_of(0)):
-            native.copy(dest_of(0), src)
+            compiled.copy(dest_of(0), src)
         return
     right, left = (rank + 1) % p, (rank - 1) % p
     seg = segment_elems(ctx, src.dtype)

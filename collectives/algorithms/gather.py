@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..context import CallContext
 from ..registry import register
 from ..arithmetic import prefix
@@ -30,7 +30,7 @@ def linear(ctx: CallContext, sendbuf: np.ndarray, recvbuf: np.ndarray | None, ro
         return
     bounds = prefix(counts)
     recvs = [ctx.irecv(recvbuf[bounds[i]:bounds[i + 1]], i) for i in range(ctx.size) if i != root]
-    native.copy(recvbuf[bounds[root]:bounds[root + 1]], sendbuf)
+    compiled.copy(recvbuf[bounds[root]:bounds[root + 1]], sendbuf)
     ctx.waitall(recvs)
 
 
@@ -42,7 +42,7 @@ def binomial(ctx: CallContext, sendbuf: np.ndarray, recvbuf: np.ndarray | None, 
     v = (ctx.rank - root) % p
     bounds = prefix(rotated(counts, root))
     work = recvbuf if v == 0 and root == 0 else ctx.scratch(bounds[p], sendbuf.dtype)
-    native.copy(work[bounds[v]:bounds[v + 1]], sendbuf)
+    compiled.copy(work[bounds[v]:bounds[v + 1]], sendbuf)
     binomial_gather_blocks(ctx, work, bounds, v, lambda u: (u + root) % p)
     if v == 0 and root != 0:
         split = sum(int(c) for c in counts[:root])

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..context import CallContext
 from ..ops import Op
 from ..registry import register
@@ -41,7 +41,7 @@ def reduce_scatter_recursive_halving(ctx: CallContext, sendbuf: np.ndarray, recv
     """
     p, rank = ctx.size, ctx.rank
     if p == 1:
-        native.copy(recvbuf, sendbuf)
+        compiled.copy(recvbuf, sendbuf)
         return
     fold = Fold(rank, p)
     displs = prefix(counts)
@@ -55,10 +55,10 @@ def reduce_scatter_recursive_halving(ctx: CallContext, sendbuf: np.ndarray, recv
     recursive_halving(ctx, fold, work, bounds, op, None if in_work else sendbuf)
     if fold.absorbs:  # hand the folded-out rank below its block
         send = ctx.isend(work[displs[rank - 1]:displs[rank]], rank - 1)
-        native.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
+        compiled.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
         ctx.wait(send)
     else:
-        native.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
+        compiled.copy(recvbuf, work[displs[rank]:displs[rank + 1]])
 
 
 @register("reduce_scatter", "ring",

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..context import CallContext
 from ..registry import register
 from ..arithmetic import prefix
@@ -30,7 +30,7 @@ def linear(ctx: CallContext, sendbuf: np.ndarray | None, recvbuf: np.ndarray, ro
         return
     bounds = prefix(counts)
     sends = [ctx.isend(sendbuf[bounds[i]:bounds[i + 1]], i) for i in range(ctx.size) if i != root]
-    native.copy(recvbuf, sendbuf[bounds[root]:bounds[root + 1]])
+    compiled.copy(recvbuf, sendbuf[bounds[root]:bounds[root + 1]])
     ctx.waitall(sends)
 
 
@@ -53,4 +53,4 @@ def binomial(ctx: CallContext, sendbuf: np.ndarray | None, recvbuf: np.ndarray, 
     else:
         work = ctx.scratch(bounds[p], recvbuf.dtype)
     binomial_scatter_blocks(ctx, work, bounds, v, lambda u: (u + root) % p)
-    native.copy(recvbuf, work[bounds[v]:bounds[v + 1]])
+    compiled.copy(recvbuf, work[bounds[v]:bounds[v + 1]])

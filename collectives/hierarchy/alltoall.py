@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from . import agreement
 from .table import SLICED, hierarchical
 
@@ -47,7 +47,7 @@ def _by_slot(h, send: np.ndarray, recv: np.ndarray) -> None:
     out = h.scratch("a2a.out", p * b, send.dtype).reshape(L, H, b)
     for s in range(L):
         for j in range(H):
-            native.copy(out[s, j], blocks[t.hosts[j][s]])
+            compiled.copy(out[s, j], blocks[t.hosts[j][s]])
     got = h.scratch("a2a.local", p * b, send.dtype).reshape(L, H, b)  # [from local i][to host j]
     h.host.alltoall(out.reshape(-1), got.reshape(-1))
     across = h.scratch("a2a.across", p * b, send.dtype).reshape(H, L, b)  # [to host j][from local i]
@@ -61,7 +61,7 @@ def _by_slot(h, send: np.ndarray, recv: np.ndarray) -> None:
     out_blocks = recv.reshape(p, b)
     for j, ranks in enumerate(t.hosts):
         for i, r in enumerate(ranks):
-            native.copy(out_blocks[r], back[j, i])
+            compiled.copy(out_blocks[r], back[j, i])
 
 
 def _through_leaders(h, send: np.ndarray, recv: np.ndarray) -> None:
@@ -82,7 +82,7 @@ def _through_leaders(h, send: np.ndarray, recv: np.ndarray) -> None:
     out_blocks = recv.reshape(p, b)
     for ranks in t.hosts:
         for r in ranks:
-            native.copy(out_blocks[r], mine[at * b:(at + 1) * b])
+            compiled.copy(out_blocks[r], mine[at * b:(at + 1) * b])
             at += 1
 
 

@@ -1,7 +1,7 @@
 """The ranks of one host: the intra-host phases of hierarchical calls.
 
 :class:`SharedHost` runs them as calls of a shared-memory communicator among
-the host's ranks (:class:`HostCommunicator`, whose window and native plans
+the host's ranks (:class:`HostCommunicator`, whose window and compiled calls
 serve them); :class:`SoloHost` is a host with one rank, where they are
 copies. Every phase runs within the hierarchical call's deadline, and its
 errors are said in world terms: a shared-memory error names local ranks,
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..communicator import Communicator
 from ..errors import BadArgument, CollectiveError, PeerLost
 from .topology import Topology
@@ -60,27 +60,27 @@ class SoloHost(_Phases):
         self.deadline = deadline
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-        native.copy(recv, send)
+        compiled.copy(recv, send)
         return recv
 
     def allgatherv(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int]) -> None:
         if send is not None:
-            native.copy(recv[:counts[0]], send)
+            compiled.copy(recv[:counts[0]], send)
 
     def reduce_scatterv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], op: Any) -> None:
-        native.copy(recv, send[:counts[0]])
+        compiled.copy(recv, send[:counts[0]])
 
     def bcast(self, buf: np.ndarray, root: int) -> None:
         pass
 
     def gatherv(self, send: np.ndarray, recv: np.ndarray | None, counts: Sequence[int], root: int) -> None:
-        native.copy(recv[:counts[0]], send)
+        compiled.copy(recv[:counts[0]], send)
 
     def scatterv(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], root: int) -> None:
-        native.copy(recv, send[:counts[0]])
+        compiled.copy(recv, send[:counts[0]])
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray) -> None:
-        native.copy(recv, send)
+        compiled.copy(recv, send)
 
     def abort(self, reason: str) -> None:
         pass

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..arithmetic import prefix
 from .topology import Topology
 
@@ -38,7 +38,7 @@ def to_order(src: np.ndarray, counts: Sequence[int], order: Sequence[int], out: 
     for r in order:
         c = int(counts[r])
         if c:
-            native.copy(out[at:at + c], src[displs[r]:displs[r] + c])
+            compiled.copy(out[at:at + c], src[displs[r]:displs[r] + c])
         at += c
 
 
@@ -49,7 +49,7 @@ def from_order(src: np.ndarray, counts: Sequence[int], order: Sequence[int], out
     for r in order:
         c = int(counts[r])
         if c:
-            native.copy(out[displs[r]:displs[r] + c], src[at:at + c])
+            compiled.copy(out[displs[r]:displs[r] + c], src[at:at + c])
         at += c
 
 

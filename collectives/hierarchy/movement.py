@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..arithmetic import prefix
 from . import agreement
 from .layout import blocks, from_order, host_order, local_counts, slot_parts, to_order
@@ -75,7 +75,7 @@ def _collect(h, ordered: np.ndarray, starts: list[int], parts: list[list[int]], 
     l = t.local_rank
     if not t.uneven:
         at = starts[l] + sum(parts[l][:t.node])
-        native.copy(ordered[at:at + mine.size], mine)
+        compiled.copy(ordered[at:at + mine.size], mine)
         return
     for s in range(t.slices):
         at = starts[s] + sum(parts[s][:t.node])
@@ -139,5 +139,5 @@ def scatter(h, ctx, send: np.ndarray | None, recv: np.ndarray, root: int, counts
         cross = h.cross(leaders)
         h.flat("scatter", sum(hosts) * recv.itemsize, t.nhosts, recv.itemsize)(cross, whole, mine, h0, hosts)
     elif leading:
-        native.copy(mine, whole)
+        compiled.copy(mine, whole)
     h.host.scatterv(mine, recv, local_counts(t, counts), lead)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..arithmetic import byte_view, prefix
 from ..ops import Op
 from . import agreement
@@ -117,7 +117,7 @@ def _from_root(h, ctx, mine: np.ndarray | None, n: int, root: int) -> np.ndarray
 def bcast(h, ctx, buf: np.ndarray, root: int) -> None:
     got = _from_root(h, ctx, buf if h.rank == root else None, buf.nbytes, root)
     if h.rank != root and buf.size:
-        native.copy(buf.view(np.uint8), got)
+        compiled.copy(buf.view(np.uint8), got)
 
 
 @hierarchical("scatter", ONE_ROUND, "the root's data with the check; one round from the root's host")
@@ -126,7 +126,7 @@ def scatter(h, ctx, send: np.ndarray | None, recv: np.ndarray, root: int, counts
     got = _from_root(h, ctx, send if h.rank == root else None, sum(counts) * item, root)
     lo = prefix(counts)[h.rank] * item
     if recv.size:
-        native.copy(recv.view(np.uint8), got[lo:lo + recv.nbytes])
+        compiled.copy(recv.view(np.uint8), got[lo:lo + recv.nbytes])
 
 
 def _blocks_everywhere(h, ctx, mine: np.ndarray, counts: Sequence[int], item: int) -> list[np.ndarray]:
@@ -147,7 +147,7 @@ def _place(h, data: list[np.ndarray], counts: Sequence[int], out: np.ndarray) ->
         for r in ranks:
             c = int(counts[r])
             if c:
-                native.copy(out[displs[r]:displs[r] + c], part[at:at + c])
+                compiled.copy(out[displs[r]:displs[r] + c], part[at:at + c])
             at += c
 
 
@@ -177,4 +177,4 @@ def alltoall(h, ctx, send: np.ndarray, recv: np.ndarray) -> None:
         whole = data[j].view(send.dtype) if data[j].nbytes else data[j]
         for i, r in enumerate(ranks):
             if b:
-                native.copy(recv[r * b:(r + 1) * b], whole[i * p * b + me * b:i * p * b + (me + 1) * b])
+                compiled.copy(recv[r * b:(r + 1) * b], whole[i * p * b + me * b:i * p * b + (me + 1) * b])

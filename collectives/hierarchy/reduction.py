@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import native
+from .. import compiled
 from ..ops import Op
 from . import agreement
 from .layout import blocks, slot_parts, to_order
@@ -93,7 +93,7 @@ def reduce_scatter(h, ctx, send: np.ndarray, recv: np.ndarray, counts: Sequence[
             cross = h.cross(t.group(l))
             h.flat("reduce_scatter", mine.nbytes, t.nhosts, send.itemsize)(cross, mine, served, parts[l], sop)
         else:
-            native.copy(served, mine)
+            compiled.copy(served, mine)
     if t.uneven:
         _serve(h, served, recv, counts)
 

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from collectives import native
+from collectives import compiled
 from collectives.errors import PeerLost
 
 from .pages import PAGE, libc_function
@@ -144,9 +144,9 @@ class CrossMemory:
             if reading:
                 moved = cma_read(pid, address + start, via)
                 if moved:
-                    native.copy(part, via)
+                    compiled.copy(part, via)
             else:
-                native.copy(via, part)
+                compiled.copy(via, part)
                 moved = cma_write(pid, address + start, via)
             if not moved:
                 self._lost(*(("read", part.nbytes, "from") if reading else ("write", part.nbytes, "to")), rank)

@@ -38,12 +38,12 @@ Q_ATTACHED = 8           # line 1: set once this rank has mapped every peer
 Q_ABORT, Q_REASON_LEN, Q_ABORT_SEQ = 16, 17, 18  # line 2; the first call the aborter did not complete
 Q_CLOSED = 24            # line 3
 Q_PROBE, Q_CMA = 25, 26  # cross-memory attach probe address; 1 ok, 2 not permitted
-Q_NATIVE = 27            # 1 when this rank runs the window natively (all ranks must, or none)
+Q_COMPILED = 27          # 1 when this rank runs the window's compiled path (all ranks must, or none)
 Q_EPOCH = 32             # line 4: fence epoch
 Q_SLEEP = 48             # line 6 (apart from the epoch's 128 bytes): 1 while this rank
                          # blocks on it (a futex), until a peer wakes it
 Q_POST, Q_DONE = 64, 80  # lines 8 and 10: the last window step whose data this rank
-                         # posted, and the last it is done reading (native plans)
+                         # posted, and the last it is done reading (compiled calls)
 #: Word index of the first call record slot (:mod:`.records`): right after
 #: the window post counter, so both share one cache line.
 Q_RECORD = 65

@@ -3,7 +3,7 @@
 Every rank keeps, in its control page, the signatures of its last two
 collective calls (slots by the call number's parity, three words each,
 beside its window post counter: ``Q_RECORD`` in :mod:`.layout`, and
-``collectives._native``), the reason
+``collectives._compiled``), the reason
 it refused a call (when it did), and, while it blocks, what it waits for.
 Peers read them to check a call before touching each other's memory
 (:meth:`CallRecords.verdict`), to notice a peer that went another way
@@ -101,7 +101,7 @@ class CallRecords:
     def verify(self, seq: int) -> int:
         """-1 when every rank's record of call ``seq`` agrees with this rank's
         (a rank already past the call verified it), else the first rank that
-        does not or that refused (as ``collectives._native``'s verify)."""
+        does not or that refused (as ``collectives._compiled``'s verify)."""
         mine = self.record(self.rank, seq)
         if mine[0] & signature.REFUSED:
             return self.rank

@@ -29,14 +29,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from collectives import config, native
+from collectives import config, compiled
 from collectives.arithmetic import pow2_floor
 from collectives.errors import BadArgument, CollectiveTimeout, PeerLost
 from collectives.waiting import Backoff
 
 from . import cma
 from .layout import (CPU_WORDS, MAGIC, MiB, Q_ALLOC, Q_ATTACHED, Q_CMA, Q_CPUS, Q_DONE, Q_EPOCH, Q_INBOX,
-                     Q_MAGIC, Q_NATIVE, Q_PID, Q_POST, Q_PROBE, Q_RING, Q_SECRET, Q_SIZE, Q_SLEEP, Q_WINDOW, SHM_DIR,
+                     Q_MAGIC, Q_COMPILED, Q_PID, Q_POST, Q_PROBE, Q_RING, Q_SECRET, Q_SIZE, Q_SLEEP, Q_WINDOW, SHM_DIR,
                      WINDOW_HEADER_BYTES, Layout, Segment, align, default_ring_bytes, segment_path)
 from .liveness import PeerWatch, exited
 from .pages import PAGE
@@ -137,7 +137,7 @@ def _create(job: str, rank: int, size: int, layout: Layout, secret: int, probe_a
     q[Q_PID], q[Q_SIZE], q[Q_RING] = os.getpid(), size, layout.ring
     q[Q_WINDOW], q[Q_ALLOC], q[Q_SECRET] = layout.window, layout.pool, secret
     q[Q_PROBE] = probe_address
-    q[Q_NATIVE] = 1 if native.enabled() is not None else 0
+    q[Q_COMPILED] = 1 if compiled.enabled() is not None else 0
     for cpu in affinity():
         if cpu < 64 * CPU_WORDS:
             q[Q_CPUS + cpu // 64] |= 1 << (cpu % 64)

@@ -123,8 +123,8 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._pool = Pool(layout.pool)
         self._window = ShmWindow(self, adopt)
         log.info("rank %d: shared memory of job %s up: %d ranks on %d cores, rings of %d B, a window of %d B, "
-                 "cross-memory attach %s, native plans %s", rank, job, size, self.cores, layout.ring, layout.window,
-                 "on" if self.cma else "off", "on" if "native_plans" in self._window.features else "off")
+                 "cross-memory attach %s, compiled calls %s", rank, job, size, self.cores, layout.ring, layout.window,
+                 "on" if self.cma else "off", "on" if "compiled_calls" in self._window.features else "off")
 
     def begin_call(self, seq: int, sig: signature.Sig, refusal: str | None = None) -> None:
         """Publish this rank's record of call ``seq`` (peers check it before

@@ -24,7 +24,7 @@ from .layout import Q_PID, Q_SLEEP
 from .records import WAIT_WINDOW
 
 __all__ = ["Waking", "OWN_CORE_SPIN_SECONDS", "BLOCK_FIRST", "BLOCK_MAX", "spin_seconds", "yield_seconds",
-           "native_wait_ns"]
+           "compiled_wait_ns"]
 
 #: Spin this long before yielding when every rank has a core of its own.
 OWN_CORE_SPIN_SECONDS = 50e-6
@@ -54,8 +54,8 @@ def yield_seconds() -> float:
     return float(config.get("SHM_YIELD_US")) * 1e-6
 
 
-def native_wait_ns(spin: float) -> tuple[int, int]:
-    """(spin, yield) in nanoseconds of the native window's bounded waits, for
+def compiled_wait_ns(spin: float) -> tuple[int, int]:
+    """(spin, yield) in nanoseconds of the compiled window's bounded waits, for
     a transport that spins ``spin`` seconds (see :func:`spin_seconds`)."""
     return int(spin * 1e9), int(yield_seconds() * 1e9)
 

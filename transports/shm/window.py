@@ -4,8 +4,8 @@ Implements :class:`~collectives.window_contract.SharedWindow` over every
 rank's segment: the regions are the segments' window parts, the pools their
 pool parts; the synchronisation uses per-rank counters in the control pages
 (``Q_EPOCH`` for fences, ``Q_POST`` for posts, ``Q_DONE`` for the steps a
-native plan is done with), each written only by its owner, and the call
-records beside ``Q_POST`` (:mod:`.records`). With the native extension
+compiled call is done with), each written only by its owner, and the call
+records beside ``Q_POST`` (:mod:`.records`). With the C extension
 (every rank must have it, or none uses it), fences, steps, arrivals and
 plans run in C with a bounded spin or yield, and the rest of a wait (the
 block, timeouts, lost peers) here.
@@ -25,16 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from collectives import native, tracing
+from collectives import compiled, tracing
 from collectives.errors import BadArgument
 from collectives.signature import checks_enabled as signature_checks
-from collectives.window_contract import (ADOPTION, DIRECT_ACCESS, HUGE_PAGES, NATIVE_PLANS, POOL, SharedWindow,
-                                         WindowPlan)
+from collectives.window_contract import (ADOPTION, DIRECT_ACCESS, HUGE_PAGES, COMPILED_CALLS, POOL, SharedWindow,
+                                         CompiledCall)
 
 from .cma import CrossMemory
-from .layout import Q_DONE, Q_EPOCH, Q_NATIVE, Q_PID, Q_POST, Q_SLEEP
+from .layout import Q_DONE, Q_EPOCH, Q_COMPILED, Q_PID, Q_POST, Q_SLEEP
 from .pages import Adoptions, huge_pages, populate
-from .waking import native_wait_ns
+from .waking import compiled_wait_ns
 
 __all__ = ["ShmWindow"]
 
@@ -45,8 +45,8 @@ class ShmWindow(SharedWindow):
     ``region(r)`` is rank r's window region (``capacity`` bytes);
     ``allocation(r)`` is rank r's shared allocation pool, in which
     :meth:`locate` finds arrays from :meth:`~.transport.SharedMemoryTransport.alloc`.
-    Features: ``"pool"`` and ``"huge_pages"`` always; ``"native_plans"``
-    where every rank runs the native extension; ``"direct_access"`` where
+    Features: ``"pool"`` and ``"huge_pages"`` always; ``"compiled_calls"``
+    where every rank runs the C extension; ``"direct_access"`` where
     every rank may reach every other's private memory (cross-memory
     attach); ``"adoption"`` unless ``shm_adopt=0``.
     """
@@ -70,13 +70,13 @@ class ShmWindow(SharedWindow):
         self._armed: int | None = None  # a call whose first synchronisation is still to come
         self._armed_turn = 0
         self._records = t._records
-        self._native = None
-        ext = native.enabled()
-        if ext is not None and all(s.q[Q_NATIVE] == 1 for s in t._segs):
+        self._compiled = None
+        ext = compiled.enabled()
+        if ext is not None and all(s.q[Q_COMPILED] == 1 for s in t._segs):
             # the same fence in C, with a bounded spin or yield; and plans
-            self._native = ext.Window(*t._counter_words, t._sleep_words, t.rank, *native_wait_ns(t._spin),
+            self._compiled = ext.Window(*t._counter_words, t._sleep_words, t.rank, *compiled_wait_ns(t._spin),
                                       t._inbox_word, signature_checks())
-        self.features = frozenset({POOL, HUGE_PAGES} | ({NATIVE_PLANS} if self._native is not None else set())
+        self.features = frozenset({POOL, HUGE_PAGES} | ({COMPILED_CALLS} if self._compiled is not None else set())
                                   | ({DIRECT_ACCESS} if t.cma else set()) | ({ADOPTION} if adopt else set()))
 
     # ----------------------------------------------------------- direct access
@@ -108,7 +108,7 @@ class ShmWindow(SharedWindow):
     @property
     def epoch(self) -> int:
         """Number of fences this rank has passed (the same on every rank between calls)."""
-        return self._native.epoch if self._native is not None else self._epoch
+        return self._compiled.epoch if self._compiled is not None else self._epoch
 
     def region(self, rank: int) -> np.ndarray:
         """A uint8 array over ``rank``'s window region."""
@@ -160,7 +160,7 @@ class ShmWindow(SharedWindow):
     @property
     def turn(self) -> int:
         """Steps taken through the halves."""
-        return self._native.turn if self._native is not None else self._turn
+        return self._compiled.turn if self._compiled is not None else self._turn
 
     def arrive(self, seq: int, deadline: float) -> None:
         """The first synchronisation of call ``seq``: post this step (taking one
@@ -175,9 +175,9 @@ class ShmWindow(SharedWindow):
         self._armed = None
         if self.turn == self._armed_turn:
             self.step(deadline)
-        if self._native is not None:
+        if self._compiled is not None:
             while True:
-                late = self._native.arrive(seq)
+                late = self._compiled.arrive(seq)
                 if late is None:
                     return
                 self._wait_for(late, deadline, seq)
@@ -214,11 +214,11 @@ class ShmWindow(SharedWindow):
         if self._armed is not None:
             self.arrive(self._armed, deadline)
             return
-        if self._native is not None:
-            if not self._native.fence():
-                e = self._native.epoch
+        if self._compiled is not None:
+            if not self._compiled.fence():
+                e = self._compiled.epoch
                 for r in self._peers:
-                    self._wait_for((r, native.native.K_EPOCH, e), deadline)
+                    self._wait_for((r, compiled.ext.K_EPOCH, e), deadline)
             return
         e = self._epoch = self._epoch + 1
         qs[self._t.rank][Q_EPOCH] = e
@@ -238,8 +238,8 @@ class ShmWindow(SharedWindow):
 
     def _wait_for(self, late: tuple[int, int, int], deadline: float, seq: int | None = None) -> None:
         """Block until rank's counter of kind (epoch, post, done) reaches value:
-        the rest of a native wait whose bounded spin ran out; raise when the
-        native code stopped for good (kind K_VERDICT or K_ABORTED)."""
+        the rest of a compiled wait whose bounded spin ran out; raise when the
+        compiled code stopped for good (kind K_VERDICT or K_ABORTED)."""
         rank, kind, value = late
         if kind < 0:
             self._stopped(rank, kind, seq)
@@ -248,8 +248,8 @@ class ShmWindow(SharedWindow):
             self._t._wait_counter(q, self._KINDS[kind], value, rank, deadline, "shared window", block_now=True)
 
     def _stopped(self, rank: int, kind: int, seq: int | None) -> None:
-        """Raise why a native run stopped: the records' verdict, or a peer's abort."""
-        if kind == native.native.K_ABORTED:
+        """Raise why a compiled run stopped: the records' verdict, or a peer's abort."""
+        if kind == compiled.ext.K_ABORTED:
             raise self._t._aborted_error(rank)
         if seq is None:
             now = self._records.current()
@@ -260,45 +260,45 @@ class ShmWindow(SharedWindow):
         """Take the next step through the halves (for an algorithm that writes
         its half, then fences); returns its number k >= 1, whose half
         ``(k - 1) % 2`` may be written now."""
-        if self._native is None:
+        if self._compiled is None:
             self._turn += 1
             return self._turn
-        late = self._native.step()
+        late = self._compiled.step()
         if late is not None:  # the first peer still below; then every other one, in turn
             _, kind, value = late
             for r in self._peers:
                 self._wait_for((r, kind, value), deadline)
-        return self._native.turn
+        return self._compiled.turn
 
-    # ------------------------------------------------------------- native plans
+    # ------------------------------------------------------------- compiled calls
 
-    def plan(self, narrays: int, before: list, after: list, reduce: tuple | None,
-             sources: list[int]) -> WindowPlan:
-        """A collective's small case in one native call (see
-        :meth:`~collectives.window_contract.SharedWindow.plan` and
-        ``collectives._native``)."""
-        if self._native is None:
-            raise NotImplementedError("the native window is off (COLLECTIVES_NATIVE=0, or a rank without it)")
-        return self._native.plan(narrays, before, after, reduce, sources)
+    def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
+                sources: list[int]) -> CompiledCall:
+        """A collective's small case in one compiled call (see
+        :meth:`~collectives.window_contract.SharedWindow.compile` and
+        ``collectives._compiled``)."""
+        if self._compiled is None:
+            raise NotImplementedError("the compiled window is off (COLLECTIVES_COMPILED=0, or a rank without it)")
+        return self._compiled.compile(narrays, before, after, reduce, sources)
 
     def record_calls(self, ring: np.ndarray | None) -> None:
-        """Have every native plan run record itself in row ``seq & (n - 1)``
+        """Have every compiled call run record itself in row ``seq & (n - 1)``
         of ``ring`` (n rows of 8 float64, a power of two of them: a flight
         recorder's): its start and end times (seconds of the monotonic clock)
         as elements 0 and 1, its signature (word 0 with the call number) as
         elements 2 to 4, seen as uint64; None stops it."""
-        if self._native is not None:
-            self._native.record_calls(ring)
+        if self._compiled is not None:
+            self._compiled.record_calls(ring)
 
-    def settle(self, plan: WindowPlan, arrays: tuple, late: Any, deadline: float) -> None:
-        """Finish a plan's run that had to wait or stopped: block, resume,
+    def settle(self, call: CompiledCall, arrays: tuple, late: Any, deadline: float) -> None:
+        """Finish a compiled call's run that had to wait or stopped: block, resume,
         until done; raise the verdict of a run that stopped for good."""
         try:
             while late is not None:
                 self._wait_for(late, deadline)
-                late = plan.resume(arrays)
+                late = call.resume(arrays)
         except BaseException:
-            plan.abandon()
+            call.abandon()
             raise
 
     def release(self) -> None:
@@ -306,5 +306,5 @@ class ShmWindow(SharedWindow):
             self._adoptions.close()
             self._adoptions = None
         self._regions = self._pools = self._peer_q = []
-        self._native = None
-        self.features = self.features - {NATIVE_PLANS}
+        self._compiled = None
+        self.features = self.features - {COMPILED_CALLS}

@@ -1,4 +1,4 @@
-"""Opening a TCP lane: connect or accept, and prove both ends know the job's secret.
+"""Opening the TCP lanes: listen, connect or accept, and prove both ends know the job's secret.
 
 Handshake (the acceptor speaks first, so nothing can be replayed): the
 acceptor sends a fresh nonce; the connector answers with its rank, a nonce
@@ -15,6 +15,7 @@ import errno
 import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import time
@@ -22,7 +23,7 @@ from typing import Callable
 
 from collectives.errors import CollectiveTimeout, PeerLost
 
-__all__ = ["connect_to", "accept_from", "tune", "HANDSHAKE_SECONDS"]
+__all__ = ["open_lanes", "connect_to", "accept_from", "tune", "HANDSHAKE_SECONDS"]
 
 log = logging.getLogger("collectives.zmq")
 
@@ -111,3 +112,62 @@ def accept_from(conn: socket.socket, rank: int, size: int, key: bytes, job: byte
         pass
     log.warning("rank %d: refused a TCP lane connection that failed the job's handshake", rank)
     return None
+
+
+def open_lanes(rank: int, size: int, address: str, key: bytes, job: str, publish: Callable[[str], None],
+               lookup: Callable[[int, float], str], timeout: float,
+               name: Callable[[int], str] = lambda peer: f"rank {peer}",
+               watch: Callable[[], None] = lambda: None) -> list[socket.socket | None]:
+    """Listen on ``address``, ``publish`` "host:port", connect to every lower
+    rank (``lookup(rank, seconds)`` gives its "host:port") and accept every
+    higher one, each authenticated with ``key``. ``name(peer)`` says who a
+    peer is in errors; ``watch()``, called while waiting, may raise to give
+    up (a survivor died during a shrink).
+
+    Raises:
+        CollectiveTimeout: a peer did not connect in time.
+        PeerLost: a peer refused this rank's credentials.
+    """
+    deadline = time.monotonic() + timeout
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    socks: list[socket.socket | None] = [None] * size
+    try:
+        listener.bind((address, 0))
+        listener.listen(max(size, 16))
+        host, port = listener.getsockname()[:2]
+        publish(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        job_id = job.encode()
+        for peer in range(rank):
+            socks[peer] = connect_to(peer, rank, lookup(peer, max(deadline - time.monotonic(), 0.0)),
+                                      key, job_id, deadline, name(peer), watch)
+        while any(socks[p] is None for p in range(rank + 1, size)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = ", ".join(name(p) for p in range(rank + 1, size) if socks[p] is None)
+                raise CollectiveTimeout(f"rank {rank}: {missing} did not open their TCP lanes "
+                                        f"within {timeout:.3g}s")
+            watch()
+            ready, _, _ = select.select([listener], [], [], min(left, 0.05))
+            if ready:
+                conn, who = listener.accept()
+                peer = accept_from(conn, rank, size, key, job_id,
+                                    min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
+                if peer is None or peer <= rank or socks[peer] is not None:
+                    if peer is not None:
+                        log.warning("rank %d: refused a second TCP lane claiming rank %d from %s",
+                                    rank, peer, who)
+                    conn.close()
+                    continue
+                socks[peer] = conn
+    except BaseException:
+        for s in socks:
+            if s is not None:
+                s.close()
+        raise
+    finally:
+        listener.close()
+    for s in socks:
+        if s is not None:
+            tune(s)
+    return socks

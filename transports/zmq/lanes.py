@@ -1,40 +1,14 @@
 """Direct TCP lanes: the data path of the ZeroMQ transport.
 
-One TCP connection per pair of ranks (the higher rank connects to the
-lower), authenticated both ways with the job's secret, then non-blocking
-and driven by whichever thread of the rank waits. A message is a header
-(tag, length) and its payload, written with one ``sendmsg`` straight from
-the user's buffer and read with ``recv_into`` straight into the posted
-receive's buffer; no I/O thread stands between the ranks (docs/tcp.md has the
-measurements).
-
-Handshake: :mod:`.handshake`.
-
-Frames: a header ``(tag, total bytes, signature)`` (the signature's three
-words, see :mod:`collectives.signature`) and the payload. Two negative
-tags are the lane's own: ``BYE_TAG`` (the peer closes cleanly; its end of
-file follows), ``CONTROL_TAG`` (a message of the transport's own, handed to
-``on_control(peer, payload)``) and ``ABORT_TAG`` (the peer aborted; the payload is the
-abort's text, the signature's first word one more than the first call the
-aborting rank did not complete, its second word one more than the aborting
-rank when the peer only relays that rank's abort, 0 when unknown or the
-peer itself). A lane that ends without a goodbye (end of file, a reset,
-any socket error, a malformed frame) means the peer's process died or
-dropped the connection: the transport hears of it at once, never through
-an exception other than :class:`~collectives.errors.PeerLost`. A write
-that fails only stops the sending (queued sends are dropped, marked lost):
-the lane is read on, so that what the peer sent before it went (an abort,
-a goodbye) arrives before its end.
-
-The lanes deliver into the transport's matching through callbacks:
-``start(peer, tag, total, sig) -> request`` (a receive or an unexpected
-message, see :class:`~collectives.transports.zmq.requests.RecvRequest`), then the
-request's ``target(offset, n)`` and ``feed(offset, data, n, landed)``;
-``lost(peer, said_bye)`` once when a lane ends; ``aborted(peer, text,
-first, origin)`` when an abort arrives (``first``: the first call the
-aborting rank did not complete, -1 when unknown; ``origin``: the aborting
-rank, -1 when it is ``peer`` itself). Callbacks run outside the lanes'
-send lock.
+One TCP connection per pair of ranks (opened by :mod:`.handshake`), then
+non-blocking and driven by whichever thread of the rank waits. A message is
+a header (tag, length, signature) and its payload, written with one
+``sendmsg`` straight from the user's buffer and read with ``recv_into``
+straight into the posted receive's buffer; no I/O thread stands between
+the ranks. A lane that ends without a goodbye means the peer died or
+dropped the connection: the transport hears of it at once, as
+:class:`~collectives.errors.PeerLost` only. The frames, the lane's own tags
+and the callbacks into the transport's matching: docs/tcp.md.
 """
 
 from __future__ import annotations
@@ -50,9 +24,9 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
-from collectives.errors import CollectiveTimeout, PeerLost
+from collectives.errors import PeerLost
 
-from .handshake import HANDSHAKE_SECONDS, accept_from, connect_to, tune
+from .handshake import open_lanes
 from collectives.signature import NO_SIG, Sig
 
 __all__ = ["Lanes", "LaneSend", "BYE_TAG", "ABORT_TAG"]
@@ -179,58 +153,9 @@ class Lanes:
                 matching: ContextManager, aborted: Callable[[int, str, int, int], None] | None = None,
                 name: Callable[[int], str] = lambda peer: f"rank {peer}",
                 watch: Callable[[], None] = lambda: None) -> "Lanes":
-        """Listen on ``address``, ``publish`` "host:port", connect to every lower
-        rank (``lookup(rank, seconds)`` gives its "host:port") and accept every
-        higher one, each authenticated with ``key``. ``name(peer)`` says who a
-        peer is in errors; ``watch()``, called while waiting, may raise to give
-        up (a survivor died during a shrink).
-
-        Raises:
-            CollectiveTimeout: a peer did not connect in time.
-            PeerLost: a peer refused this rank's credentials.
-        """
-        deadline = time.monotonic() + timeout
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        socks: list[socket.socket | None] = [None] * size
-        try:
-            listener.bind((address, 0))
-            listener.listen(max(size, 16))
-            host, port = listener.getsockname()[:2]
-            publish(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-            job_id = job.encode()
-            for peer in range(rank):
-                socks[peer] = connect_to(peer, rank, lookup(peer, max(deadline - time.monotonic(), 0.0)),
-                                          key, job_id, deadline, name(peer), watch)
-            while any(socks[p] is None for p in range(rank + 1, size)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = ", ".join(name(p) for p in range(rank + 1, size) if socks[p] is None)
-                    raise CollectiveTimeout(f"rank {rank}: {missing} did not open their TCP lanes "
-                                            f"within {timeout:.3g}s")
-                watch()
-                ready, _, _ = select.select([listener], [], [], min(left, 0.05))
-                if ready:
-                    conn, who = listener.accept()
-                    peer = accept_from(conn, rank, size, key, job_id,
-                                        min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
-                    if peer is None or peer <= rank or socks[peer] is not None:
-                        if peer is not None:
-                            log.warning("rank %d: refused a second TCP lane claiming rank %d from %s",
-                                        rank, peer, who)
-                        conn.close()
-                        continue
-                    socks[peer] = conn
-        except BaseException:
-            for s in socks:
-                if s is not None:
-                    s.close()
-            raise
-        finally:
-            listener.close()
-        for s in socks:
-            if s is not None:
-                tune(s)
+        """The lanes of ``rank``, each connection opened and authenticated by
+        :func:`~.handshake.open_lanes` (same arguments)."""
+        socks = open_lanes(rank, size, address, key, job, publish, lookup, timeout, name, watch)
         return cls(rank, socks, start, lost, matching, aborted)
 
     # -- sending -------------------------------------------------------------

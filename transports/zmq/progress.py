@@ -13,7 +13,7 @@ from collectives.errors import PeerLost
 
 from .wire import (GRACE_SECONDS, HEADER, KIND_ABORT, KIND_AGREE, KIND_BYE, KIND_DATA, KIND_KV, KIND_QUERY,
                    KIND_STATUS, POLL_SLICE,
-                   MONITOR_EVERY, SPIN_SECONDS, ZMQ_EVENTS, ZMQ_POLLIN, log, yield_cpu)
+                   MONITOR_EVERY, YIELD_SECONDS, ZMQ_EVENTS, ZMQ_POLLIN, log, yield_cpu)
 
 
 class Progress:
@@ -74,8 +74,8 @@ class Progress:
         if self._lost_since:
             timeout = max(0.0, min(timeout, min(self._lost_since.values()) + GRACE_SECONDS - time.monotonic()))
         if not self._drain_all() and timeout > 0:
-            spin_until = time.perf_counter() + min(timeout, SPIN_SECONDS)
-            while time.perf_counter() < spin_until:  # the answer is often microseconds away
+            yield_until = time.perf_counter() + min(timeout, YIELD_SECONDS)
+            while time.perf_counter() < yield_until:  # the answer is often microseconds away
                 yield_cpu()
                 if self._drain_all():
                     break

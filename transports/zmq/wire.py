@@ -29,7 +29,7 @@ POLL_SLICE = 0.05
 #: Seconds between looks at the connection monitors (peer loss, handshakes).
 MONITOR_EVERY = 0.02
 #: Seconds of yielding the CPU (each yield followed by a look at the socket) before a blocking poll.
-SPIN_SECONDS = 0.0002
+YIELD_SECONDS = 0.0002
 #: Seconds a rank whose collective timed out waits for its peers' status
 #: (a live peer answers in milliseconds; this leaves room for a busy host).
 QUERY_SECONDS = 0.4

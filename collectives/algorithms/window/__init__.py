@@ -7,10 +7,10 @@ in pieces that fit one half, copy in, fence, copy out, the halves used in
 turns (:mod:`.state`) so that a half is rewritten only once every rank is
 done with its last use.
 
-Where the window offers native plans (feature ``"native_plans"``), the
-one-piece cases run as one plan each, every rank alike: copies in, a post,
-a wait for every rank's post, copies out or a reduction (:mod:`.plans`).
-The persistent plans (``prepare``) of repeated calls are the same plans.
+Where the window offers compiled calls (feature ``"compiled_calls"``), the
+one-piece cases run as one compiled call each, every rank alike: copies in, a post,
+a wait for every rank's post, copies out or a reduction (:mod:`.compiled_calls`).
+The prepared calls (``prepare``) of repeated calls are the same compiled calls.
 
 From a size per collective (:mod:`.tuning`, which depends on the ranks per
 core) on, when every rank's buffer can be reached directly (it lies in the
@@ -24,8 +24,8 @@ its buffer while another still uses it (:mod:`.direct`).
 ``tuning``          the switch points (sizes), one table
 ``state``           the region layout, the halves and turns, per-window caches
 ``pieces``          blocks per rank and pieces per half
-``reduction``       reductions in rank order (native or numpy)
-``plans``           describing a case as a native plan; persistent plans
+``reduction``       reductions in rank order (compiled or numpy)
+``compiled_calls``  describing a case as a compiled call; prepared calls
 ``direct``          the direct-access protocol (published buffers, readers)
 ``allreduce`` ...   one module per collective
 ==================  ===========================================================

@@ -9,19 +9,19 @@ from time import monotonic as _now
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .plans import arr, first, plan, planned, run_planned, slot
+from .compiled_calls import arr, first, compile_call, prepared_from, run_prepared, slot
 from .state import budget, state_of, window_state
 
 __all__ = ["allgather"]
 
 
 def _prepare(transport, buf: np.ndarray, counts: list[int]):
-    """One native call for the one-piece case through the window: copy this
+    """One compiled call for the one-piece case through the window: copy this
     rank's block in, fence, copy the others' out."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
@@ -36,7 +36,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
     after = [(slot(st, r, off * item), arr(0, start * item), n * item)
              for r, (start, n, off) in enumerate(parts) if r != me and n]
     sources = [r for r, (_, n, _) in enumerate(parts) if r != me and n]
-    return planned(plan(window, 1, before, after, None, sources), first)
+    return prepared_from(compile_call(window, 1, before, after, None, sources), first)
 
 
 @register("allgather", "shared_window", needs=("window",), prepare=_prepare,
@@ -45,7 +45,7 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
     p, me = ctx.size, ctx.rank
     if p == 1 or sum(counts) == 0:
         return
-    if run_planned(ctx, _prepare, ("allgather", buf.dtype, buf.size, tuple(counts)), buf, counts):
+    if run_prepared(ctx, _prepare, ("allgather", buf.dtype, buf.size, tuple(counts)), buf, counts):
         return
     window, st = state_of(ctx)
     item = buf.itemsize
@@ -65,13 +65,13 @@ def allgather(ctx, buf: np.ndarray, counts: list[int]) -> None:
         start, n, off = parts[me]
         t0 = _now() if tracer is not None else 0.0
         if n:
-            native.copy(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
+            compiled.copy(st.views(base + off * item, n * item, dt)[me], buf[start:start + n])
         if tracer is not None:  # a timeline's phase (tracing only)
             tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         t0 = _now() if tracer is not None else 0.0
         for r, (start, n, off) in enumerate(parts):
             if n and r != me:
-                native.copy(buf[start:start + n], st.views(base + off * item, n * item, dt)[r])
+                compiled.copy(buf[start:start + n], st.views(base + off * item, n * item, dt)[r])
         if tracer is not None:
             tracer.phase(COPYING, t0, _now())

@@ -2,7 +2,7 @@
 
 Small vectors take a single-fence path: every rank copies its vector into
 its half, fences, and reduces all of them itself, in rank order, so every
-rank gets the same bits (one native plan where the window has them).
+rank gets the same bits (one compiled call where the window has them).
 Larger ones go in pieces that fit a half: copy in, fence, each rank reduces
 1/p of the piece straight from every region, fence, everyone copies the
 reduced blocks out. From :data:`~.tuning.DIRECT_FROM` on, where every
@@ -17,13 +17,13 @@ from time import monotonic as _now
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...ops import Op
 from ...registry import register
 from ...tracing import COPYING
 from .direct import SCRATCH_PEER_FIRST, direct, window_direct_from
 from .pieces import blocks, displs, piece_elems, striped
-from .plans import arr, first, plan, planned, reduction, run_planned, slot
+from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce
 from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, window_state
 
@@ -31,8 +31,8 @@ __all__ = ["allreduce"]
 
 
 def _prepare(transport, buf: np.ndarray, op: Op):
-    """Persistent plan of the one-fence path: one native call (copy in, fence,
-    reduce every slot in rank order), or, without native plans, both
+    """Prepared call of the one-fence path: one compiled call (copy in, fence,
+    reduce every slot in rank order), or, without compiled calls, both
     halves' views made once, so a call is one copy in, one fence and p - 1
     ufunc calls."""
     p, rank = transport.size, transport.rank
@@ -42,14 +42,14 @@ def _prepare(transport, buf: np.ndarray, op: Op):
         return None
     reduced = reduction(arr(0), [slot(st, r) for r in range(p)], buf.size, dtype, op)
     peers = [r for r in range(p) if r != rank]
-    made = plan(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers) if reduced else None
+    made = compile_call(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers) if reduced else None
     if made is not None:
-        return planned(made, first)
+        return prepared_from(made, first)
     halves = []
     for off in (DATA_OFFSET, DATA_OFFSET + st.half):
         views = st.views(off, nbytes, dtype)
         halves.append((views[rank], views[0], views[1], tuple(views[2:])))
-    fence, ufunc, copyto = window.fence, op.ufunc, native.copy
+    fence, ufunc, copyto = window.fence, op.ufunc, compiled.copy
 
     def run(ctx, buf: np.ndarray, op: Op) -> None:
         mine, v0, v1, rest = halves[(window.step(ctx.deadline) - 1) & 1]
@@ -70,7 +70,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         return
     window, st = state_of(ctx)
     if single_fence(buf.nbytes, p, st):
-        if not run_planned(ctx, _prepare, ("allreduce", buf.dtype, buf.size, op.name), buf, op):
+        if not run_prepared(ctx, _prepare, ("allreduce", buf.dtype, buf.size, op.name), buf, op):
             _small(ctx, window, st, buf, op)
         return
     if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op):
@@ -83,7 +83,7 @@ def _small(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
     views = st.views(off, buf.nbytes, buf.dtype)
     tracer = ctx.tracer
     t0 = _now() if tracer is not None else 0.0
-    native.copy(views[ctx.rank], buf)
+    compiled.copy(views[ctx.rank], buf)
     if tracer is not None:  # a timeline's phases (tracing only)
         tracer.phase(COPYING, t0, _now())
     window.fence(ctx.deadline)
@@ -115,7 +115,7 @@ def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
         for r in peers:
             start, n, off = parts[r]
             if n:
-                native.copy(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
+                compiled.copy(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
                             buf[start:start + n])
         if tracer is not None:  # a timeline's phase (tracing only)
             tracer.phase(COPYING, t0, _now())
@@ -128,7 +128,7 @@ def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
         t0 = _now() if tracer is not None else 0.0
         for r, (start, n, off) in enumerate(parts):
             if n:
-                native.copy(buf[start:start + n],
+                compiled.copy(buf[start:start + n],
                             st.regions[r][base + off * item:base + (off + n) * item].view(buf.dtype))
         if tracer is not None:
             tracer.phase(COPYING, t0, _now())

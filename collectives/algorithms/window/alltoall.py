@@ -9,18 +9,18 @@ from time import monotonic as _now
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .plans import arr, first_two, plan, planned, run_planned, slot
+from .compiled_calls import arr, first_two, compile_call, prepared_from, run_prepared, slot
 from .state import budget, region, state_of, window_state
 
 __all__ = ["alltoall"]
 
 
 def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
-    """One native call when the blocks fit one piece through the window."""
+    """One compiled call when the blocks fit one piece through the window."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     item = sendbuf.itemsize
@@ -30,17 +30,17 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
     before.append((arr(0, me * b), arr(1, me * b), b))
     after = [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
-    return planned(plan(window, 2, before, after, None, [r for r in range(p) if r != me]), first_two)
+    return prepared_from(compile_call(window, 2, before, after, None, [r for r in range(p) if r != me]), first_two)
 
 
 @register("alltoall", "shared_window", needs=("window",), prepare=_prepare,
           description="each rank copies its blocks into its window region; each copies its own from every region")
 def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     p, me = ctx.size, ctx.rank
-    if p > 1 and run_planned(ctx, _prepare, ("alltoall", sendbuf.dtype, sendbuf.size), sendbuf, recvbuf):
+    if p > 1 and run_prepared(ctx, _prepare, ("alltoall", sendbuf.dtype, sendbuf.size), sendbuf, recvbuf):
         return
     b = sendbuf.size // p
-    native.copy(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
+    compiled.copy(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
     if p == 1 or b == 0:
         return
     window, st = state_of(ctx)
@@ -60,13 +60,13 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         t0 = _now() if tracer is not None else 0.0
         for d in range(p):
             if d != me:
-                native.copy(region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
+                compiled.copy(region(st, me, base + d * m * item, m, dt), sendbuf[d * b + a:d * b + a + m])
         if tracer is not None:  # a timeline's phase (tracing only)
             tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         t0 = _now() if tracer is not None else 0.0
         for r in range(p):
             if r != me:
-                native.copy(recvbuf[r * b + a:r * b + a + m], region(st, r, base + me * m * item, m, dt))
+                compiled.copy(recvbuf[r * b + a:r * b + a + m], region(st, r, base + me * m * item, m, dt))
         if tracer is not None:
             tracer.phase(COPYING, t0, _now())

@@ -8,11 +8,11 @@ from time import monotonic as _now
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .plans import arr, first, plan, planned, run_planned, slot
+from .compiled_calls import arr, first, compile_call, prepared_from, run_prepared, slot
 from .state import budget, state_of, window_state
 
 __all__ = ["bcast"]
@@ -22,7 +22,7 @@ _ALIGN = 64
 
 
 def _prepare(transport, buf: np.ndarray, root: int):
-    """One native call for the one-piece case through the window: the root
+    """One compiled call for the one-piece case through the window: the root
     copies in, fence, the others copy out."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
@@ -32,8 +32,8 @@ def _prepare(transport, buf: np.ndarray, root: int):
     here = (arr(0), slot(st, root), n)
     there = (slot(st, root), arr(0), n)
     if me == root:
-        return planned(plan(window, 1, [here], [], None, []), first)
-    return planned(plan(window, 1, [], [there], None, [root]), first)
+        return prepared_from(compile_call(window, 1, [here], [], None, []), first)
+    return prepared_from(compile_call(window, 1, [], [there], None, [root]), first)
 
 
 @register("bcast", "shared_window", needs=("window",), prepare=_prepare,
@@ -41,7 +41,7 @@ def _prepare(transport, buf: np.ndarray, root: int):
 def bcast(ctx, buf: np.ndarray, root: int) -> None:
     if ctx.size == 1 or buf.size == 0:
         return
-    if run_planned(ctx, _prepare, ("bcast", buf.dtype, buf.size, root), buf, root):
+    if run_prepared(ctx, _prepare, ("bcast", buf.dtype, buf.size, root), buf, root):
         return
     window, st = state_of(ctx)
     readers = direct(ctx, window, st, buf, buf.nbytes, "bcast")
@@ -59,12 +59,12 @@ def bcast(ctx, buf: np.ndarray, root: int) -> None:
         src = st.views(st.next_half(ctx.deadline), b - a, u8)[root]
         if ctx.rank == root:
             t0 = _now() if tracer is not None else 0.0
-            native.copy(src, data[a:b])
+            compiled.copy(src, data[a:b])
             if tracer is not None:  # a timeline's phase (tracing only)
                 tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         if ctx.rank != root:
             t0 = _now() if tracer is not None else 0.0
-            native.copy(data[a:b], src)
+            compiled.copy(data[a:b], src)
             if tracer is not None:
                 tracer.phase(COPYING, t0, _now())

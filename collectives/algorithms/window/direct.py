@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...errors import MismatchedCollective
 from ...tracing import COPYING
 from ...window_contract import DIRECT_ACCESS, HUGE_PAGES, POOL
@@ -189,7 +189,7 @@ class Readers:
         for a, b, pooled in self._split(rank, byte_offset, byte_offset + data.nbytes):
             part = data[a - byte_offset:b - byte_offset]
             if pooled is not None:
-                native.copy(*((part, pooled) if reading else (pooled, part)))
+                compiled.copy(*((part, pooled) if reading else (pooled, part)))
             elif reading:
                 self.window.read(rank, self.address(rank) + a, part)
             else:

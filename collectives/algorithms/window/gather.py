@@ -11,19 +11,19 @@ from typing import Sequence
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs
-from .plans import arr, first_two, plan, planned, run_planned, slot
+from .compiled_calls import arr, first_two, compile_call, prepared_from, run_prepared, slot
 from .state import budget, region, state_of, window_state
 
 __all__ = ["gather"]
 
 
 def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: list[int]):
-    """One native call when every block fits one piece through the window."""
+    """One compiled call when every block fits one piece through the window."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     item = sendbuf.itemsize
@@ -37,7 +37,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
         after = [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources]
     else:
         before, after, sources = ([(arr(0), slot(st, me), counts[me] * item)] if counts[me] else []), [], []
-    return planned(plan(window, 2, before, after, None, sources), first_two)
+    return prepared_from(compile_call(window, 2, before, after, None, sources), first_two)
 
 
 @register("gather", "shared_window", needs=("window",), prepare=_prepare,
@@ -45,11 +45,11 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
 def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: Sequence[int]) -> None:
     p, me = ctx.size, ctx.rank
     key = ("gather", sendbuf.dtype, tuple(counts), root)
-    if p > 1 and run_planned(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
+    if p > 1 and run_prepared(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
         return
     starts = displs(list(counts))
     if me == root:
-        native.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
+        compiled.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
     if p == 1 or sum(counts) == 0:
         return
     window, st = state_of(ctx)
@@ -69,7 +69,7 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         n = min(step, counts[me] - a)
         if me != root and n > 0:
             t0 = _now() if tracer is not None else 0.0
-            native.copy(region(st, me, base, n, dt), sendbuf[a:a + n])
+            compiled.copy(region(st, me, base, n, dt), sendbuf[a:a + n])
             if tracer is not None:  # a timeline's phase (tracing only)
                 tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
@@ -78,6 +78,6 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
             for r in range(p):
                 m = min(step, counts[r] - a)
                 if r != me and m > 0:
-                    native.copy(recvbuf[starts[r] + a:starts[r] + a + m], region(st, r, base, m, dt))
+                    compiled.copy(recvbuf[starts[r] + a:starts[r] + a + m], region(st, r, base, m, dt))
             if tracer is not None:
                 tracer.phase(COPYING, t0, _now())

@@ -9,12 +9,12 @@ from time import monotonic as _now
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...ops import Op
 from ...registry import register
 from ...tracing import COPYING
 from .pieces import blocks, striped_cached
-from .plans import arr, first, plan, planned, reduction, run_planned, slot
+from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce as reduce_blocks
 from .state import budget, region, single_fence, state_of, window_state
 
@@ -22,7 +22,7 @@ __all__ = ["reduce"]
 
 
 def _prepare(transport, buf: np.ndarray, root: int, op: Op):
-    """One native call for the one-fence case: copy in, fence, the root reduces."""
+    """One compiled call for the one-fence case: copy in, fence, the root reduces."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     if p == 1 or buf.size == 0 or buf.dtype in LOW or not single_fence(buf.nbytes, p, st):
@@ -32,8 +32,8 @@ def _prepare(transport, buf: np.ndarray, root: int, op: Op):
     if me == root:
         peers = [r for r in range(p) if r != root]
         reduced = reduction(arr(0), [arr(0)] + [slot(st, r) for r in peers], buf.size, buf.dtype, op)
-        return planned(plan(window, 1, [], [], reduced, peers), first)
-    return planned(plan(window, 1, [(arr(0), slot(st, me), buf.nbytes)], [], None, []), first)
+        return prepared_from(compile_call(window, 1, [], [], reduced, peers), first)
+    return prepared_from(compile_call(window, 1, [(arr(0), slot(st, me), buf.nbytes)], [], None, []), first)
 
 
 @register("reduce", "shared_window", needs=("window",), prepare=_prepare,
@@ -42,7 +42,7 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
     p, me = ctx.size, ctx.rank
     if p == 1 or buf.size == 0:
         return
-    if run_planned(ctx, _prepare, ("reduce", buf.dtype, buf.size, root, op.name), buf, root, op):
+    if run_prepared(ctx, _prepare, ("reduce", buf.dtype, buf.size, root, op.name), buf, root, op):
         return
     window, st = state_of(ctx)
     dt, item = buf.dtype, buf.itemsize
@@ -51,7 +51,7 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
         base = st.next_half(ctx.deadline)
         if me != root:
             t0 = _now() if tracer is not None else 0.0
-            native.copy(st.views(base, buf.nbytes, dt)[me], buf)
+            compiled.copy(st.views(base, buf.nbytes, dt)[me], buf)
             if tracer is not None:  # a timeline's phase (tracing only)
                 tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
@@ -67,7 +67,7 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
         for r in peers:  # the pieces of the blocks the others reduce
             start, n, off = parts[r]
             if n:
-                native.copy(region(st, me, base + off * item, n, dt), buf[start:start + n])
+                compiled.copy(region(st, me, base + off * item, n, dt), buf[start:start + n])
         if tracer is not None:
             tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
@@ -80,6 +80,6 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
             t0 = _now() if tracer is not None else 0.0
             for r, (start, n, off) in enumerate(parts):
                 if n:
-                    native.copy(buf[start:start + n], region(st, r, base + off * item, n, dt))
+                    compiled.copy(buf[start:start + n], region(st, r, base + off * item, n, dt))
             if tracer is not None:
                 tracer.phase(COPYING, t0, _now())

@@ -9,13 +9,13 @@ from time import monotonic as _now
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...ops import Op
 from ...registry import register
 from ...tracing import COPYING
 from .direct import SCRATCH_PEER_FIRST, Readers, direct, window_direct_from
 from .pieces import displs, one_piece, piece_elems, striped_cached
-from .plans import arr, first_two, plan, planned, reduction, run_planned, slot
+from .compiled_calls import arr, first_two, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce
 from .state import state_of, window_state
 
@@ -23,7 +23,7 @@ __all__ = ["reduce_scatter"]
 
 
 def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op):
-    """One native call for the one-piece case through the window: copy in the
+    """One compiled call for the one-piece case through the window: copy in the
     blocks the others reduce, fence, reduce this rank's block into recvbuf."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
@@ -40,7 +40,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
     start, n, off = parts[me]
     reduced = reduction(arr(1), [arr(0, start * item)] + [slot(st, r, off * item) for r in peers],
                         n, dtype, op)
-    return planned(plan(window, 2, before, [], reduced, peers) if reduced else None, first_two)
+    return prepared_from(compile_call(window, 2, before, [], reduced, peers) if reduced else None, first_two)
 
 
 @register("reduce_scatter", "shared_window", needs=("window",), prepare=_prepare,
@@ -48,12 +48,12 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
 def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[int], op: Op) -> None:
     p, me = ctx.size, ctx.rank
     if p == 1:
-        native.copy(recvbuf, sendbuf[:counts[0]])
+        compiled.copy(recvbuf, sendbuf[:counts[0]])
         return
     if sum(counts) == 0:
         return
     key = ("reduce_scatter", sendbuf.dtype, sendbuf.size, tuple(counts), op.name)
-    if run_planned(ctx, _prepare, key, sendbuf, recvbuf, counts, op):
+    if run_prepared(ctx, _prepare, key, sendbuf, recvbuf, counts, op):
         return
     window, st = state_of(ctx)
     readers = direct(ctx, window, st, sendbuf, sendbuf.nbytes, "reduce_scatter")
@@ -72,7 +72,7 @@ def reduce_scatter(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list[i
         for r in peers:
             start, n, off = parts[r]
             if n:
-                native.copy(st.views(base + off * item, n * item, dt)[me], sendbuf[start:start + n])
+                compiled.copy(st.views(base + off * item, n * item, dt)[me], sendbuf[start:start + n])
         if tracer is not None:  # a timeline's phase (tracing only)
             tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)

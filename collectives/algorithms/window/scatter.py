@@ -11,19 +11,19 @@ from typing import Sequence
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .plans import arr, first_two, plan, planned, run_planned, slot
+from .compiled_calls import arr, first_two, compile_call, prepared_from, run_prepared, slot
 from .state import budget, region, state_of, window_state
 
 __all__ = ["scatter"]
 
 
 def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, counts: list[int]):
-    """One native call when every block fits one piece through the window."""
+    """One compiled call when every block fits one piece through the window."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     item = recvbuf.itemsize
@@ -42,7 +42,7 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
         start, n, off = parts[me]
         after = [(slot(st, root, off * item), arr(1), n * item)] if n else []
         before, sources = [], ([root] if n else [])
-    return planned(plan(window, 2, before, after, None, sources), first_two)
+    return prepared_from(compile_call(window, 2, before, after, None, sources), first_two)
 
 
 @register("scatter", "shared_window", needs=("window",), prepare=_prepare,
@@ -51,11 +51,11 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
     p, me = ctx.size, ctx.rank
     counts = list(counts)
     key = ("scatter", recvbuf.dtype, tuple(counts), root)
-    if p > 1 and run_planned(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
+    if p > 1 and run_prepared(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
         return
     starts = displs(counts)
     if me == root:
-        native.copy(recvbuf, sendbuf[starts[me]:starts[me] + counts[me]])
+        compiled.copy(recvbuf, sendbuf[starts[me]:starts[me] + counts[me]])
     if p == 1 or sum(counts) == 0:
         return
     window, st = state_of(ctx)
@@ -74,7 +74,7 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
             t0 = _now() if tracer is not None else 0.0
             for r, (start, n, off) in enumerate(parts):
                 if r != me and n:
-                    native.copy(region(st, me, base + off * item, n, dt), sendbuf[start:start + n])
+                    compiled.copy(region(st, me, base + off * item, n, dt), sendbuf[start:start + n])
             if tracer is not None:  # a timeline's phase (tracing only)
                 tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
@@ -82,6 +82,6 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
         if me != root and n:
             lo = start - starts[me]
             t0 = _now() if tracer is not None else 0.0
-            native.copy(recvbuf[lo:lo + n], region(st, root, base + off * item, n, dt))
+            compiled.copy(recvbuf[lo:lo + n], region(st, root, base + off * item, n, dt))
             if tracer is not None:
                 tracer.phase(COPYING, t0, _now())

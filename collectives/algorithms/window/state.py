@@ -38,7 +38,7 @@ _state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 class WindowState:
     """Per-window bookkeeping shared by the algorithms: the halves, every
     rank's region, and a cache (``cache``) of what is made once per buffer
-    shape or call signature (views, pieces, persistent plans)."""
+    shape or call signature (views, pieces, prepared calls)."""
 
     def __init__(self, window, size: int) -> None:
         cap = window.capacity
@@ -49,7 +49,7 @@ class WindowState:
 
     def next_half(self, deadline: float) -> int:
         """Byte offset of the half to use for the next step (they alternate;
-        the window counts the steps, its native plans' too, and makes sure
+        the window counts the steps, its compiled calls' too, and makes sure
         the half is free)."""
         return DATA_OFFSET + ((self.window.step(deadline) - 1) & 1) * self.half
 

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from ... import config
 
-import os
 
-__all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "NATIVE_REDUCE_BYTES", "DIRECT_FROM",
+__all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "DIRECT_FROM",
            "one_fence_limit", "direct_from", "wants_huge_pages"]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
 SMALL_TOTAL_BYTES = 1 << 20      # bytes: ... and up to this divided by p (each rank reads p * n bytes)
 PIECE_BYTES = 2 << 20            # bytes per rank and half: the largest piece of the pipelined paths
-NATIVE_REDUCE_BYTES = 16 * 1024  # bytes: blocks from this on are reduced by the native kernel
+COMPILED_REDUCE_BYTES = 16 * 1024  # bytes: blocks from this on are reduced by the compiled kernel
 
 #: From which size each collective reads and writes peers' buffers directly
 #: (one copy, through the kernel or the shared pool) rather than through

@@ -1,13 +1,13 @@
-"""Describing a collective's one-step case as a native plan, and the
-persistent plans of repeated calls.
+"""Describing a collective's one-step case as a compiled call, and the
+prepared calls of repeated calls.
 
-A window with the feature ``"native_plans"`` runs a collective's small case
-as data (:meth:`~collectives.window_contract.SharedWindow.plan`): copies
+A window with the feature ``"compiled_calls"`` runs a collective's small case
+as data (:meth:`~collectives.window_contract.SharedWindow.compile`): copies
 before the post, copies and one reduction after every rank posted. The
 helpers here name the places those copies use: :func:`arr` in the call's
 arrays, :func:`slot` in a rank's region (at the same offset in both halves).
-Every rank runs a case alike, through a plan or not (a native plan and a
-fence do not wait for each other), so a window's plans are on for every
+Every rank runs a case alike, compiled or not (a compiled call and a
+fence do not wait for each other), so a window's compiled calls are on for every
 rank or for none.
 """
 
@@ -17,12 +17,12 @@ from typing import Callable
 
 import numpy as np
 
-from ... import native
+from ... import compiled
 from ...ops import Op
-from ...window_contract import NATIVE_PLANS
+from ...window_contract import COMPILED_CALLS
 from .state import DATA_OFFSET, WindowState, state_of
 
-__all__ = ["arr", "slot", "plan", "reduction", "first", "first_two", "no_arrays", "planned", "run_planned"]
+__all__ = ["arr", "slot", "compile_call", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared"]
 
 
 def arr(index: int, byte_offset: int = 0) -> tuple[int, int, int]:
@@ -36,44 +36,44 @@ def slot(st: WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, in
     return (-1, base, base + st.half)
 
 
-def plan(window, narrays: int, before: list, after: list, reduce: tuple | None, sources: list[int]):
-    """``(run, settle)`` of the window's native plan, or None without them:
+def compile_call(window, narrays: int, before: list, after: list, reduce: tuple | None, sources: list[int]):
+    """``(run, settle)`` of the window's compiled call, or None where it has none:
     ``run(arrays, seq, sig)`` takes the next step of call ``seq`` (signature
     ``sig``) as the algorithm would, and returns None, or what to wait for
     (or why it stopped): then ``settle(arrays, late, deadline)``.
     ``sources``: the ranks whose regions ``after`` and ``reduce`` read."""
-    if NATIVE_PLANS not in window.features:
+    if COMPILED_CALLS not in window.features:
         return None
-    made = window.plan(narrays, before, after, reduce, sources)
+    made = window.compile(narrays, before, after, reduce, sources)
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 
 
 def reduction(dst: tuple, srcs: list, count: int, dtype: np.dtype, op: Op) -> tuple | None:
-    """The plan's reduction ``dst = srcs[0] op srcs[1] ...``, or None without a native kernel."""
-    codes = native.kernel_codes(dtype, op.name, op.ufunc)
+    """The compiled call's reduction ``dst = srcs[0] op srcs[1] ...``, or None without a compiled kernel."""
+    codes = compiled.kernel_codes(dtype, op.name, op.ufunc)
     return None if codes is None else (dst, srcs, count) + codes
 
 
 def first(buf, *rest) -> tuple:
-    """The plan's arrays of a call whose first argument is its only array."""
+    """The compiled call's arrays of a call whose first argument is its only array."""
     return (buf,)
 
 
 def first_two(a, b, *rest) -> tuple:
-    """The plan's arrays of a call whose first two arguments are its arrays."""
+    """The compiled call's arrays of a call whose first two arguments are its arrays."""
     return (a, b)
 
 
 def no_arrays(*args) -> tuple:
-    """The plan's arrays of a call without arrays."""
+    """The compiled call's arrays of a call without arrays."""
     return ()
 
 
-def planned(made: tuple | None, arrays_of: Callable):
-    """The persistent plan (see :class:`~collectives.registry.Algorithm`) of
-    a native plan ``made`` (or None): a function with the algorithm's
-    signature, whose ``arrays_of(*args)`` are the plan's arrays;
+def prepared_from(made: tuple | None, arrays_of: Callable):
+    """The prepared call (see :class:`~collectives.registry.Algorithm`) of
+    a compiled call ``made`` (or None): a function with the algorithm's
+    signature, whose ``arrays_of(*args)`` are the compiled call's arrays;
     ``on_arrays`` is ``made``."""
     if made is None:
         return None
@@ -91,10 +91,10 @@ def planned(made: tuple | None, arrays_of: Callable):
 _MISSING = object()
 
 
-def run_planned(ctx, prepare: Callable, key: tuple, *args) -> bool:
-    """Run this call's case as its persistent plan, made by ``prepare`` once
+def run_prepared(ctx, prepare: Callable, key: tuple, *args) -> bool:
+    """Run this call's case as its prepared call, made by ``prepare`` once
     per ``key`` (the call's signature), if it has one; True when it ran.
-    Every rank runs a case alike, through the plan or not: a native plan
+    Every rank runs a case alike, compiled or not: a compiled call
     and a fence do not wait for each other."""
     _, st = state_of(ctx)
     run = st.cache.get(key, _MISSING)

@@ -1,4 +1,4 @@
-/* The native fast path of the shared-memory window (optional; the library
+/* The compiled fast path of the shared-memory window (optional; the library
  * runs without it, in Python, when it is not built).
  *
  * Every rank keeps counters in its control page, each written by its owner
@@ -28,12 +28,12 @@
  *       -1 when every rank's signature record of call ``seq`` equals this
  *       rank's (or the rank has passed the call), else the first that does
  *       not (or that refused).
- *   Window.plan(narrays, before, after, reduce, sources) -> Plan
+ *   Window.compile(narrays, before, after, reduce, sources) -> Call
  *       a collective's small case as data: copies before posting, then,
  *       once every rank posted (and every signature record agrees), copies
  *       and one reduction, between the call's arrays and the window's
  *       halves (reading only the sources' regions).
- *   Plan.run(arrays, seq, sig) -> None or (rank, kind, value); Plan.resume(arrays)
+ *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
  *       for before resuming. A kind of K_VERDICT says the signatures
@@ -232,7 +232,7 @@ static inline void cpu_relax(void) {
 }
 
 /* The counters every rank keeps in its control page, each written by its
- * owner only: the fence epoch, and for plans and steps through the halves,
+ * owner only: the fence epoch, and for compiled calls and steps through the halves,
  * the last step whose data this rank has posted and the last step it has
  * done reading. */
 enum { K_EPOCH = 0, K_POST = 1, K_DONE = 2, K_COUNT = 3 };
@@ -416,7 +416,7 @@ static PyObject *stopped(int r, int kind) {
     return Py_BuildValue("(iiK)", r, kind, 0ULL);
 }
 
-/* .record_calls(ring): write each plan run's start and end (seconds of
+/* .record_calls(ring): write each compiled call run's start and end (seconds of
  * CLOCK_MONOTONIC, as time.monotonic()) as doubles 0 and 1, and its
  * signature record (word 0 with the call number) as words 2 to 4, of row
  * [seq & (n - 1)] of ring (n rows of 8 float64, 64 bytes each: one cache
@@ -535,8 +535,8 @@ static PyObject *Window_step(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-/* ------------------------------------------------------------ move plans */
-/* A plan: copies, a post, a wait for the ranks it reads from, copies and one
+/* ------------------------------------------------------------ compiled calls */
+/* A compiled call: copies, a post, a wait for the ranks it reads from, copies and one
  * reduction; the places are in the call's buffers or in the window's halves.
  * A Loc is arrays[idx] + a0 (idx >= 0) or, in the window, the absolute
  * address a0 in half 0 and a1 in half 1 (idx < 0). */
@@ -572,9 +572,9 @@ typedef struct {
     int itemsize;
     Loc rdst;
     Loc *rsrc;
-} PlanObject;
+} CallObject;
 
-static PyTypeObject PlanType;
+static PyTypeObject CallType;
 
 static inline char *where(const Loc *l, char *const *bases, int half) {
     if (l->idx >= 0) return bases[l->idx] + l->a0;
@@ -618,11 +618,11 @@ static int parse_copies(PyObject *seq, Copy **out, int *n, int narrays, Py_ssize
     return 0;
 }
 
-/* Window.plan(narrays, before, after, reduce, sources) -> Plan
+/* Window.compile(narrays, before, after, reduce, sources) -> Call
  *   before, after: [((idx, a0, a1), (idx, a0, a1), nbytes), ...]
  *   reduce: None or ((idx, a0, a1) dst, [(idx, a0, a1) src, ...], count, dtype, op)
  *   sources: the ranks whose window regions ``after`` and ``reduce`` read */
-static PyObject *Window_plan(WindowObject *w, PyObject *args) {
+static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     int narrays;
     PyObject *before, *after, *reduce, *sources;
     if (!PyArg_ParseTuple(args, "iOOOO", &narrays, &before, &after, &reduce, &sources)) return NULL;
@@ -630,7 +630,7 @@ static PyObject *Window_plan(WindowObject *w, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "too many arrays");
         return NULL;
     }
-    PlanObject *pl = PyObject_New(PlanObject, &PlanType);
+    CallObject *pl = PyObject_New(CallObject, &CallType);
     if (!pl) return NULL;
     pl->before = pl->after = NULL;
     pl->rsrc = NULL;
@@ -676,7 +676,7 @@ static PyObject *Window_plan(WindowObject *w, PyObject *args) {
         if (!PyArg_ParseTuple(reduce, "OOnii", &dst, &srcs, &pl->count, &dtype, &op)) { Py_DECREF(pl); return NULL; }
         binop_fn f = kernel(dtype, op);
         PyObject *fast = f ? PySequence_Fast(srcs, "reduce sources must be a sequence") : NULL;
-        if (!f) PyErr_SetString(PyExc_ValueError, "no native kernel for this dtype and op");
+        if (!f) PyErr_SetString(PyExc_ValueError, "no compiled kernel for this dtype and op");
         if (!fast) { Py_DECREF(pl); return NULL; }
         Py_ssize_t nsrc = PySequence_Fast_GET_SIZE(fast);
         Py_ssize_t extent = pl->count * ITEMSIZE[dtype];
@@ -698,7 +698,7 @@ static PyObject *Window_plan(WindowObject *w, PyObject *args) {
     return (PyObject *)pl;
 }
 
-static void Plan_dealloc(PlanObject *pl) {
+static void Call_dealloc(CallObject *pl) {
     PyMem_Free(pl->sources);
     PyMem_Free(pl->before);
     PyMem_Free(pl->after);
@@ -708,7 +708,7 @@ static void Plan_dealloc(PlanObject *pl) {
 }
 
 /* Take the call's buffers (a tuple of narrays objects) as bases; -1 on error. */
-static int take_buffers(PlanObject *pl, PyObject *arrays, Py_buffer *views, char **bases) {
+static int take_buffers(CallObject *pl, PyObject *arrays, Py_buffer *views, char **bases) {
     if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != pl->narrays) {
         PyErr_Format(PyExc_TypeError, "expected a tuple of %d arrays", pl->narrays);
         return -1;
@@ -721,7 +721,7 @@ static int take_buffers(PlanObject *pl, PyObject *arrays, Py_buffer *views, char
         int flags = PyBUF_C_CONTIGUOUS | (pl->writes[i] ? PyBUF_WRITABLE : 0);
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(arrays, i), &views[i], flags) < 0) goto fail;
         if (views[i].len < pl->need[i]) {
-            PyErr_Format(PyExc_ValueError, "array %d holds %zd bytes, the plan needs %zd", i, views[i].len,
+            PyErr_Format(PyExc_ValueError, "array %d holds %zd bytes, the compiled call needs %zd", i, views[i].len,
                          pl->need[i]);
             PyBuffer_Release(&views[i]);
             goto fail;
@@ -735,7 +735,7 @@ fail:
     return -1;
 }
 
-static void release_buffers(PlanObject *pl, Py_buffer *views) {
+static void release_buffers(CallObject *pl, Py_buffer *views) {
     for (int i = 0; i < pl->narrays; i++)
         if (views[i].obj) PyBuffer_Release(&views[i]);
 }
@@ -761,7 +761,7 @@ static void do_copies(const Copy *c, int n, char *const *bases, int half) {
     for (int i = 0; i < n; i++) copy_bytes(where(&c[i].dst, bases, half), where(&c[i].src, bases, half), (size_t)c[i].n);
 }
 
-static void do_after(PlanObject *pl, char *const *bases, int half) {
+static void do_after(CallObject *pl, char *const *bases, int half) {
     do_copies(pl->after, pl->nafter, bases, half);
     if (pl->f) {
         char *srcs[pl->nsrc];
@@ -769,13 +769,13 @@ static void do_after(PlanObject *pl, char *const *bases, int half) {
         reduce_all(pl->f, where(&pl->rdst, bases, half), srcs, pl->nsrc, pl->count, pl->itemsize, NULL, 0);
     }
 }
-/* The plan from its stage on: 1, wait until the half is free (when it
+/* The call from its stage on: 1, wait until the half is free (when it
  * writes into the window), copy before, post with this call's signature
  * record; 2, wait for every rank's post, verify every record, copy after
  * and reduce, done. Returns None when complete, else what to wait for
  * before resuming (the stage is kept), or why it stopped for good (a
  * disagreement or an abort: the run is over, nothing read from a peer). */
-static PyObject *advance(PlanObject *pl, char *const *bases) {
+static PyObject *advance(CallObject *pl, char *const *bases) {
     WindowObject *w = pl->window;
     uint64_t k = pl->step;
     if (pl->stage == 1) {
@@ -806,7 +806,7 @@ static PyObject *advance(PlanObject *pl, char *const *bases) {
  * of call seq (signature sig: three words); this rank is done with every
  * earlier one; then as far as it can go (see advance). When it returns what
  * to wait for, wait, then .resume(arrays). */
-static PyObject *Plan_run(PlanObject *pl, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *Call_run(CallObject *pl, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer views[MAX_ARRAYS];
     char *bases[MAX_ARRAYS];
     if (nargs != 3 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 3) {
@@ -814,7 +814,7 @@ static PyObject *Plan_run(PlanObject *pl, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     if (pl->stage != 0) {
-        PyErr_SetString(PyExc_RuntimeError, "the plan's previous run is not finished");
+        PyErr_SetString(PyExc_RuntimeError, "the compiled call's previous run is not finished");
         return NULL;
     }
     pl->seq = PyLong_AsUnsignedLongLongMask(args[1]);
@@ -843,11 +843,11 @@ static PyObject *Plan_run(PlanObject *pl, PyObject *const *args, Py_ssize_t narg
 }
 
 /* .resume(arrays): go on after a wait (see run) */
-static PyObject *Plan_resume(PlanObject *pl, PyObject *arrays) {
+static PyObject *Call_resume(CallObject *pl, PyObject *arrays) {
     Py_buffer views[MAX_ARRAYS];
     char *bases[MAX_ARRAYS];
     if (pl->stage == 0) {
-        PyErr_SetString(PyExc_RuntimeError, "the plan has no run to resume");
+        PyErr_SetString(PyExc_RuntimeError, "the compiled call has no run to resume");
         return NULL;
     }
     if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
@@ -857,7 +857,7 @@ static PyObject *Plan_resume(PlanObject *pl, PyObject *arrays) {
 }
 
 /* .abandon(): forget a run that failed while it waited (a timeout, a lost peer) */
-static PyObject *Plan_abandon(PlanObject *pl, PyObject *Py_UNUSED(ignored)) {
+static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
     pl->stage = 0;
     Py_RETURN_NONE;
 }
@@ -874,7 +874,7 @@ static PyObject *native_reduce_into(PyObject *Py_UNUSED(module), PyObject *args)
     if (!PyArg_ParseTuple(args, "OOii|O", &out_obj, &srcs, &dtype, &op, &copies)) return NULL;
     binop_fn f = kernel(dtype, op);
     if (!f) {
-        PyErr_SetString(PyExc_ValueError, "no native kernel for this dtype and op");
+        PyErr_SetString(PyExc_ValueError, "no compiled kernel for this dtype and op");
         return NULL;
     }
     PyObject *fast = PySequence_Fast(srcs, "srcs must be a sequence");
@@ -934,11 +934,11 @@ static PyMethodDef Window_methods[] = {
     {"arrive", (PyCFunction)Window_arrive, METH_O,
      "arrive(seq) -> None or (rank, kind, value): post the current step, wait for all, verify records."},
     {"record_calls", (PyCFunction)Window_record_calls, METH_O,
-     "record_calls(ring): write each plan run's times and signature in row seq & (n - 1); None: stop."},
+     "record_calls(ring): write each compiled call run's times and signature in row seq & (n - 1); None: stop."},
     {"verify", (PyCFunction)Window_verify, METH_O,
      "verify(seq) -> int: -1 when every rank's signature record of call seq agrees, else a rank."},
-    {"plan", (PyCFunction)Window_plan, METH_VARARGS,
-     "plan(narrays, before, after, reduce, sources) -> Plan: copies, post, wait, copies, a reduction."},
+    {"compile", (PyCFunction)Window_compile, METH_VARARGS,
+     "compile(narrays, before, after, reduce, sources) -> Call: copies, post, wait, copies, a reduction."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -950,7 +950,7 @@ static PyMemberDef Window_members[] = {
 
 static PyTypeObject WindowType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "collectives._native.Window",
+    .tp_name = "collectives._compiled.Window",
     .tp_basicsize = sizeof(WindowObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Window(epochs, posts, dones, sleeps, rank, spin_ns, yield_ns): counters in shared memory.",
@@ -961,25 +961,25 @@ static PyTypeObject WindowType = {
     .tp_members = Window_members,
 };
 
-static PyMethodDef Plan_methods[] = {
-    {"run", (PyCFunction)(void (*)(void))Plan_run, METH_FASTCALL,
+static PyMethodDef Call_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Call_run, METH_FASTCALL,
      "run(arrays, seq, sig) -> None or (rank, kind, value): the next step; what to wait for before resume."},
-    {"resume", (PyCFunction)Plan_resume, METH_O, "resume(arrays): go on after the wait run asked for."},
-    {"abandon", (PyCFunction)Plan_abandon, METH_NOARGS, "abandon(): forget a run that failed while it waited."},
+    {"resume", (PyCFunction)Call_resume, METH_O, "resume(arrays): go on after the wait run asked for."},
+    {"abandon", (PyCFunction)Call_abandon, METH_NOARGS, "abandon(): forget a run that failed while it waited."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject PlanType = {
+static PyTypeObject CallType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "collectives._native.Plan",
-    .tp_basicsize = sizeof(PlanObject),
+    .tp_name = "collectives._compiled.Call",
+    .tp_basicsize = sizeof(CallObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A collective's small case: copies, post, wait for the sources, copies, a reduction.",
-    .tp_dealloc = (destructor)Plan_dealloc,
-    .tp_methods = Plan_methods,
+    .tp_dealloc = (destructor)Call_dealloc,
+    .tp_methods = Call_methods,
 };
 
-static PyObject *native_copy(PyObject *Py_UNUSED(module), PyObject *args) {
+static PyObject *ext_copy(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_buffer dst, src;
     if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) return NULL;
     if (dst.len != src.len) {
@@ -998,20 +998,20 @@ static PyObject *native_copy(PyObject *Py_UNUSED(module), PyObject *args) {
 }
 
 static PyMethodDef module_methods[] = {
-    {"copy", native_copy, METH_VARARGS, "copy(dst, src): dst = src (C-contiguous buffers of one length)."},
+    {"copy", ext_copy, METH_VARARGS, "copy(dst, src): dst = src (C-contiguous buffers of one length)."},
     {"reduce_into", native_reduce_into, METH_VARARGS,
      "reduce_into(out, srcs, dtype, op[, copies]): out = srcs[0] op srcs[1] op ..., also into each of copies."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "collectives._native",
-    "Native fast path of the shared-memory window (fences, plans of small collectives, reductions).", -1,
+    PyModuleDef_HEAD_INIT, "collectives._compiled",
+    "Compiled fast path of the shared-memory window (fences, compiled calls of small collectives, reductions).", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&WindowType) < 0 || PyType_Ready(&PlanType) < 0) return NULL;
+PyMODINIT_FUNC PyInit__compiled(void) {
+    if (PyType_Ready(&WindowType) < 0 || PyType_Ready(&CallType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&WindowType);

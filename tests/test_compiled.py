@@ -1,4 +1,4 @@
-"""The native fast path: its kernels give numpy's bits, its fence waits and
+"""The compiled fast path: its kernels give numpy's bits, its fence waits and
 wakes as the Python one does, and the collectives agree with and without it."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
-from collectives import native, signature
+from collectives import compiled, signature
 from harness import run_ranks
 from reference import data, expect_equal, reduced
 
-needs_native = pytest.mark.skipif(not native.built, reason="the native extension is not built here")
+needs_compiled = pytest.mark.skipif(not compiled.built, reason="the C extension is not built here")
 
 NUMPY_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
              "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
@@ -22,11 +22,11 @@ DTYPES = ["float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uin
 
 
 def test_the_extension_is_built_where_a_compiler_is():
-    if os.environ.get("COLLECTIVES_NATIVE") == "0":
-        pytest.skip("turned off by COLLECTIVES_NATIVE=0")
+    if os.environ.get("COLLECTIVES_COMPILED") == "0":
+        pytest.skip("turned off by COLLECTIVES_COMPILED=0")
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: the pure-Python path is what runs")
-    assert native.built, "a C compiler is present but collectives._native was not built (pip install -e .)"
+    assert compiled.built, "a C compiler is present but collectives._compiled was not built (pip install -e .)"
 
 
 def _operands(dtype: np.dtype, p: int, n: int, seed: int) -> list[np.ndarray]:
@@ -42,12 +42,12 @@ def _operands(dtype: np.dtype, p: int, n: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True) for _ in range(p)]
 
 
-@needs_native
+@needs_compiled
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", list(NUMPY_OPS))
 def test_kernels_give_numpy_bits(dtype, op):
     dt = np.dtype(dtype)
-    codes = native.kernel_codes(dt, op)
+    codes = compiled.kernel_codes(dt, op)
     if dt.kind == "f" and op in ("band", "bor", "bxor"):
         assert codes is None
         return
@@ -60,21 +60,21 @@ def test_kernels_give_numpy_bits(dtype, op):
             for s in srcs[1:]:
                 ufunc(want, s, out=want)
             out = np.empty_like(want)
-            native.reduce_into(out, srcs, codes)
+            compiled.reduce_into(out, srcs, codes)
             assert out.tobytes() == want.tobytes(), f"{dtype} {op} p={p}"
-            native.reduce_into(srcs[0], srcs, codes)  # out is srcs[0]
+            compiled.reduce_into(srcs[0], srcs, codes)  # out is srcs[0]
             assert srcs[0].tobytes() == want.tobytes()
 
 
 def test_no_kernel_for_half_floats_or_logical_ops():
-    assert native.kernel_codes(np.dtype(np.float16), "sum") is None
-    assert native.kernel_codes(np.dtype(np.int32), "land") is None
-    assert native.kernel_codes(np.dtype(np.bool_), "sum") is None
+    assert compiled.kernel_codes(np.dtype(np.float16), "sum") is None
+    assert compiled.kernel_codes(np.dtype(np.int32), "land") is None
+    assert compiled.kernel_codes(np.dtype(np.bool_), "sum") is None
 
 
 class _TwoRanks:
     """Two ranks' counters in one mapping (each kind a cache line apart), and
-    a native Window of each, in one process: the protocol without processes."""
+    a compiled Window of each, in one process: the protocol without processes."""
 
     def __init__(self, spin_ns: int = 0, yield_ns: int = 100_000) -> None:
         self.mm = mmap.mmap(-1, 8192)
@@ -82,7 +82,7 @@ class _TwoRanks:
         self.region = np.frombuffer(self.mm, np.uint8, 4096, 4096)  # two regions of 1 KiB per half
         addr = lambda i: self.words[i:i + 1].ctypes.data  # noqa: E731
         kinds = [[addr(64 * k + 8 * r) for r in range(2)] for k in range(4)]  # epoch, post, done, sleep
-        self.windows = [native.native.Window(*kinds, r, spin_ns, yield_ns) for r in range(2)]
+        self.windows = [compiled.ext.Window(*kinds, r, spin_ns, yield_ns) for r in range(2)]
 
     def counter(self, kind: int, rank: int) -> int:
         return int(self.words[64 * kind + 8 * rank])
@@ -102,7 +102,7 @@ class _TwoRanks:
 SLEEP = 3
 
 
-@needs_native
+@needs_compiled
 def test_fence_waits_bounded_and_rings_sleepers():
     two = _TwoRanks(yield_ns=200_000)
     w = two.windows[0]
@@ -124,61 +124,61 @@ def test_fence_waits_bounded_and_rings_sleepers():
 SIG = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), 16)
 
 
-@needs_native
-def test_a_bcast_plan_waits_for_every_rank_and_checks_their_signatures():
+@needs_compiled
+def test_a_compiled_bcast_waits_for_every_rank_and_checks_their_signatures():
     two = _TwoRanks()
-    K = native.native
+    K = compiled.ext
     n = 16
-    root_plan = two.windows[0].plan(1, [((0, 0, 0), two.slot(0), n)], [], None, [])
-    leaf_plan = two.windows[1].plan(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0])
+    root_call = two.windows[0].compile(1, [((0, 0, 0), two.slot(0), n)], [], None, [])
+    leaf_call = two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0])
     got = np.zeros(n, np.uint8)
-    late = leaf_plan.run((got,), 1, SIG)  # the root has not posted: the bounded wait gives up
+    late = leaf_call.run((got,), 1, SIG)  # the root has not posted: the bounded wait gives up
     assert late == (0, K.K_POST, 1)
     with pytest.raises(RuntimeError):
-        leaf_plan.run((got,), 1, SIG)  # a run that waits must be resumed (or abandoned) first
-    assert root_plan.run((np.arange(n, dtype=np.uint8),), 1, SIG) is None  # the leaf posted: done
+        leaf_call.run((got,), 1, SIG)  # a run that waits must be resumed (or abandoned) first
+    assert root_call.run((np.arange(n, dtype=np.uint8),), 1, SIG) is None  # the leaf posted: done
     assert two.counter(K.K_POST, 0) == 1
-    assert leaf_plan.resume((got,)) is None
+    assert leaf_call.resume((got,)) is None
     assert np.array_equal(got, np.arange(n)) and two.counter(K.K_DONE, 1) == 1
     # the root laps the leaf: step 3 writes the half of step 1 only once the leaf is done with it
-    assert root_plan.run((np.full(n, 7, np.uint8),), 2, SIG) == (1, K.K_POST, 2)  # step 2: waits for the leaf
-    assert leaf_plan.run((got,), 2, SIG) is None and np.all(got == 7)
-    assert root_plan.resume((np.full(n, 7, np.uint8),)) is None
+    assert root_call.run((np.full(n, 7, np.uint8),), 2, SIG) == (1, K.K_POST, 2)  # step 2: waits for the leaf
+    assert leaf_call.run((got,), 2, SIG) is None and np.all(got == 7)
+    assert root_call.resume((np.full(n, 7, np.uint8),)) is None
     two.set(K.K_DONE, 1, 0)  # pretend the leaf is not done with step 1
-    assert root_plan.run((np.full(n, 9, np.uint8),), 3, SIG) == (1, K.K_DONE, 1)
+    assert root_call.run((np.full(n, 9, np.uint8),), 3, SIG) == (1, K.K_DONE, 1)
     two.set(K.K_DONE, 1, 2)
-    assert root_plan.resume((np.full(n, 9, np.uint8),)) == (1, K.K_POST, 3)
-    assert leaf_plan.run((got,), 3, SIG) is None and np.all(got == 9)
+    assert root_call.resume((np.full(n, 9, np.uint8),)) == (1, K.K_POST, 3)
+    assert leaf_call.run((got,), 3, SIG) is None and np.all(got == 9)
     two.close()
 
 
-@needs_native
-def test_a_plan_reads_nothing_when_signatures_disagree():
+@needs_compiled
+def test_a_compiled_call_reads_nothing_when_signatures_disagree():
     two = _TwoRanks()
-    K = native.native
+    K = compiled.ext
     n = 16
     other = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), 32)
-    root_plan = two.windows[0].plan(1, [((0, 0, 0), two.slot(0), n)], [], None, [])
-    leaf_plan = two.windows[1].plan(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0])
+    root_call = two.windows[0].compile(1, [((0, 0, 0), two.slot(0), n)], [], None, [])
+    leaf_call = two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0])
     got = np.zeros(n, np.uint8)
-    assert leaf_plan.run((got,), 1, other) == (0, K.K_POST, 1)
-    assert root_plan.run((np.arange(n, dtype=np.uint8),), 1, SIG) == (1, K.K_VERDICT, 0)
-    assert leaf_plan.resume((got,)) == (0, K.K_VERDICT, 0)
+    assert leaf_call.run((got,), 1, other) == (0, K.K_POST, 1)
+    assert root_call.run((np.arange(n, dtype=np.uint8),), 1, SIG) == (1, K.K_VERDICT, 0)
+    assert leaf_call.resume((got,)) == (0, K.K_VERDICT, 0)
     assert not got.any()  # nothing read
     assert two.windows[0].verify(1) == 1 and two.windows[1].verify(1) == 0
     # a refusal (the refused bit) stops every rank too, the refuser first
     refused = signature.refused(SIG)
-    assert root_plan.run((np.arange(n, dtype=np.uint8),), 2, refused) == (1, K.K_POST, 2)
-    assert leaf_plan.run((got,), 2, SIG) == (0, K.K_VERDICT, 0)
-    assert root_plan.resume((np.arange(n, dtype=np.uint8),)) == (0, K.K_VERDICT, 0)
+    assert root_call.run((np.arange(n, dtype=np.uint8),), 2, refused) == (1, K.K_POST, 2)
+    assert leaf_call.run((got,), 2, SIG) == (0, K.K_VERDICT, 0)
+    assert root_call.resume((np.arange(n, dtype=np.uint8),)) == (0, K.K_VERDICT, 0)
     assert not got.any()
     two.close()
 
 
-@needs_native
+@needs_compiled
 def test_a_step_waits_until_its_half_is_free():
     two = _TwoRanks()
-    K = native.native
+    K = compiled.ext
     w = two.windows[0]
     assert w.step() is None and w.step() is None  # steps 1 and 2: nothing to wait for
     assert two.counter(K.K_DONE, 0) == 1
@@ -188,26 +188,26 @@ def test_a_step_waits_until_its_half_is_free():
     two.close()
 
 
-@needs_native
+@needs_compiled
 def test_reduce_into_refuses_mismatched_buffers():
-    codes = native.kernel_codes(np.dtype(np.float32), "sum")
+    codes = compiled.kernel_codes(np.dtype(np.float32), "sum")
     a, b = np.zeros(8, np.float32), np.zeros(8, np.float32)
     with pytest.raises(ValueError):
-        native.reduce_into(a, [a, np.zeros(7, np.float32)], codes)
+        compiled.reduce_into(a, [a, np.zeros(7, np.float32)], codes)
     frozen = np.zeros(8, np.float32)
     frozen.flags.writeable = False
     with pytest.raises((ValueError, BufferError)):
-        native.reduce_into(frozen, [a, b], codes)
+        compiled.reduce_into(frozen, [a, b], codes)
     with pytest.raises(ValueError):
-        native.reduce_into(a, [a], codes)
+        compiled.reduce_into(a, [a], codes)
 
 
-@needs_native
+@needs_compiled
 def test_window_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        native.native.Window([1, 2], [3, 4], [5, 6], [7], 0, 0, 0)
+        compiled.ext.Window([1, 2], [3, 4], [5, 6], [7], 0, 0, 0)
     with pytest.raises(ValueError):
-        native.native.Window([1, 2], [3, 4], [5, 6], [7, 8], 2, 0, 0)
+        compiled.ext.Window([1, 2], [3, 4], [5, 6], [7, 8], 2, 0, 0)
 
 
 def allreduce_cases(comm) -> list[str]:
@@ -228,16 +228,16 @@ def allreduce_cases(comm) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("native_on", ["1", "0"])
+@pytest.mark.parametrize("compiled_on", ["1", "0"])
 @pytest.mark.parametrize("p", [2, 3, 5])
-def test_window_collectives_with_and_without_the_native_path(monkeypatch, native_on, p):
-    if native_on == "1" and not native.built:
-        pytest.skip("the native extension is not built here")
-    monkeypatch.setenv("COLLECTIVES_NATIVE", native_on)
+def test_window_collectives_with_and_without_the_compiled_path(monkeypatch, compiled_on, p):
+    if compiled_on == "1" and not compiled.built:
+        pytest.skip("the C extension is not built here")
+    monkeypatch.setenv("COLLECTIVES_COMPILED", compiled_on)
     assert run_ranks(allreduce_cases, p, timeout=90) == [[]] * p
 
 
-@needs_native
+@needs_compiled
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 1023, 1024, 1025, 4097, 65536 + 17])
 def test_copy_gives_the_bytes_at_every_distance_within_a_page(n):
     rng = np.random.default_rng(n)
@@ -250,34 +250,34 @@ def test_copy_gives_the_bytes_at_every_distance_within_a_page(n):
         want = src.copy()
         start = page + src_at + ((n + 4095) // 4096 + 1) * 4096 + ahead  # the same place in a page, plus ahead
         dst = arena[start:start + n]
-        native.copy(dst, src)
+        compiled.copy(dst, src)
         assert np.array_equal(dst, want) and np.array_equal(src, want), (src_at, ahead)
 
 
-@needs_native
+@needs_compiled
 def test_copy_handles_overlap_other_dtypes_and_mismatches():
     a = np.arange(5000, dtype=np.uint8)
     want = a[:4000].copy()
-    native.copy(a[16:4016], a[:4000])  # overlapping, 16 bytes ahead: memmove's semantics
+    compiled.copy(a[16:4016], a[:4000])  # overlapping, 16 bytes ahead: memmove's semantics
     assert np.array_equal(a[16:4016], want)
     ml_dtypes = pytest.importorskip("ml_dtypes")
     b = np.arange(100, dtype=ml_dtypes.bfloat16)
     out = np.zeros_like(b)
-    native.copy(out, b)  # no buffer format: numpy's copy
+    compiled.copy(out, b)  # no buffer format: numpy's copy
     assert np.array_equal(out, b)
     f = np.zeros(10, np.float32)
-    native.copy(f, np.arange(10, dtype=np.int32))  # dtypes differ: numpy's casting copy, not raw bytes
+    compiled.copy(f, np.arange(10, dtype=np.int32))  # dtypes differ: numpy's casting copy, not raw bytes
     assert f.tolist() == list(range(10))
     with pytest.raises(ValueError):
-        native.copy(np.zeros(3), np.zeros(4))
+        compiled.copy(np.zeros(3), np.zeros(4))
 
 
-@needs_native
+@needs_compiled
 @pytest.mark.parametrize("dtype", ["float32", "int64", "uint8"])
 def test_reduce_into_also_streams_the_result_into_copies(dtype):
     """The copies get the result's bits at any place in a cache line, any
     length (whole chunks, a partial first chunk, a tail), and one or two copies."""
-    codes = native.kernel_codes(np.dtype(dtype), "sum")
+    codes = compiled.kernel_codes(np.dtype(dtype), "sum")
     item = np.dtype(dtype).itemsize
     rng = np.random.default_rng(7)
     raw = [np.zeros(40000 * item + 256, np.uint8) for _ in range(5)]
@@ -290,9 +290,9 @@ def test_reduce_into_also_streams_the_result_into_copies(dtype):
             for copies in ([c1], [c1, c2]):
                 for c in copies:
                     c[:] = 0
-                native.reduce_into(out, [a, b], codes, copies)
+                compiled.reduce_into(out, [a, b], codes, copies)
                 assert np.array_equal(out, want)
                 for c in copies:
                     assert np.array_equal(c, want), (count, place, len(copies))
     with pytest.raises(ValueError):
-        native.reduce_into(out, [a, b], codes, [np.zeros(3, dtype)])
+        compiled.reduce_into(out, [a, b], codes, [np.zeros(3, dtype)])

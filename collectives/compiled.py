@@ -1,7 +1,7 @@
-"""The optional native fast path (``collectives._native``, a small C extension).
+"""The optional compiled fast path (``collectives._compiled``, a small C extension).
 
 It is built by ``pip install`` where a C compiler is present and skipped
-where not; everything then runs in Python, slower. ``COLLECTIVES_NATIVE=0``
+where not; everything then runs in Python, slower. ``COLLECTIVES_COMPILED=0``
 in the environment of a rank turns it off for the transports it opens after
 that (:func:`enabled`). What it offers (fences over shared epoch counters, the
 one-fence allreduce of small vectors, reductions on raw memory) is used by
@@ -17,32 +17,32 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["native", "built", "enabled", "kernel_codes", "reduce_into", "copy"]
+__all__ = ["ext", "built", "enabled", "kernel_codes", "reduce_into", "copy"]
 
-native: Any = None
+ext: Any = None
 try:
-    from . import _native as native
+    from . import _compiled as ext
 except ImportError:  # not built (no compiler at install time)
-    native = None
+    ext = None
 
 #: True when the extension is built.
-built = native is not None
+built = ext is not None
 
 
 def enabled() -> Any:
     """The extension module, or None when it is not built or is turned off
-    (``COLLECTIVES_NATIVE=0``)."""
+    (``COLLECTIVES_COMPILED=0``)."""
     from . import config
 
-    return native if native is not None and config.get("NATIVE") else None
+    return ext if ext is not None and config.get("COMPILED") else None
 
-if native is not None:
-    _DTYPES = {np.dtype(t): getattr(native, "DT_" + c) for t, c in (
+if ext is not None:
+    _DTYPES = {np.dtype(t): getattr(ext, "DT_" + c) for t, c in (
         (np.float32, "F32"), (np.float64, "F64"), (np.int8, "I8"), (np.int16, "I16"),
         (np.int32, "I32"), (np.int64, "I64"), (np.uint8, "U8"), (np.uint16, "U16"),
         (np.uint32, "U32"), (np.uint64, "U64"))}
-    _OPS = {"sum": native.OP_SUM, "prod": native.OP_PROD, "min": native.OP_MIN, "max": native.OP_MAX,
-            "band": native.OP_BAND, "bor": native.OP_BOR, "bxor": native.OP_BXOR}
+    _OPS = {"sum": ext.OP_SUM, "prod": ext.OP_PROD, "min": ext.OP_MIN, "max": ext.OP_MAX,
+            "band": ext.OP_BAND, "bor": ext.OP_BOR, "bxor": ext.OP_BXOR}
 else:
     _DTYPES, _OPS = {}, {}
 
@@ -52,7 +52,7 @@ _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maxi
 
 
 def kernel_codes(dtype: np.dtype, op_name: str, ufunc: Any = None) -> tuple[int, int] | None:
-    """(dtype code, op code) of the native kernel for ``dtype`` and ``op_name``,
+    """(dtype code, op code) of the compiled kernel for ``dtype`` and ``op_name``,
     or None when there is none (no extension, a half float, a logical op, a
     bitwise op on floats, an op whose ``ufunc`` is not the standard one)."""
     d, o = _DTYPES.get(np.dtype(dtype)), _OPS.get(op_name)
@@ -65,29 +65,29 @@ def kernel_codes(dtype: np.dtype, op_name: str, ufunc: Any = None) -> tuple[int,
 
 def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, int],
                 copies: Sequence[np.ndarray] = ()) -> None:
-    """``dst = srcs[0] op srcs[1] op ...`` natively (``codes`` from
+    """``dst = srcs[0] op srcs[1] op ...`` in C (``codes`` from
     :func:`kernel_codes`), and the result also into each of ``copies`` as it
     is made, with stores that bypass the cache (for memory another process
     reads next); every array C-contiguous with dst's size and dtype, dst
     distinct from all but srcs[0], the copies from everything."""
-    native.reduce_into(dst, srcs, *codes, copies)
+    ext.reduce_into(dst, srcs, *codes, copies)
 
 
-_native_copy = native.copy if native is not None else None
+_ext_copy = ext.copy if ext is not None else None
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for C-contiguous arrays of one dtype and size.
 
-    Where the extension is built, natively: the C library's copy runs about
+    Where the extension is built, in C: the C library's copy runs about
     ten times slower here when ``dst`` starts 1 to 63 bytes past ``src``'s
     place in a 4 KiB page, which is where malloc puts two arrays of one size
     allocated one after the other (a send buffer and its receive buffer);
-    the native copy avoids that case. The bytes are the same either way.
+    the compiled copy avoids that case. The bytes are the same either way.
     """
-    if _native_copy is not None and dst.dtype == src.dtype:
+    if _ext_copy is not None and dst.dtype == src.dtype:
         try:
-            _native_copy(dst, src)
+            _ext_copy(dst, src)
             return
         except (ValueError, TypeError, BufferError):  # a dtype without a buffer format: numpy's copy
             pass

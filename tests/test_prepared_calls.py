@@ -2,7 +2,7 @@
 
 The second call with the same signature (collective, algorithm, root, op,
 each buffer's dtype and size) runs what the first call validated (and, for
-the shared-window allreduce, the algorithm's own persistent plan); these
+the shared-window allreduce, the algorithm's own prepared call); these
 tests check that every collective gives numpy's answer with new data each
 time, and that the calls a prepared call does not cover (strided or
 read-only buffers, overlapping alltoall buffers, calls queued behind
@@ -36,7 +36,7 @@ def repeated_calls(comm) -> list[str]:
                 failures.append(f"{dtype} {op} n={n}: result is not the buffer passed in")
             expect_equal(failures, f"{dtype} {op} n={n} round {salt}", buf, reduced(p, n, dtype, op, salt))
     if not any(e is not None and e.func is not e.algo.func for e in comm._prepared.values()):
-        failures.append("no call ran a prepared plan")
+        failures.append("no call ran a prepared call")
     return failures
 
 
@@ -46,7 +46,7 @@ def full_path_cases(comm) -> list[str]:
     want = reduced(p, n, "float32", "sum")
     contiguous = data(r, n, "float32")
     comm.allreduce(contiguous.copy())
-    comm.allreduce(contiguous.copy())  # the plan for (float32, 64, sum) exists now
+    comm.allreduce(contiguous.copy())  # the prepared call for (float32, 64, sum) exists now
 
     strided = np.zeros(2 * n, dtype=np.float32)[::2]
     frozen = contiguous.copy()
