@@ -101,6 +101,9 @@ def _settings() -> dict[str, Setting]:
         Setting("IBVERBS", "str", None, "the path of libibverbs to load", "rdma"),
         Setting("IB_GID_INDEX", "int", 0, "the GID index of RDMA over Ethernet", "rdma"),
         Setting("CUDART", "str", None, "the path of libcudart to load", "gpu"),
+        # integrations
+        Setting("JAX_FFI", "bool", True, "run JAX's in-jit allreduce as an XLA FFI call (built on first use "
+                "with the C++ compiler); 0: an ordered io_callback", "integrations"),
         # algorithms
         Setting("PROFILE", "str", None, "where calibration profiles are: a folder of them, or one .json used for "
                 "every transport (default: the user's cache folder)", "algorithms"),
@@ -219,7 +222,7 @@ def log_settings(log: logging.Logger) -> None:
                 log.debug("setting %s=%s is not a setting of this library (a typo?)", key, shown)
 
 
-_GROUPS = {"launch": "Launching", "shm": "Shared memory", "tcp": "TCP", "rdma": "RDMA", "gpu": "GPUs",
+_GROUPS = {"launch": "Launching", "shm": "Shared memory", "tcp": "TCP", "rdma": "RDMA", "gpu": "GPUs", "integrations": "Integrations",
            "algorithms": "Algorithms", "observability": "Trust and observability", "benches": "Benches"}
 
 

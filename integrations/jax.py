@@ -8,9 +8,11 @@ every leaf starts 64-byte aligned in its bucket, so on the CPU
 ``jax.device_put`` of the result shares the buffer instead of copying it.
 
 :func:`allreduce_tree_in_jit` is the same reduction inside a jitted
-function, through ``jax.experimental.io_callback(..., ordered=True)``: an
-ordered effect is never removed as dead code and keeps its order, so every
-rank makes the same calls. It cannot be differentiated (no JVP/VJP rule) or
+function: an XLA FFI custom call that reduces XLA's own buffers in place
+(:mod:`.jax_ffi`), or, where that cannot be built,
+``jax.experimental.io_callback(..., ordered=True)``. Either carries an
+ordered effect: never removed as dead code, kept in order, so every rank
+makes the same calls. It cannot be differentiated (no JVP/VJP rule) or
 vmapped; call it on gradients, after ``jax.grad``.
 """
 
@@ -22,7 +24,9 @@ import jax
 import numpy as np
 
 import collectives
-from collectives import Communicator, Handle
+from collectives import Communicator, Handle, config
+
+from . import jax_ffi
 
 __all__ = ["allreduce_tree", "allreduce_tree_in_jit", "default_communicator"]
 
@@ -60,9 +64,14 @@ class _Bucket:
             self.slots.append((index, offset, arr.shape))
             offset += _pad(arr.nbytes)
         self.raw = _aligned_empty(max(offset, ALIGN))
-        self.flat = self.raw.view(dtype)
+        used = 0
         for (index, off, shape), (_, arr) in zip(self.slots, leaves):
+            self.raw[used:off] = 0  # the gaps between leaves reduce as zeros
             self._leaf(off, shape)[...] = arr
+            used = off + arr.nbytes
+        # Exactly the leaves' extent, no trailing padding: ranks whose leaves
+        # differ in size then differ in count, which the call's signature check names.
+        self.flat = self.raw[:used].view(dtype)
 
     def _leaf(self, offset: int, shape: tuple[int, ...]) -> np.ndarray:
         count = int(np.prod(shape, dtype=np.int64))
@@ -97,6 +106,27 @@ def _reduce_host(arrays: list[np.ndarray], comm: Communicator, op: str, cap: int
     return out
 
 
+def _in_place(dtypes: list[np.dtype], comm: Communicator, op: str, cap: int) -> Any:
+    """``host(outputs)`` that allreduces flat buffers of ``dtypes`` in place:
+    an array alone in its dtype by itself (a blocking call: the prepared fast
+    path), several of one dtype packed in buckets of at most ``cap`` bytes."""
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, d in enumerate(dtypes):
+        by_dtype.setdefault(d, []).append(i)
+    alone = [(idx[0], d) for d, idx in by_dtype.items() if len(idx) == 1]
+    packed = [(idx, d) for d, idx in by_dtype.items() if len(idx) > 1]
+    allreduce, frombuffer = comm.allreduce, np.frombuffer
+
+    def host(outputs: tuple) -> None:
+        for i, d in alone:
+            allreduce(frombuffer(outputs[i], d), op)
+        for idx, d in packed:
+            group = [frombuffer(outputs[i], d) for i in idx]
+            for reduced, target in zip(_reduce_host(group, comm, op, cap), group):
+                target[...] = reduced.reshape(-1)
+    return host
+
+
 def allreduce_tree(tree: Any, comm: Communicator | None = None, *, op: str = "avg",
                    bucket_cap_mb: float = 25.0) -> Any:
     """Allreduce every leaf of a pytree of JAX (or numpy) arrays over the ranks.
@@ -118,7 +148,7 @@ def allreduce_tree(tree: Any, comm: Communicator | None = None, *, op: str = "av
 
 def allreduce_tree_in_jit(tree: Any, comm: Communicator | None = None, *, op: str = "avg",
                           bucket_cap_mb: float = 25.0) -> Any:
-    """:func:`allreduce_tree` usable inside ``jax.jit`` (an ordered ``io_callback``).
+    """:func:`allreduce_tree` usable inside ``jax.jit`` (an XLA FFI call, else an ordered ``io_callback``).
 
     Not differentiable and not vmappable: apply it to gradients.
 
@@ -131,11 +161,15 @@ def allreduce_tree_in_jit(tree: Any, comm: Communicator | None = None, *, op: st
     Returns:
         The reduced pytree.
     """
-    from jax.experimental import io_callback
-
     comm = comm if comm is not None else default_communicator()
     cap = int(bucket_cap_mb * MiB)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if config.get("JAX_FFI") and jax_ffi.available()[0]:
+        reduced = jax_ffi.call(_in_place([np.dtype(x.dtype) for x in leaves], comm, op, cap), leaves)
+        return jax.tree_util.tree_unflatten(treedef, list(reduced))
+
+    from jax.experimental import io_callback
+
     shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
 
     def host(*arrays: np.ndarray) -> list[np.ndarray]:

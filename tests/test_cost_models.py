@@ -329,7 +329,7 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
     MiB = 1 << 20
     assert direct_from("allreduce", 2, 2) == 4 * MiB and direct_from("allreduce", 4, 2) == 4 * MiB
     assert direct_from("allreduce", 8, 0) == 4 * MiB  # a core each
-    assert direct_from("scatter", 2, 2) == 32 * MiB and direct_from("scatter", 4, 2) == 4 * MiB  # sooner
+    assert direct_from("bcast", 2, 2) == 4 * MiB and direct_from("bcast", 4, 2) == 2 * MiB  # sooner
     P = Params(cores=2)
     for collective in DIRECT_FROM:
         at = direct_from(collective, 4, 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -18,7 +19,7 @@ import pytest
 from launched import results as rank_results
 
 HERE = os.path.abspath(__file__)
-DEADLINE = 90
+DEADLINE = 150  # the first job builds the FFI target (about 30 s)
 PER_RANK, STEPS, LR = 4, 4, 0.1
 
 # ---------------------------------------------------------------------- rank side
@@ -101,31 +102,97 @@ def check_dtypes(jax, jnp, comm):
     return fails
 
 
+def check_in_jit(jax, jnp, comm):
+    """Inside jit: mixed dtypes in one tree, two calls in one function (kept
+    in order on every rank), a leaf of each size class, and which path ran."""
+    import collectives.integrations.jax as cj
+
+    r, p = comm.rank, comm.size
+    total = p * (p + 1) / 2
+    fails = []
+
+    @jax.jit
+    def mixed(tree):
+        return cj.allreduce_tree_in_jit(tree, comm, op="sum")
+
+    tree = {"bf16": jnp.full((5,), r + 1, jnp.bfloat16), "f16": jnp.full((3, 2), 0.5 * (r + 1), jnp.float16),
+            "i32": (jnp.arange(4, dtype=jnp.int32) * (r + 1),), "big": jnp.full((70000,), r + 1.0, jnp.float32),
+            "f32": jnp.full((2, 3), r + 1.0, jnp.float32)}
+    for _ in range(3):  # the same compiled function again: prepared calls
+        out = mixed(tree)
+        if not bool(jnp.all(out["bf16"] == total)) or out["bf16"].dtype != jnp.bfloat16:
+            fails.append(f"in jit, bf16 leaf: {out['bf16']}")
+        if not bool(jnp.all(out["f16"] == 0.5 * total)) or out["f16"].shape != (3, 2):
+            fails.append(f"in jit, f16 leaf: {out['f16']}")
+        if not bool(jnp.all(out["i32"][0] == jnp.arange(4) * total)):
+            fails.append(f"in jit, i32 leaf: {out['i32']}")
+        if not (bool(jnp.all(out["big"] == total)) and bool(jnp.all(out["f32"] == total))):
+            fails.append("in jit, float32 leaves wrong")
+        if not bool(jnp.all(tree["big"] == r + 1.0)):
+            fails.append("in jit, the input array changed")
+
+    @jax.jit
+    def twice(x):
+        y = cj.allreduce_tree_in_jit(x * 2.0, comm, op="sum")
+        z = cj.allreduce_tree_in_jit(x + 1.0, comm, op="max")
+        return y, z
+
+    y, z = twice(jnp.full((7,), r + 1.0))
+    if not (bool(jnp.all(y == 2 * total)) and bool(jnp.all(z == p + 1.0))):
+        fails.append(f"two calls in one jit: {y}, {z}")
+    return fails
+
+
+def check_mismatch_in_jit(jax, jnp, comm):
+    """One rank's in-jit allreduce has another size: every rank raises, and
+    the error names the rank, the collective and its number, and both sizes."""
+    import time
+
+    import collectives.integrations.jax as cj
+
+    n = 4 if comm.rank == 0 else 5
+    start = time.monotonic()
+    try:
+        jax.block_until_ready(jax.jit(lambda x: cj.allreduce_tree_in_jit(x, comm, op="sum"))(jnp.ones(n)))
+    except Exception as exc:
+        text = str(exc)
+        took = time.monotonic() - start
+        named = all(w in text for w in ("MismatchedCollective", f"rank {comm.rank}", "allreduce #", "x 4", "x 5"))
+        fails = [] if named else [f"mismatch: the error says {text[-600:]!r}"]
+        return fails + ([f"mismatch: raised after {took:.1f} s"] if took > 10 else [])
+    return ["mismatch: no rank raised"]
+
+
 def main():
     import jax
     import jax.numpy as jnp
 
     import collectives
+    from collectives.integrations import jax_ffi
 
     comm = collectives.init(timeout=30)
     failures = []
-    for check in (check_training, check_dtypes):
+    for check in (check_training, check_dtypes, check_in_jit, check_mismatch_in_jit):
         try:
             failures += check(jax, jnp, comm)
         except Exception:
             failures.append(f"{check.__name__} raised:\n{traceback.format_exc()}")
-    print("RESULT " + json.dumps({"rank": comm.rank, "failures": failures}), flush=True)
+    built, why = jax_ffi.available()
+    used = built and os.environ.get("COLLECTIVES_JAX_FFI", "1") != "0"
+    print("RESULT " + json.dumps({"rank": comm.rank, "failures": failures, "ffi": used, "why": why}), flush=True)
     comm.close()
 
 
 # ---------------------------------------------------------------------- test side
 
 
-@pytest.mark.parametrize("p", [2, 3])
-def test_jax_adapter_matches_single_process(p):
+@pytest.mark.parametrize("p,ffi", [(2, True), (3, True), (2, False)])
+def test_jax_adapter_matches_single_process(p, ffi):
     pytest.importorskip("jax")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "OMPI_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    if not ffi:
+        env["COLLECTIVES_JAX_FFI"] = "0"  # the ordered io_callback
     argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10), HERE]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=env)
     out = res.stdout + res.stderr
@@ -134,6 +201,8 @@ def test_jax_adapter_matches_single_process(p):
     assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures)
+    if shutil.which("c++") or shutil.which("g++"):  # a compiler is here: the FFI call ran, unless turned off
+        assert all(r["ffi"] == ffi for r in results), [r["why"] for r in results]
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
     "allreduce":       (4 << 20,   0,    True),
     "reduce_scatter":  (16 << 20,  2,    True),
     "allgather":       (2 << 20,   6,    True),
-    "bcast":           (256 << 20, 0,    False),
+    "bcast":           (4 << 20,  -1,    False),
     "gather":          (32 << 20,  0,    False),
-    "alltoall":        (32 << 20,  0,    False),
-    "scatter":         (32 << 20, -3,    False),
+    "alltoall":        (4 << 20,   0,    False),
+    "scatter":         (4 << 20,   0,    False),
 }
 
 
