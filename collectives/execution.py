@@ -109,11 +109,13 @@ class CallExecution:
         entry = self._prepared.get(key)
         if entry is None or self._broken is not None or self._closed or self._queue.busy:
             return False  # (tracing keeps no prepared calls: every call takes the full path)
-        writes = entry.writes
-        flags = arrays[0].flags if arrays and arrays[0] is not None else None  # unrolled: one or two arrays
-        if flags is not None and (not flags.c_contiguous or (writes[0] and not flags.writeable)):
-            return False
+        first = arrays[0] if arrays else None
+        if first is not None:  # unrolled: none, one or two arrays
+            flags = first.flags
+            if not flags.c_contiguous or (entry.writes[0] and not flags.writeable):
+                return False
         if len(arrays) > 1:
+            writes = entry.writes
             flags = arrays[1].flags if arrays[1] is not None else None
             if flags is not None and (not flags.c_contiguous or (writes[1] and not flags.writeable)):
                 return False

@@ -106,7 +106,9 @@ class CallQueue:
     def __init__(self, name: str) -> None:
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
-        self._pending = 0
+        #: Tasks queued or running on the worker (0: idle); a plain attribute,
+        #: read on every blocking call.
+        self.busy = 0
         self._thread: threading.Thread | None = None
         self._name = name
         self._closed = False
@@ -114,17 +116,12 @@ class CallQueue:
     @property
     def idle(self) -> bool:
         """True when nothing is queued or running on the worker."""
-        return self._pending == 0
-
-    @property
-    def busy(self) -> int:
-        """Tasks queued or running on the worker (0: idle)."""
-        return self._pending
+        return self.busy == 0
 
     def submit(self, task: Callable[[], Any], handle: Handle) -> Handle:
         """Queue ``task``; its result or error completes ``handle``."""
         with self._cv:
-            self._pending += 1
+            self.busy += 1
             self._queue.append((task, handle))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
@@ -135,7 +132,7 @@ class CallQueue:
     def drain(self, timeout: float) -> None:
         """Wait until every queued task has finished."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self._pending == 0, timeout):
+            if not self._cv.wait_for(lambda: self.busy == 0, timeout):
                 raise CollectiveTimeout(
                     f"earlier nonblocking operations did not finish within {timeout:.3g}s")
 
@@ -153,7 +150,7 @@ class CallQueue:
             else:
                 handle._finish(result=result)
             with self._cv:
-                self._pending -= 1
+                self.busy -= 1
                 self._cv.notify_all()
 
     def close(self, timeout: float = 5.0) -> None:
