@@ -170,16 +170,22 @@ class CallBuffers:
 
 
 def _time(runner: Any, collective: str, algo: str, b: dict[str, Any], iters: int, warmup: int) -> np.ndarray:
-    """Warm up, barrier, then time each iteration; returns each iteration's maximum over ranks."""
-    for _ in range(warmup):
-        runner.call(collective, algo, b)
-    runner.barrier()
-    times = np.empty(iters, dtype=np.float64)
-    clock = time.perf_counter
-    for i in range(iters):
-        t0 = clock()
-        runner.call(collective, algo, b)
-        times[i] = clock() - t0
+    """Warm up, barrier, then time each iteration; returns each iteration's maximum over ranks.
+
+    In-place reductions compound over the iterations (a sum doubles at 2
+    ranks) and overflow to inf after about 128 of them: numpy's overflow
+    warning is expected here and silenced (the checked call runs on reset
+    buffers afterwards)."""
+    with np.errstate(over="ignore"):
+        for _ in range(warmup):
+            runner.call(collective, algo, b)
+        runner.barrier()
+        times = np.empty(iters, dtype=np.float64)
+        clock = time.perf_counter
+        for i in range(iters):
+            t0 = clock()
+            runner.call(collective, algo, b)
+            times[i] = clock() - t0
     return runner.max_over_ranks(times)
 
 
