@@ -88,6 +88,41 @@ def test_zero_byte_small_and_self_messages(p):
     assert all(run_ranks(ring_exchange, p, timeout=60))
 
 
+RING = 64 * 1024  # the smallest ring: its end comes round often
+
+
+def _ring_sizes() -> list[int]:
+    """Message sizes whose headers start at every 16-byte offset of the ring's
+    last 64 bytes, the two where a 48-byte header runs past the end included."""
+    sizes = [(i * 7) % 41 for i in range(4000)]
+    head, starts = 0, set()
+    for n in sizes:
+        starts.add(head % RING)
+        head += 48 + (n + 15) // 16 * 16
+    assert {RING - 64, RING - 48, RING - 32, RING - 16} <= starts
+    return sizes
+
+
+def headers_across_the_ring_end(comm):
+    t, sizes = comm.transport, _ring_sizes()
+    if comm.rank == 0:
+        t.waitall([t.isend(_pattern(n, i), 1, 2 + 2 * (i % 3)) for i, n in enumerate(sizes)], 30)
+        return True
+    for i, n in enumerate(sizes):
+        got = np.zeros(n, np.uint8)
+        t.irecv(got, 0, 2 + 2 * (i % 3)).wait(30)
+        if not np.array_equal(got, _pattern(n, i)):
+            return f"message {i} ({n} bytes) differs"
+    return True
+
+
+def test_headers_that_run_past_the_ring_end(monkeypatch):
+    """A header starting in the ring's last 32 bytes wraps to its start (it
+    used to raise struct.error and abort the job)."""
+    monkeypatch.setenv("COLLECTIVES_SHM_RING_BYTES", str(RING))
+    assert run_ranks(headers_across_the_ring_end, 2, timeout=60) == [True, True]
+
+
 def size_mismatch(comm, early: bool, sent):
     t = comm.transport
     if comm.rank == 0:

@@ -21,10 +21,30 @@ from collectives.errors import BadArgument
 
 from .layout import Q_SLEEP, align
 
-__all__ = ["Rings", "HEADER", "HEADER_BYTES"]
+__all__ = ["Rings", "HEADER", "HEADER_BYTES", "write_header", "read_header"]
 
 HEADER = struct.Struct("<qqQQQq")  # tag, payload length, the call's signature (3 words), padding
 HEADER_BYTES = HEADER.size
+
+
+def write_header(ring: memoryview, pos: int, size: int, tag: int, nbytes: int, sig: signature.Sig) -> None:
+    """Write a message's header at ``pos`` of a ring of ``size`` bytes. Messages
+    start on 16-byte boundaries and a header is 48 bytes, so one that starts in
+    the last 32 bytes goes on at the ring's start."""
+    if size - pos >= HEADER_BYTES:
+        HEADER.pack_into(ring, pos, tag, nbytes, *sig, 0)
+    else:
+        raw, k = HEADER.pack(tag, nbytes, *sig, 0), size - pos
+        ring[pos:size] = raw[:k]
+        ring[:HEADER_BYTES - k] = raw[k:]
+
+
+def read_header(ring: memoryview, pos: int, size: int) -> tuple[int, int, int, int, int, int]:
+    """The header at ``pos`` (see :func:`write_header`)."""
+    if size - pos >= HEADER_BYTES:
+        return HEADER.unpack_from(ring, pos)
+    k = size - pos
+    return HEADER.unpack(bytes(ring[pos:size]) + bytes(ring[:HEADER_BYTES - k]))
 
 
 class Rings:
@@ -86,7 +106,7 @@ class Rings:
             if req.sent == 0:
                 if free < HEADER_BYTES:
                     break
-                HEADER.pack_into(ring, head % size, req.tag, req.nbytes, *req.sig, 0)
+                write_header(ring, head % size, size, req.tag, req.nbytes, req.sig)
                 head += HEADER_BYTES
                 free -= HEADER_BYTES
                 req.sent = HEADER_BYTES
@@ -132,7 +152,7 @@ class Rings:
         cur = self._rx_cur[src]
         while avail:
             if cur is None:
-                tag, nbytes, w0, w1, w2, _ = HEADER.unpack_from(ring, tail % size)
+                tag, nbytes, w0, w1, w2, _ = read_header(ring, tail % size, size)
                 tail += HEADER_BYTES
                 avail -= HEADER_BYTES
                 cur = self._match(src, tag, nbytes, (w0, w1, w2))
@@ -197,9 +217,9 @@ class Rings:
                 return False
         ring = self._tx_data[dst]
         pos = head % size
-        HEADER.pack_into(ring, pos, tag, nbytes, *sig, 0)
+        write_header(ring, pos, size, tag, nbytes, sig)
         if nbytes:
-            pos += HEADER_BYTES
+            pos = (pos + HEADER_BYTES) % size
             first = min(nbytes, size - pos)
             ring[pos:pos + first] = mv[:first] if first < nbytes else mv
             if first < nbytes:
@@ -224,7 +244,7 @@ class Rings:
         if self._rx_q[self._rx_head_i[src]] - tail < HEADER_BYTES + align(nbytes, 16):
             return -1  # not all there yet (its padding included: a sender may add that last)
         size = self._ring_bytes
-        got_tag, got_bytes, w0, w1, w2, _ = HEADER.unpack_from(self._rx_data[src], tail % size)
+        got_tag, got_bytes, w0, w1, w2, _ = read_header(self._rx_data[src], tail % size, size)
         if got_tag != tag or got_bytes != nbytes or (w0, w1, w2) != sig:
             return -1
         return (tail + HEADER_BYTES) % size
