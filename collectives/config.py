@@ -207,9 +207,17 @@ def is_set(name: str) -> bool:
     return bool(os.environ.get(SETTINGS[name].variable))
 
 
+#: Variables that were renamed: old name -> new name (a warning says so when the old one is set).
+RENAMED = {"NATIVE": "COMPILED"}
+
+
 def log_settings(log: logging.Logger) -> None:
     """Log, at debug level, every declared variable that is set, and any
-    ``COLLECTIVES_*`` variable that is not declared (a typo?)."""
+    ``COLLECTIVES_*`` variable that is not declared (a typo?); warn about
+    renamed ones, which are not read."""
+    for old, new in RENAMED.items():
+        if ("COLLECTIVES_" + old) in os.environ:
+            log.warning("COLLECTIVES_%s is not read any more: it is now COLLECTIVES_%s", old, new)
     if not log.isEnabledFor(logging.DEBUG):
         return
     for key, value in sorted(os.environ.items()):

@@ -82,3 +82,12 @@ def test_settings_that_are_set_are_logged_at_debug_level(monkeypatch, caplog):
         config.log_settings(log)
     text = caplog.text
     assert "COLLECTIVES_FLIGHT_RECORDER=16" in text and "COLLECTIVES_FLIGHT_RECORDR=16 is not a setting" in text
+
+
+def test_a_renamed_setting_is_named_with_its_new_name(monkeypatch, caplog):
+    monkeypatch.setenv("COLLECTIVES_NATIVE", "0")
+    log = logging.getLogger("collectives.test-config")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        config.log_settings(log)
+    assert "COLLECTIVES_NATIVE is not read any more: it is now COLLECTIVES_COMPILED" in caplog.text
+    assert all(old not in config.SETTINGS and new in config.SETTINGS for old, new in config.RENAMED.items())
