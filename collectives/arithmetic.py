@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["pow2_floor", "prefix", "byte_view", "parse_bytes"]
+__all__ = ["pow2_floor", "prefix", "byte_view", "parse_bytes", "show_bytes"]
 
 _NO_BYTES = np.zeros(0, np.uint8)
 _NO_BYTES.flags.writeable = False
@@ -62,3 +62,8 @@ def parse_bytes(text: str) -> int:
         return int(float(digits) * _UNITS[unit])
     except ValueError:
         raise ValueError(f"cannot read a size from {text!r} (examples: 512, 64K, 4M, 1G)") from None
+
+
+def show_bytes(n: int) -> str:
+    """``n`` bytes in whole MiB, KiB or bytes, as people write it ("16 MiB", "8 B")."""
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"

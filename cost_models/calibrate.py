@@ -27,6 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from collectives.arithmetic import show_bytes
+
 from .calibration_fits import fit_exchange, fit_overheads, fit_piecewise, fit_stretch
 from .calibration_measurements import (EXCHANGE_BYTES, SWEEP_BYTES, best_time, exchange, measure_copy_bandwidth,
                                        measure_gamma, measure_probes, pingpong, rank_count_measurements,
@@ -44,7 +46,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     comm = collectives.init()
     step = _progress(comm.rank, 5)
     sizes = SWEEP_BYTES[:8] if quick else SWEEP_BYTES
-    step(f"ping-pong, {_size(sizes[0])} to {_size(sizes[-1])} (alpha, beta)")
+    step(f"ping-pong, {show_bytes(sizes[0])} to {show_bytes(sizes[-1])} (alpha, beta)")
     times = pingpong(comm, sizes, quick) if comm.size > 1 else []
     step("both ways at once (exchange)")
     exchanges = exchange(comm, EXCHANGE_BYTES, quick) if comm.size > 1 else []
@@ -81,8 +83,7 @@ def rank_main(out: str | None, quick: bool) -> int:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     data.pop("source", None)
     save_profile(path, data)
-    print(f"{name}: alpha={params.alpha * 1e6:.2f} us, beta={params.beta * 1e9:.4f} ns/B "
-          f"({1e-9 / max(params.beta, 1e-30):.2f} GB/s), gamma(float32)={params.gamma * 1e9:.3f} ns/B, "
+    print(f"{name}: a message {params.messages()}, gamma(float32)={params.gamma * 1e9:.3f} ns/B, "
           f"copy {params.mem_bandwidth / 1e9:.2f} GB/s, fence {fence * 1e6:.2f} us, "
           f"exchange x{params.exchange:.2f}, "
           f"overhead {overhead * 1e6:.2f} us/msg, call {call * 1e6:.2f} us, "
@@ -121,8 +122,7 @@ def reading(path: Path, transport: str, p: int) -> str:
     params = load_profile(transport, path)
     caps = transport_capabilities(transport)
     model, rule = ModelSelector(params, transport), RuleSelector()
-    lines = [f"reading: a message costs {params.alpha * 1e6:.2f} us + {params.beta * 1e9:.3f} ns/B "
-             f"({1e-9 / max(params.beta, 1e-30):.2f} GB/s); reducing float32 {params.gamma * 1e9:.3f} ns/B; "
+    lines = [f"reading: a message costs {params.messages()}; reducing float32 {params.gamma * 1e9:.3f} ns/B; "
              f"a fence {params.fence * 1e6:.2f} us",
              f"auto now follows these models on {transport} (in a job, rank 0's profile); at {p} ranks:"]
     f32 = np.dtype(np.float32)
@@ -130,13 +130,9 @@ def reading(path: Path, transport: str, p: int) -> str:
         picks = []
         for n in READING_BYTES:
             m, r = model.choose(c, n, p, f32, caps), rule.choose(c, n, p, f32, caps)
-            picks.append(f"{_size(n)} {m}" + ("" if m == r else f" (the rule: {r})"))
+            picks.append(f"{show_bytes(n)} {m}" + ("" if m == r else f" (the rule: {r})"))
         lines.append(f"  {c}: " + ", ".join(picks))
     return "\n".join(lines)
-
-
-def _size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
 
 
 def stretch_main(out: str, quick: bool) -> int:

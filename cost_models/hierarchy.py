@@ -333,8 +333,7 @@ class HierExplanation:
         s, hp = self.shape, self.params
 
         def line(P: Params) -> str:
-            bw = 1e-9 / P.beta if P.beta else float("inf")
-            return (f"alpha={P.alpha * 1e6:.2f} us, beta={P.beta * 1e9:.4f} ns/B ({bw:.2f} GB/s), "
+            return (f"a message {P.messages()}, "
                     f"gamma={P.gamma * 1e9:.4f} ns/B, fence={P.fence * 1e6:.2f} us ({P.source})")
         lines = [f"{self.collective}: {self.nbytes} bytes, {s.p} ranks on {s.H} hosts ({s}), {self.dtype}",
                  f"topology: hosts of {', '.join(map(str, s.sizes))} ranks; {s.m} local rank(s) per host drive "

@@ -69,8 +69,7 @@ class Explanation:
         """A printable table of the candidates and the parameters."""
         P = self.params
         lines = [f"{self.collective}: {self.nbytes} bytes, {self.p} ranks, {self.dtype}",
-                 f"params ({P.source}): alpha={P.alpha * 1e6:.3f} us, beta={P.beta * 1e9:.4f} ns/B "
-                 f"({1e-9 / P.beta if P.beta else float('inf'):.2f} GB/s), gamma={P.gamma * 1e9:.4f} ns/B, "
+                 f"params ({P.source}): a message {P.messages()}, gamma={P.gamma * 1e9:.4f} ns/B, "
                  f"memory {P.mem_bandwidth / 1e9:.2f} GB/s, fence={P.fence * 1e6:.2f} us, "
                  f"overhead={P.overhead * 1e6:.2f} us/msg, call={P.call * 1e6:.2f} us, "
                  f"cores={P.cores or 'one per rank'}, segment={P.segment_bytes} B",
