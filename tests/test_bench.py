@@ -205,6 +205,19 @@ def test_the_recorder_cost_bench_prints_both_medians(tmp_path):
     assert data["recorded"] > 0 and abs(data["diff_us"] - (data["on_us"] - data["off_us"])) < 1e-9
 
 
+
+def test_the_call_floor_bench_times_our_calls_and_their_parts_beside_mpich():
+    res = subprocess.run([sys.executable, "-m", "collectives.bench.call_floor", "--rounds", "2", "--iters", "2000",
+                          "--no-openmpi"], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {line.split()[0] + (" " + line.split()[1] if line.startswith("allreduce:") else ""): line
+            for line in res.stdout.splitlines() if line and not line.startswith("#")}
+    assert rows["call"].split()[1:] == ["ours", "MPICH"], res.stdout
+    for call in ("bcast", "allreduce", "barrier"):
+        assert len(rows[call].split()) == 5, res.stdout  # a median and a [range] for each of the two
+    assert "allreduce: call_key" in rows and "allreduce: the" in rows, res.stdout
+
+
 # -- Open MPI beside MPICH: its own venv, and every row naming its MPI ------------------------------
 
 

