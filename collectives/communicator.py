@@ -364,12 +364,15 @@ class Communicator(CallExecution, Survival):
             lo = counts[0] * self.rank
             hi = lo + counts[0]
 
-            def args(a: tuple) -> tuple:
+            def start(a: tuple) -> tuple:
                 recv, send = a
                 if send is not None and send.size:
                     compiled.copy(recv[lo:hi], send)  # a no-op when sendbuf already is this block
-                return recv, counts
-            self._remember(key, plan, (True, False), args, as_is=False)
+                return (recv,)
+
+            def args(a: tuple) -> tuple:
+                return start(a)[0], counts
+            self._remember(key, plan, (True, False), args, as_is=(start, lambda a: a[:1]))
         return self._call(plan, timeout)
 
     def iallgather(self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto",

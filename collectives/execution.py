@@ -158,7 +158,7 @@ class CallExecution:
         return float(rec.start[seq & (rec.capacity - 1)]) if rec is not None else _now()
 
     def _remember(self, key: tuple | None, plan: Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
-                  check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
+                  check: Callable[[tuple], bool] | None = None, as_is: bool | tuple = True) -> None:
         if key is None or self._tracer is not None or self._log_calls:
             return  # no key: not a call that can be prepared; tracing and logging every call take the full path
         self._prepared.remember(key, plan, self.transport, self.segment_bytes, self._scratch, writes, args,

@@ -106,11 +106,15 @@ class PreparedCalls(BoundedCache):
 
     def remember(self, key: tuple, plan: Plan, transport: Any, segment_bytes: int, scratch: dict,
                  writes: tuple[bool, ...], args: Callable[[tuple], tuple], staged: bool,
-                 check: Callable[[tuple], bool] | None = None, as_is: bool = True) -> None:
+                 check: Callable[[tuple], bool] | None = None,
+                 as_is: bool | tuple[Callable[[tuple], tuple], Callable[[tuple], tuple]] = True) -> None:
         """Keep ``plan`` (just validated) for repeated calls of ``key``, with the
-        algorithm's own prepared call where it offers one. ``as_is``: the
-        call's arrays are the algorithm's array arguments, in order (so a
-        prepared call's ``on_arrays`` may take them directly). Plans with a
+        algorithm's own prepared call where it offers one. ``as_is``: True when
+        the call's arrays are the algorithm's array arguments, in order (so a
+        prepared call's ``on_arrays`` may take them directly); or ``(start,
+        view)``: ``start(arrays)`` does what the call does first and gives the
+        algorithm's arrays, ``view(arrays)`` gives them again without doing it
+        (for a call that has to wait). Plans with a
         finalizer (``avg``), staged device buffers, a refusal or no data, and
         rooted calls over messages (they start with a signature check), are
         not kept."""
@@ -123,9 +127,23 @@ class PreparedCalls(BoundedCache):
             if plan.algo.prepare is not None:
                 func = plan.algo.prepare(transport, *plan.args) or func
             ctx = CallContext(transport, 0, 0.0, segment_bytes, scratch)
-            entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check,
-                             getattr(func, "on_arrays", None) if as_is else None)
+            direct = getattr(func, "on_arrays", None) if as_is else None
+            if direct is not None and as_is is not True:
+                direct = _mapped(direct, *as_is)
+            entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check, direct)
         self.keep(key, entry)
+
+
+def _mapped(direct: tuple, start: Callable[[tuple], tuple], view: Callable[[tuple], tuple]) -> tuple:
+    """A compiled call's ``(go, settle)`` on the call's own arrays (see ``as_is``)."""
+    go, settle = direct
+
+    def go_from(arrays: tuple, seq: int, sig: Sig) -> Any:
+        return go(start(arrays), seq, sig)
+
+    def settle_from(arrays: tuple, late: Any, deadline: float) -> None:
+        settle(view(arrays), late, deadline)
+    return go_from, settle_from
 
 
 def apart(arrays: tuple) -> bool:
