@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import debug_log, flight_recorder, compiled, signature, tracing
+from . import compiled, debug_log, flight_recorder, signature, tracing
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES
 from .errors import BadArgument, CollectiveError
@@ -265,13 +265,25 @@ class Communicator(CallExecution, Survival):
         Returns:
             The buffer holding the result (``buf`` or ``out``).
         """
-        key = call_key("allreduce", algorithm, None, op, buf) if out is None else None
-        if self._run_prepared(key, (buf,), timeout):
-            return buf
+        if out is None:
+            key = call_key("allreduce", algorithm, None, op, buf)
+            if self._run_prepared(key, (buf,), timeout):
+                return buf
+        else:  # out of place: out takes buf's values first, then the call runs in place on it
+            key = call_key("allreduce", algorithm, None, op, out, buf)
+            if self._run_prepared(key, (out, buf), timeout):
+                return out
         plan = self._plan(self._planner.allreduce, buf, op, algorithm, out)
         if plan.args is not None:
             o = plan.args[1]
-            self._remember(key, plan, (True,), lambda a: (a[0], o))
+            if out is None:
+                self._remember(key, plan, (True,), lambda a: (a[0], o))
+            elif key is not None:
+                def start(a: tuple) -> tuple:
+                    compiled.copy(a[0], a[1])
+                    return a[:1]
+                self._remember(key, plan, (True, False), lambda a: (start(a)[0], o), check=apart,
+                               as_is=(start, lambda a: a[:1]))
         return self._call(plan, timeout)
 
     def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",

@@ -317,6 +317,8 @@ PREPARED_CALLS = {
                  "rank 1 has float32 x"),
     "allgather": (lambda c, x: c.allgather(x, np.zeros(8 * c.size, np.float32)),
                   lambda c, x: c.allgather(x[:4], np.zeros(4 * c.size, np.float32)), "rank 1 has float32 x"),
+    "allreduce out of place": (lambda c, x: c.allreduce(x, out=np.zeros(8, np.float32)),
+                               lambda c, x: c.allreduce(x, "max", out=np.zeros(8, np.float32)), "op"),
     "allgather in place": (lambda c, x: c.allgather(None, np.ones(8 * c.size, np.float32)),
                            lambda c, x: c.allgather(None, np.ones(8 * c.size, np.float64)), "float64"),
 }

@@ -113,6 +113,15 @@ def every_collective_repeated(comm) -> list[str]:
             recv = np.zeros(b * p, np.int64)
             comm.allgather(mine, recv, algorithm=algo)
             expect_equal(failures, f"allgather/{algo} {salt}", recv, np.concatenate(every))
+            recv = np.zeros(b * p, np.int64)
+            recv[r * b:(r + 1) * b] = mine
+            comm.allgather(None, recv, algorithm=algo)
+            expect_equal(failures, f"allgather in place/{algo} {salt}", recv, np.concatenate(every))
+        for algo in _algorithms(comm, "allreduce"):
+            out = np.zeros(b, np.int64)
+            comm.allreduce(mine, "sum", algorithm=algo, out=out)
+            expect_equal(failures, f"allreduce out of place/{algo} {salt}", out, reduced(p, b, "int64", "sum", salt))
+            expect_equal(failures, f"allreduce out of place/{algo} {salt}: buf", mine, data(r, b, "int64", "sum", salt))
         for algo in _algorithms(comm, "reduce_scatter"):
             send = data(r, b * p, "int64", "sum", salt)
             recv = np.zeros(b, np.int64)
@@ -128,7 +137,8 @@ def every_collective_repeated(comm) -> list[str]:
         for algo in _algorithms(comm, "barrier"):
             comm.barrier(algorithm=algo)
     kinds = {key[0] for key, entry in comm._prepared.items() if entry is not None}
-    missing = {"bcast", "reduce", "gather", "scatter", "allgather", "reduce_scatter", "alltoall", "barrier"} - kinds
+    missing = {"bcast", "reduce", "allreduce", "gather", "scatter", "allgather", "reduce_scatter", "alltoall",
+               "barrier"} - kinds
     if missing:
         failures.append(f"no prepared call for {sorted(missing)}")
     return failures

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from collectives import config, compiled
+from collectives import compiled, config
 from collectives.arithmetic import pow2_floor
 from collectives.errors import BadArgument, CollectiveTimeout, PeerLost
 from collectives.waiting import Backoff
