@@ -100,7 +100,12 @@ def test_the_load_runs_through_the_sweep_and_is_gone_after(tmp_path):
     try:
         pids = bench.pids(60)
         assert len(pids) == 2, "".join(bench.err)
-        assert all(_running(p) for p in pids)  # started before the sweep
+        # started before the sweep (on a busy machine a new process may not show its command line at once:
+        # a wait for that, with a deadline; one that died stays not running and fails here)
+        end = time.monotonic() + 10
+        while not all(_running(p) for p in pids) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert all(_running(p) for p in pids), [(p, _state(p)) for p in pids]
         with open(f"/proc/{pids[0]}/cmdline", "rb") as f:
             assert b"bursty" in f.read()
     finally:
