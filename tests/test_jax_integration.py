@@ -140,6 +140,17 @@ def check_in_jit(jax, jnp, comm):
     y, z = twice(jnp.full((7,), r + 1.0))
     if not (bool(jnp.all(y == 2 * total)) and bool(jnp.all(z == p + 1.0))):
         fails.append(f"two calls in one jit: {y}, {z}")
+
+    @jax.jit
+    def looped(x, flag):
+        x = jax.lax.fori_loop(0, 3, lambda i, x: cj.allreduce_tree_in_jit(x, comm, op="sum") / p + 1.0, x)
+        return jax.lax.cond(flag, lambda x: cj.allreduce_tree_in_jit(x, comm, op="max"), lambda x: -x, x)
+
+    mean = (p - 1) / 2  # of the ranks' starting values
+    want = ((mean + 1.0) + 1.0) + 1.0
+    got = looped(jnp.full((4,), float(r)), True)
+    if not bool(jnp.allclose(got, want)):
+        fails.append(f"in a loop and a cond: {got}, want {want}")
     return fails
 
 
