@@ -3,9 +3,9 @@
 Both sides run one jitted function per size, ``jax.jit(lambda x: allreduce(x))``
 on a float32 array, summed over the ranks:
 
-* ours: :func:`collectives.integrations.jax.allreduce_tree_in_jit` (an ordered
-  ``io_callback`` into this library, shared memory), ranks started by
-  ``collectives run``;
+* ours: :func:`collectives.integrations.jax.allreduce_tree_in_jit` (an XLA
+  FFI call into this library, shared memory; an ordered ``io_callback``
+  with ``COLLECTIVES_JAX_FFI=0``), ranks started by ``collectives run``;
 * mpi4jax: ``mpi4jax.allreduce(x, op=MPI.SUM)`` (an XLA custom call into
   MPI_Allreduce; MPICH, the ``mpich`` wheel), ranks started by ``mpiexec``.
 
@@ -55,7 +55,8 @@ def mpi4jax_available() -> tuple[bool, str]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("COLLECTIVES_", "PMI_")) or k == "COLLECTIVES_JAX_FFI"}  # that one chooses our path
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 
