@@ -114,8 +114,12 @@ class _Ordered(jax._src.effects.Effect):
 
 def _make_primitive():
     from jax._src import effects
-    from jax._src.core import ShapedArray, abstract_token
+    from jax.core import ShapedArray
     from jax.extend.core import Primitive
+
+    abstract_token = getattr(jax.ffi, "abstract_token", None)  # public from jax 0.11 on
+    if abstract_token is None:
+        from jax._src.core import abstract_token
     from jax.interpreters import mlir
     from jax.interpreters.mlir import TokenSet
 

@@ -212,8 +212,19 @@ def test_jax_adapter_matches_single_process(p, ffi):
     assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures)
-    if shutil.which("c++") or shutil.which("g++"):  # a compiler is here: the FFI call ran, unless turned off
+    if _can_build_ffi():  # the FFI call ran, unless turned off
         assert all(r["ffi"] == ffi for r in results), [r["why"] for r in results]
+
+
+def _can_build_ffi() -> bool:
+    """A C++ compiler, Python's headers and jaxlib's FFI headers are here."""
+    import sysconfig
+
+    import jax
+
+    return bool(hasattr(jax, "ffi") and (shutil.which("c++") or shutil.which("g++"))
+                and os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+                and os.path.isdir(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api")))
 
 
 if __name__ == "__main__":
