@@ -35,7 +35,7 @@ import numpy as np
 
 __all__ = ["main"]
 
-DEFAULT_COLLECTIVES = ("bcast", "allgather", "reduce", "allreduce", "reduce_scatter", "alltoall")
+DEFAULT_COLLECTIVES = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce", "reduce_scatter", "alltoall")
 
 
 def _measure(comm, call, algos: list[str], repeats: int) -> tuple[dict, dict, dict]:
