@@ -278,7 +278,7 @@ class Communicator(CallExecution, Survival):
             o = plan.args[1]
             if out is None:
                 self._remember(key, plan, (True,), lambda a: (a[0], o))
-            elif key is not None:
+            else:
                 def start(a: tuple) -> tuple:
                     compiled.copy(a[0], a[1])
                     return a[:1]

@@ -6,9 +6,10 @@ every registered algorithm the transport can run (``needs`` a subset of the
 capabilities) with the formulas of :mod:`collectives.cost_models` and the
 parameters of the transport's calibration profile, and picks the least;
 one predicted within :data:`TIE` of the library's rule's choice is a tie,
-and the rule's choice runs. Decisions are cached per (collective, size bucket, p, itemsize,
-capabilities); a bucket (a quarter of an octave) is decided on its least
-size so that every rank decides alike, so the hot path costs one dict lookup.
+and the rule's choice runs. Decisions are cached per (collective, size
+bucket, p, itemsize, capabilities); a bucket (a quarter of an octave) is
+decided on its least size so that every rank decides alike, so the hot
+path costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ __all__ = ["ModelSelector", "Explanation", "Candidate", "TIE"]
 #: 3,671. On the validation sweep (docs/performance.md) a tie of 2 % changes
 #: no shared-memory choice and lowers TCP's mean regret from 1.2 to 1.1 %.
 TIE = 0.02
+
+
+def _tie(best: float, ruled: float) -> bool:
+    """Whether a best prediction of ``best`` seconds ties with ``ruled``, the rule's choice's."""
+    return best >= (1.0 - TIE) * ruled
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class Explanation:
         if modelled is not None and modelled.name != self.choice:
             chosen = next(c for c in self.candidates if c.name == self.choice)
             why = (f"a tie: {modelled.name} is predicted within {TIE:.0%} of the rule's choice"
-                   if chosen.runnable and modelled.seconds >= (1.0 - TIE) * chosen.seconds
+                   if chosen.runnable and _tie(modelled.seconds, chosen.seconds)
                    else f"the cost models would take {modelled.name}")
             lines.append(f"choice: {self.choice} ({why})")
         else:
@@ -167,7 +173,7 @@ class ModelSelector:
         choice = best.name
         ruled = next((c for c in pool if c.name == rule(collective, int(nbytes), p, dtype.itemsize, capabilities)),
                      None)
-        if ruled is not None and best.seconds >= (1.0 - TIE) * ruled.seconds:
+        if ruled is not None and _tie(best.seconds, ruled.seconds):
             choice = ruled.name  # a tie (predictions err by ~9 %): the rule's choice, which was measured
         cands.sort(key=lambda c: (not c.runnable, c.seconds))
         return Explanation(collective, int(nbytes), int(p), dtype.name, self.params, cands, choice)
