@@ -1,7 +1,8 @@
 """reduce through the shared window: n <= max(32 KiB, 1 MiB/p), copy(n) + F +
 (p-1) n gamma (the root reduces every region); larger, per piece 2F,
 copy((p-1)/p n) in, the reduction of a 1/p block from p sources
-((p-1)/p n gamma), and the root copies n out."""
+((p-1)/p n gamma; the root's block straight into its buffer), and the
+root copies the others' (p-1)/p n out."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from .common import one_fence, pieces
 
 @cost_model("reduce", "shared_window")
 def reduce(p: int, n: int, P: Params) -> float:
-    """copy(n) + F + (p-1) n gamma small; 2F per piece + copy((p-1)/p n) + (p-1)/p n gamma + copy(n)."""
+    """copy(n) + F + (p-1) n gamma small; 2F per piece + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
     small = one_fence(p, n, P)
     if small is not None:
         return small
     share = (p - 1) / p * n
-    return 2 * pieces(n) * P.fence + P.copy(share) + share * P.gamma + P.copy(n)
+    return 2 * pieces(n) * P.fence + 2 * P.copy(share) + share * P.gamma

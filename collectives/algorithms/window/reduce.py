@@ -1,7 +1,7 @@
 """reduce through the shared window: small vectors as allreduce's one-fence
 path, the root alone reducing; larger ones in pieces: each rank reduces 1/p
-of the piece from every region, then the root copies the reduced blocks
-out. Other ranks' buffers stay unchanged."""
+of the piece from every region (the root into its buffer), then the root
+copies the others' reduced blocks out. Other ranks' buffers stay unchanged."""
 
 from __future__ import annotations
 
@@ -72,14 +72,15 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
             tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         start, n, off = parts[me]
-        if n:
+        if n:  # the root reduces its block straight into its buffer
             srcs = [region(st, r, base + off * item, n, dt) for r in range(p)]
-            reduce_blocks(ctx, op, srcs[me], [buf[start:start + n]] + [srcs[r] for r in peers])
+            mine = buf[start:start + n]
+            reduce_blocks(ctx, op, mine if me == root else srcs[me], [mine] + [srcs[r] for r in peers])
         window.fence(ctx.deadline)
         if me == root:
             t0 = _now() if tracer is not None else 0.0
             for r, (start, n, off) in enumerate(parts):
-                if n:
+                if n and r != root:
                     compiled.copy(buf[start:start + n], region(st, r, base + off * item, n, dt))
             if tracer is not None:
                 tracer.phase(COPYING, t0, _now())
