@@ -240,8 +240,22 @@ def predict(collective: str, name: str, p: int, nbytes: int, params: Params | No
     f_lo, f_hi, f_n = (_formula(model, int(p), n, P) for n in (lo, hi, nbytes))
     if f_n < f_lo:  # the formula switches to a cheaper path: follow it in proportion
         return t_lo * f_n / f_lo
+    if nbytes > hi and _switches(model, int(p), lo, hi, f_lo, f_hi, P):
+        # beyond the last anchor, where the formula changes paths inside the
+        # last interval: that interval's slope is the switch's, not a trend
+        # to carry on; scale from the last anchor in proportion
+        return t_hi * f_n / f_hi
     scale = (t_hi - t_lo) / (f_hi - f_lo) if f_hi > f_lo and t_hi > t_lo else 1.0
     return t_lo + scale * (f_n - f_lo)
+
+
+def _switches(model: CostModel, p: int, lo: int, hi: int, f_lo: float, f_hi: float, P: Params) -> bool:
+    """Whether the formula is far from a straight line between ``lo`` and
+    ``hi`` bytes (it switches paths in between): its midpoint strays from the
+    chord by more than a tenth of the rise."""
+    mid = (lo + hi) // 2
+    mid -= mid % P.itemsize
+    return abs(_formula(model, p, mid, P) - (f_lo + f_hi) / 2) > 0.1 * abs(f_hi - f_lo)
 
 
 def _formula(model: CostModel, p: int, nbytes: int, P: Params) -> float:

@@ -401,3 +401,18 @@ def test_a_failed_stretch_job_is_tried_once_more(tmp_path):
     calls.clear()
     assert not _ran(lambda p, out: calls.append(p) or 1, 4, str(tmp_path / "none.json"), tries=2)
     assert calls == [4, 4]
+
+
+def test_beyond_the_last_anchor_a_path_switch_is_not_a_trend() -> None:
+    """The window's scatter at 3 ranks on 2 cores reads directly from 4 MiB:
+    anchors just below and above that switch rise far more than the formula
+    does between them; beyond them the prediction scales from the last anchor
+    in proportion, not with that rise's slope (which predicted a 64 MiB
+    scatter at twice its measured time and chose binomial)."""
+    base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=20e9, fence=1e-6, cores=2)
+    below, above, far = (4 << 20) - 12, 16 << 20, 64 << 20
+    f = {n: predict("scatter", "shared_window", 3, n, base) for n in (below, above, far)}
+    assert f[above] - f[below] < 0.5 * f[below]  # the cheaper direct path starts in between
+    anchored = Params(**{**base.__dict__, "anchors": (("scatter", "shared_window", 3, below, f[below]),
+                                                     ("scatter", "shared_window", 3, above, 3 * f[above]))})
+    assert predict("scatter", "shared_window", 3, far, anchored) == pytest.approx(3 * f[far])
