@@ -93,10 +93,19 @@ def _describe_end(returncode: int) -> str:
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+    """Copy a rank's lines to ``out`` with ``prefix``; once ``out`` is gone (a
+    reader that stopped early, such as ``head``), go on reading and drop
+    them, so that no rank blocks on a full pipe."""
+    gone = False
     for line in iter(stream.readline, b""):
+        if gone:
+            continue
         with lock:
-            out.write(prefix + line)
-            out.flush()
+            try:
+                out.write(prefix + line)
+                out.flush()
+            except (BrokenPipeError, ValueError):  # the reader closed it (ValueError: closed here)
+                gone = True
     stream.close()
 
 

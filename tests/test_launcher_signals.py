@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import select
 import subprocess
 import sys
 import textwrap
@@ -358,3 +359,25 @@ def test_a_program_that_cannot_be_run_gives_126(tmp_path, start):
     assert job.wait() == 126
     assert "".join(job.stderr) == f"collectives run: cannot start rank 0: {tool}: Exec format error\n"
     assert job.stdout == []
+
+
+def test_a_reader_that_stops_early_neither_hangs_the_job_nor_prints_a_traceback(tmp_path):
+    # like `collectives run ... | head -1`: the ranks print far more than a pipe
+    # holds after the launcher's reader has gone; every rank still runs to its end
+    cmd = [sys.executable, "-m", "collectives.cli", "run", "-n", "2", "--timeout", "120",
+           sys.executable, "-c", "for i in range(200000): print(i)"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], START_SECONDS)
+        assert ready, "no rank printed"
+        assert proc.stdout.readline().startswith(b"[rank ")
+        proc.stdout.close()
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=END_SECONDS)
+        assert time.monotonic() - t0 < END_SECONDS
+        err = proc.stderr.read().decode()
+        assert rc == 0, err
+        assert "Traceback" not in err and "BrokenPipe" not in err, err
+    finally:
+        proc.kill()
+        proc.wait()
