@@ -28,7 +28,7 @@ from collectives import config
 from collectives.bootstrap import PROFILE_TAG, from_rank_zero
 from collectives.selection import RuleSelector
 
-from .profile import DEFAULTS, GENERIC, find_profile
+from .profile import DEFAULTS, GENERIC, find_profile, read_profile
 
 __all__ = ["agreed_selector", "local_selector", "how_auto_chooses", "explain_choice"]
 
@@ -36,14 +36,8 @@ __all__ = ["agreed_selector", "local_selector", "how_auto_chooses", "explain_cho
 def _rank_zero_profile(transport: str) -> bytes:
     """Rank 0's profile of ``transport`` as JSON (empty when it has none)."""
     path = find_profile(transport)
-    if path is None:
-        return b""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return b""
-    data["source"] = f"{path} on {socket.gethostname()}, rank 0's"
-    return json.dumps(data).encode()
+    data = read_profile(path, f"{path} on {socket.gethostname()}, rank 0's") if path is not None else None
+    return b"" if data is None else json.dumps(data).encode()
 
 
 def _selector(transport: str, profile: bytes, mode: str) -> Any:

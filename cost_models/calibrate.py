@@ -33,6 +33,7 @@ from .calibration_fits import fit_exchange, fit_overheads, fit_piecewise, fit_st
 from .calibration_measurements import (EXCHANGE_BYTES, SWEEP_BYTES, best_time, exchange, measure_copy_bandwidth,
                                        measure_gamma, measure_probes, pingpong, rank_count_measurements,
                                        window_fence)
+from .digests import anchor_digests
 from .model import Params
 from .profile import DEFAULTS, GENERIC, host_cores, profile_path, save_profile
 
@@ -79,7 +80,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     path = Path(out) if out else profile_path(name)
     data = {**params.as_dict(), "transport": name, "host": socket.gethostname(), "ranks": comm.size,
             "fit_error": fit["error"], "sweep": {"bytes": list(sizes), "seconds": times},
-            "probes": [list(t) for t in probes + extra],
+            "probes": [list(t) for t in probes + extra], "anchor_digests": anchor_digests(params.anchors),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     data.pop("source", None)
     save_profile(path, data)
@@ -184,6 +185,7 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
             anchors += job["anchors"]
     data["stretch"] = [[p, *table[p]] for p in sorted(table)]
     data["anchors"] = anchors
+    data["anchor_digests"] = anchor_digests(anchors)  # measured by this code, as the main job's
     save_profile(path, data)
     print("stretch (ranks: message latency x, message bytes x, fence x, local x): "
           + ", ".join(f"{p}: {a:.2f}, {b:.2f}, {f:.2f}, {c:.2f}" for p, (a, b, f, c) in sorted(table.items())))

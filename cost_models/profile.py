@@ -25,7 +25,8 @@ from collectives import config
 
 from .model import Params
 
-__all__ = ["DEFAULTS", "GENERIC", "profile_path", "find_profile", "load_profile", "save_profile", "host_cores"]
+__all__ = ["DEFAULTS", "GENERIC", "profile_path", "find_profile", "read_profile", "load_profile", "save_profile",
+           "host_cores"]
 
 #: Parameters used when a transport has no profile (seconds, bytes/s).
 #: shm: copy through a shared ring, a few microseconds per message;
@@ -72,12 +73,32 @@ def load_profile(transport: str, path: str | os.PathLike | None = None) -> Param
         :class:`Params`.
     """
     file = Path(path) if path is not None else profile_path(transport)
+    data = read_profile(file, str(file))
+    if data is None:
+        return DEFAULTS.get(transport, GENERIC)
+    return Params.from_dict(data)
+
+
+def read_profile(file: Path, source: str) -> dict[str, Any] | None:
+    """The profile at ``file`` (None where it cannot be read), without the
+    anchors of algorithms whose code changed since they were measured
+    (:func:`~.digests.drop_stale_anchors`); ``source`` is where it came
+    from, with a word on any anchors dropped."""
+    from .digests import drop_stale_anchors
+
     try:
         data = json.loads(file.read_text())
     except (OSError, ValueError):
-        return DEFAULTS.get(transport, GENERIC)
-    params = Params.from_dict(data)
-    return Params.from_dict({**params.as_dict(), "source": str(file)})
+        return None
+    if not isinstance(data, dict):
+        return None
+    data, stale = drop_stale_anchors(data)
+    if stale:
+        shown = ", ".join(stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
+        source += (f"; without the measured times of {len(stale)} algorithm(s) whose code changed since "
+                   f"(or that carry no digest): {shown}; `collectives calibrate` measures them again")
+    data["source"] = source
+    return data
 
 
 def save_profile(path: Path, data: dict[str, Any]) -> None:

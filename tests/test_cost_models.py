@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from collectives.cost_models import MODELS, Params, _load, predict
+from collectives.cost_models.digests import anchor_digests
 from collectives.cost_models.calibration_fits import fit_line, fit_overheads, fit_piecewise
 from collectives.cost_models.calibration_measurements import PROBE_BYTES, PROBES
 from collectives.cost_models.explain import main as explain_main, parse_bytes
@@ -194,8 +195,12 @@ def test_calibrate_on_shared_memory(tmp_path) -> None:
     anchored = {(c, a) for c, a, p, n, t in data["anchors"] if p == 2 and t > 0}
     runnable = {(a.collective, a.name) for a in all_algorithms() if a.name != "native"}
     assert anchored == runnable  # every algorithm shared memory runs, timed at its smallest size
+    # each anchored algorithm's code digest, which loading checks: every anchor is kept
+    assert set(data["anchor_digests"]) == {f"{c}/{a}" for c, a in anchored}
     assert data["gamma_by_dtype"]["float32"] > 0 and data["mem_bandwidth"] > 0
-    assert load_profile("shm", out).alpha == data["alpha"]
+    loaded = load_profile("shm", out)
+    assert loaded.alpha == data["alpha"] and len(loaded.anchors) == len(data["anchors"])
+    assert loaded.source == str(out)
 
 
 # ----------------------------------------------------- timing and stretch
@@ -416,3 +421,48 @@ def test_beyond_the_last_anchor_a_path_switch_is_not_a_trend() -> None:
     anchored = Params(**{**base.__dict__, "anchors": (("scatter", "shared_window", 3, below, f[below]),
                                                      ("scatter", "shared_window", 3, above, 3 * f[above]))})
     assert predict("scatter", "shared_window", 3, far, anchored) == pytest.approx(3 * f[far])
+
+
+def _profile_with_anchors(tmp_path, digests: dict[str, str] | None):
+    anchors = [["reduce", "shared_window", 2, 8, 5e-6], ["reduce", "binomial", 2, 8, 40e-6],
+               ["bcast", "binomial", 2, 8, 30e-6]]
+    data = {**Params().as_dict(), "anchors": anchors}
+    if digests is not None:
+        data["anchor_digests"] = digests
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_anchors_of_changed_code_are_dropped_and_the_source_says_so(tmp_path) -> None:
+    """An anchor measured one algorithm's code: after that code changes (its
+    digest differs), or where a profile carries no digests, the profile loads
+    without it, and what auto follows names the algorithms and the remedy."""
+    current = anchor_digests([("reduce", "shared_window"), ("reduce", "binomial"), ("bcast", "binomial")])
+    assert len(set(current.values())) == 3
+    changed = {**current, "reduce/shared_window": "0" * 16}
+    params = load_profile("shm", _profile_with_anchors(tmp_path, changed))
+    assert {(c, a) for c, a, *_ in params.anchors} == {("reduce", "binomial"), ("bcast", "binomial")}
+    assert "1 algorithm(s) whose code changed" in params.source and "reduce/shared_window" in params.source
+    assert "collectives calibrate" in params.source
+    assert len(load_profile("shm", _profile_with_anchors(tmp_path, current)).anchors) == 3
+    bare = load_profile("shm", _profile_with_anchors(tmp_path, None))
+    assert bare.anchors == () and "3 algorithm(s)" in bare.source
+
+
+def test_a_digest_covers_the_helpers_an_algorithm_imports(monkeypatch) -> None:
+    """The window's reduce imports its pieces, which import the tuning table:
+    a change there changes its digest; binomial's does not import them."""
+    from collectives.cost_models import digests
+
+    before = {a: digests.algorithm_digest("reduce", a) for a in ("shared_window", "binomial")}
+    real = digests._source
+    monkeypatch.setattr(digests, "_source",
+                        lambda m: None if real(m) is None else real(m) + ("# changed" if m.endswith("window.tuning") else ""))
+    digests.algorithm_digest.cache_clear()
+    try:
+        after = {a: digests.algorithm_digest("reduce", a) for a in ("shared_window", "binomial")}
+    finally:
+        digests.algorithm_digest.cache_clear()
+    assert after["shared_window"] != before["shared_window"]
+    assert after["binomial"] == before["binomial"]
