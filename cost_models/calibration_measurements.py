@@ -115,9 +115,10 @@ ANCHORED = ("bcast", "scatter", "gather", "allgather", "reduce", "allreduce", "r
 #: The large sizes at which every algorithm is measured too (bytes per
 #: rank): one where the shared window's largest collectives switch to
 #: reading peers' buffers directly, one past it, so that the scale beyond
-#: the last is the direct path's (and, over TCP, that of buffers that no
-#: longer fit the cache).
-LARGE_ANCHOR_BYTES = (4 << 20, 16 << 20)
+#: is the direct path's (and, over TCP, that of buffers that no longer fit
+#: the cache), and 64 MiB, where some algorithms grow faster than their
+#: formulas (an exchange of whole vectors, a tree's large sends).
+LARGE_ANCHOR_BYTES = (4 << 20, 16 << 20, 64 << 20)
 
 
 def anchor_sizes(p: int, large: Sequence[int] = LARGE_ANCHOR_BYTES) -> list[int]:

@@ -26,8 +26,12 @@ __all__ = ["algorithm_digest", "anchor_digests", "drop_stale_anchors"]
 _PACKAGE = "collectives.algorithms"
 
 
-def _imports_within(module: str, source: str) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _imports_within(module: str) -> frozenset[str]:
     """Modules of :data:`_PACKAGE` that ``module``'s source imports from."""
+    source = _source(module)
+    if source is None:
+        return frozenset()
     found = set()
     package = module.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(source)):
@@ -38,9 +42,10 @@ def _imports_within(module: str, source: str) -> set[str]:
             found.update(n for n in names if n.startswith(_PACKAGE) and _source(n) is not None)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith(_PACKAGE))
-    return found
+    return frozenset(found)
 
 
+@functools.lru_cache(maxsize=None)
 def _source(module: str) -> str | None:
     """The source text of ``module`` (imported already), or None where it has none."""
     mod = sys.modules.get(module)
@@ -73,7 +78,7 @@ def algorithm_digest(collective: str, name: str) -> str | None:
         if module in seen:
             continue
         seen.add(module)
-        todo.extend(_imports_within(module, _source(module) or ""))
+        todo.extend(_imports_within(module))
     h = hashlib.sha256()
     for module in sorted(seen):
         h.update(module.encode() + b"\0" + (_source(module) or "").encode() + b"\0")
