@@ -1,6 +1,7 @@
 """gather through the shared window (the root's time): through the window,
 copy(n/p) in on the senders, F per piece, the root copies (p-1)/p n out;
-direct, 2F + copy((p-1)/p n)."""
+direct, 2F + copy(n/p): every sender writes its block into the root's
+buffer at once."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from .common import direct, pieces
 
 @cost_model("gather", "shared_window")
 def gather(p: int, n: int, P: Params) -> float:
-    """copy(n/p) + F per piece + copy((p-1)/p n); direct 2F + copy((p-1)/p n)."""
+    """copy(n/p) + F per piece + copy((p-1)/p n); direct 2F + copy(n/p)."""
     if p == 1 or n == 0:
         return P.copy(n)
     rest = (p - 1) / p * n
     if direct("gather", p, n, P):
-        return 2 * P.fence + P.copy(rest)
+        return 2 * P.fence + P.copy(n / p)
     return P.copy(n / p) + pieces(n / p) * P.fence + P.copy(rest)

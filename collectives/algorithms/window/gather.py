@@ -1,7 +1,7 @@
 """gather through the shared window: each rank copies its block into its
 region, fence, the root copies every block out; from
-:data:`~.tuning.DIRECT_FROM` on, the root reads the blocks straight from
-the senders' buffers (:mod:`.direct`)."""
+:data:`~.tuning.DIRECT_FROM` on, every sender writes its block straight
+into the root's buffer, all at once (:mod:`.direct`)."""
 
 from __future__ import annotations
 
@@ -54,13 +54,12 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         return
     window, st = state_of(ctx)
     dt, item = sendbuf.dtype, sendbuf.itemsize
-    readers = direct(ctx, window, st, sendbuf, sum(counts) * item, "gather")
-    if readers is not None:
-        if me == root:
-            for r in range(p):
-                if r != me:
-                    readers.read(r, 0, recvbuf[starts[r]:starts[r] + counts[r]])
-        window.fence(ctx.deadline)  # senders keep their buffers until the root has read them
+    # the root publishes where the blocks go; every sender writes its own, all at once
+    writers = direct(ctx, window, st, recvbuf if me == root else sendbuf, sum(counts) * item, "gather")
+    if writers is not None:
+        if me != root and counts[me]:
+            writers.write(root, starts[me] * item, sendbuf)
+        window.fence(ctx.deadline)  # every block is in the root's buffer before anyone returns
         return
     step = max(1, budget(st) // item)
     tracer = ctx.tracer

@@ -29,7 +29,7 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
     "reduce_scatter":  (16 << 20,  2,    True),
     "allgather":       (2 << 20,   6,    True),
     "bcast":           (4 << 20,  -1,    False),
-    "gather":          (32 << 20,  0,    False),
+    "gather":          (2 << 20,   0,    False),
     "alltoall":        (4 << 20,   0,    False),
     "scatter":         (4 << 20,   0,    False),
 }
