@@ -255,6 +255,8 @@ def test_abort_reaches_a_waiting_peer_at_once():
 
 
 def allreduce_loop_while_strangers_knock(comm, endpoint_file: str, seconds: float):
+    """Allreduce until the stranger has finished knocking (the test writes
+    ``endpoint_file + ".done"``), ``seconds`` at most."""
     if comm.rank == 0:
         with open(endpoint_file + ".tmp", "w") as f:
             f.write(comm.transport.endpoint)
@@ -266,7 +268,8 @@ def allreduce_loop_while_strangers_knock(comm, endpoint_file: str, seconds: floa
         comm.allreduce(buf, "sum")
         rounds += 1
         bad += int(not np.all(buf == comm.size * (comm.size + 1) // 2))
-        flag = np.array([time.monotonic() < end], np.int32)
+        going = comm.rank != 0 or (not os.path.exists(endpoint_file + ".done") and time.monotonic() < end)
+        flag = np.array([going], np.int32)
         comm.allreduce(flag, "min")  # every rank stops after the same round
         if not flag[0]:
             break
@@ -296,6 +299,7 @@ def _knock(endpoint: str) -> None:
         for password in (None, b"not-the-secret"):
             d = ctx.socket(zmq.DEALER)
             d.linger = 0
+            d.sndtimeo = 5000  # a send to a rank that is gone fails (zmq.Again) rather than waits
             d.routing_id = b"0"  # pretends to be rank 0
             if password is not None:
                 d.plain_username, d.plain_password = b"collectives", password
@@ -310,7 +314,7 @@ def _knock(endpoint: str) -> None:
             monitor.close(0)
             d.close(0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes what an error left open (term() would wait for it)
 
 
 def test_strangers_are_refused_and_the_collective_goes_on():
@@ -318,7 +322,7 @@ def test_strangers_are_refused_and_the_collective_goes_on():
         endpoint_file = os.path.join(tmp, "endpoint")
         result: dict = {}
         runner = threading.Thread(target=lambda: result.setdefault(
-            "value", run_ranks(allreduce_loop_while_strangers_knock, 2, endpoint_file, 2.5,
+            "value", run_ranks(allreduce_loop_while_strangers_knock, 2, endpoint_file, 45.0,
                                transport="zmq", timeout=60)))
         runner.start()
         try:
@@ -328,6 +332,7 @@ def test_strangers_are_refused_and_the_collective_goes_on():
             with open(endpoint_file) as f:
                 _knock(f.read())
         finally:
+            open(endpoint_file + ".done", "w").close()  # the ranks stop once the knocking is over
             runner.join(timeout=70)
     assert "value" in result, "the ranks did not finish"
     (rounds0, bad0, refused), (rounds1, bad1, _) = result["value"]
