@@ -297,13 +297,16 @@ def test_bad_arguments_in_a_flat_call_are_an_error_on_every_rank(monkeypatch):
 
 
 def killed(comm, victim: int):
-    """Hierarchical allreduces of 4 MiB until rank ``victim`` kills itself in the middle of one."""
+    """Hierarchical allreduces of 4 MiB until rank ``victim`` kills itself
+    right after a barrier. The barrier counts among the survivors' calls: a
+    rank may leave a barrier before its last messages reach the others, so
+    the victim's death can fail their barrier as well as a later call."""
     x = np.ones(1 << 20, np.float32)
     comm.allreduce(x, algorithm="hierarchical")
-    comm.barrier()
     if comm.rank == victim:
+        comm.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
-    return _timed(lambda: [comm.allreduce(x, algorithm="hierarchical") for _ in range(1000)])
+    return _timed(lambda: [comm.barrier()] + [comm.allreduce(x, algorithm="hierarchical") for _ in range(1000)])
 
 
 @pytest.mark.parametrize("victim", [3, 0])
