@@ -38,11 +38,10 @@ def _imports_within(module: str) -> frozenset[str]:
         if isinstance(node, ast.ImportFrom):
             base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
                 if node.level else (node.module or "")
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
-            found.update(n for n in names if n.startswith(_PACKAGE) and _source(n) is not None)
+            found.update([base] + [f"{base}.{a.name}" for a in node.names])  # a name may be a module
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith(_PACKAGE))
-    return frozenset(found)
+            found.update(a.name for a in node.names)
+    return frozenset(n for n in found if n.startswith(_PACKAGE) and _source(n) is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +105,8 @@ def drop_stale_anchors(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     keep, stale = [], set()
     for t in anchors:
         key = f"{t[0]}/{t[1]}"
-        if len(t) >= 2 and stored.get(key) is not None and stored.get(key) == algorithm_digest(str(t[0]), str(t[1])):
+        digest = stored.get(key)
+        if digest is not None and digest == algorithm_digest(str(t[0]), str(t[1])):
             keep.append(t)
         else:
             stale.add(key)
