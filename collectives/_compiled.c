@@ -28,11 +28,13 @@
  *       -1 when every rank's signature record of call ``seq`` equals this
  *       rank's (or the rank has passed the call), else the first that does
  *       not (or that refused).
- *   Window.compile(narrays, before, after, reduce, sources) -> Call
+ *   Window.compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call
  *       a collective's small case as data: copies before posting, then,
  *       once every rank posted (and every signature record agrees), copies
  *       and one reduction, between the call's arrays and the window's
- *       halves (reading only the sources' regions).
+ *       halves (reading only the sources' regions). With piece bytes and
+ *       every rank's region, in pieces: a reader copies or reduces each
+ *       piece as soon as its writer has filled it (see progress_of).
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -388,6 +390,54 @@ static int wait_for(WindowObject *w, int kind, uint64_t v, const unsigned char *
     return r;
 }
 
+/* Progress of a call in pieces: beside its post counter (word 7 of that
+ * line, after the two records) a writer keeps how far it has filled its
+ * region in the step in progress: (step & PROG_STEP_MASK) << PROG_SHIFT |
+ * (bytes from the region's start written so far) / 64, rounded down. It
+ * sets the count to 0 once its signature record is written, raises it after
+ * each piece and posts the step when done, so a reader that sees the post
+ * needs no count. Readers round what they need up to whole 64 bytes. */
+#define PROG_WORD 7
+#define PROG_SHIFT 20
+#define PROG_UNITS ((1ULL << PROG_SHIFT) - 1)
+#define PROG_STEP_MASK ((1ULL << (64 - PROG_SHIFT)) - 1)
+
+static inline uint64_t *progress_of(WindowObject *w, int r) { return w->counters[K_POST][r] + PROG_WORD; }
+
+static inline void set_progress(WindowObject *w, uint64_t k, uint64_t units) {
+    __atomic_store_n(progress_of(w, w->rank), ((k & PROG_STEP_MASK) << PROG_SHIFT) | units, __ATOMIC_RELEASE);
+}
+
+/* Whether rank r has posted step k, or filled its region below units * 64
+ * bytes in it (units 0: it has started step k: its record is written). */
+static inline int has_filled(WindowObject *w, int r, uint64_t k, uint64_t units) {
+    if (load_acquire(w->counters[K_POST][r]) >= k) return 1;
+    uint64_t v = load_acquire(progress_of(w, r));
+    return (v >> PROG_SHIFT) == (k & PROG_STEP_MASK) && (v & PROG_UNITS) >= units;
+}
+
+/* Wait (spin, then yield; bounded as wait_for) until rank r has filled its
+ * region below units * 64 bytes in step k; 0 when the time ran out. */
+static int wait_filled(WindowObject *w, int r, uint64_t k, uint64_t units) {
+    if (has_filled(w, r, k, units)) return 1;
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t start = now_ns();
+    for (;;) {
+        if (has_filled(w, r, k, units)) { ok = 1; break; }
+        int64_t waited = now_ns() - start;
+        if (waited < w->spin_ns) {
+            for (int i = 0; i < 16; i++) cpu_relax();
+        } else if (waited < w->spin_ns + w->yield_ns) {
+            sched_yield();
+        } else {
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
 /* (rank, kind, value): what a caller must wait for before it resumes. */
 static PyObject *late(int r, int kind, uint64_t v) {
     return Py_BuildValue("(iiK)", r, kind, (unsigned long long)v);
@@ -549,6 +599,8 @@ typedef struct {
 typedef struct {
     Loc src, dst;
     Py_ssize_t n;
+    int rank;        /* a call in pieces: the rank whose region the copy's window side is in (-1: */
+    Py_ssize_t rel;  /* none, or this rank's region read after its own fill) and its offset there */
 } Copy;
 
 #define MAX_ARRAYS 4
@@ -572,6 +624,11 @@ typedef struct {
     int itemsize;
     Loc rdst;
     Loc *rsrc;
+    Py_ssize_t piece;             /* bytes a piece (0: the whole step at once, see progress_of) */
+    int *rrank;                   /* a call in pieces: each reduction source's rank and offset as a Copy's */
+    Py_ssize_t *rrel;
+    int at;                       /* a run in pieces that waits while it reads: the copy, its byte, */
+    Py_ssize_t at_byte, at_elem;  /* and the reduction's element it resumes at */
 } CallObject;
 
 static PyTypeObject CallType;
@@ -618,14 +675,86 @@ static int parse_copies(PyObject *seq, Copy **out, int *n, int narrays, Py_ssize
     return 0;
 }
 
-/* Window.compile(narrays, before, after, reduce, sources) -> Call
+/* The rank whose region (spans: (start, bytes) per rank) holds window
+ * place l, and its offset there; -1 when none does. */
+static int region_of(const Loc *l, const Py_ssize_t *spans, int size, Py_ssize_t *rel) {
+    for (int r = 0; r < size; r++) {
+        if (l->a0 >= spans[2 * r] && l->a0 < spans[2 * r] + spans[2 * r + 1]) {
+            *rel = l->a0 - spans[2 * r];
+            return r;
+        }
+    }
+    return -1;
+}
+
+/* Prepare a call for pieces: where each copy's window side lies (see Copy).
+ * 0 when it can run in pieces: the copies before the post write only this
+ * rank's region, in order of their place there without overlapping, and
+ * every place is within reach of the progress count; else 1 (the caller
+ * runs it whole); -1 on error (malformed spans). */
+static int map_pieces(CallObject *pl, PyObject *regions) {
+    WindowObject *w = pl->window;
+    PyObject *fast = PySequence_Fast(regions, "regions must be a sequence of (start, bytes)");
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != w->size) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "regions: one (start, bytes) per rank");
+        return -1;
+    }
+    Py_ssize_t spans[2 * w->size];
+    for (int r = 0; r < w->size; r++) {
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, r), "nn", &spans[2 * r], &spans[2 * r + 1])) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    Py_ssize_t reach = (Py_ssize_t)(PROG_UNITS * 64), filled = 0;
+    for (int i = 0; i < pl->nbefore; i++) {
+        Copy *c = &pl->before[i];
+        c->rank = -1;
+        if (c->dst.idx >= 0) continue;
+        if (region_of(&c->dst, spans, w->size, &c->rel) != w->rank || c->rel < filled || c->rel + c->n > reach) return 1;
+        c->rank = w->rank;
+        filled = c->rel + c->n;
+    }
+    for (int i = 0; i < pl->nafter; i++) {
+        Copy *c = &pl->after[i];
+        c->rank = -1;
+        if (c->src.idx >= 0) continue;
+        int r = region_of(&c->src, spans, w->size, &c->rel);
+        if (r < 0 || c->rel + c->n > reach) return 1;
+        c->rank = r == w->rank ? -1 : r;
+    }
+    if (pl->f) {
+        pl->rrank = PyMem_Calloc((size_t)pl->nsrc, sizeof(int));
+        pl->rrel = PyMem_Calloc((size_t)pl->nsrc, sizeof(Py_ssize_t));
+        if (!pl->rrank || !pl->rrel) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (int i = 0; i < pl->nsrc; i++) {
+            pl->rrank[i] = -1;
+            if (pl->rsrc[i].idx >= 0) continue;
+            int r = region_of(&pl->rsrc[i], spans, w->size, &pl->rrel[i]);
+            if (r < 0 || pl->rrel[i] + pl->count * pl->itemsize > reach) return 1;
+            pl->rrank[i] = r == w->rank ? -1 : r;
+        }
+    }
+    return 0;
+}
+
+/* Window.compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call
  *   before, after: [((idx, a0, a1), (idx, a0, a1), nbytes), ...]
  *   reduce: None or ((idx, a0, a1) dst, [(idx, a0, a1) src, ...], count, dtype, op)
- *   sources: the ranks whose window regions ``after`` and ``reduce`` read */
+ *   sources: the ranks whose window regions ``after`` and ``reduce`` read
+ *   piece: bytes a piece (0: none); regions: every rank's region as (start, bytes) */
 static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     int narrays;
-    PyObject *before, *after, *reduce, *sources;
-    if (!PyArg_ParseTuple(args, "iOOOO", &narrays, &before, &after, &reduce, &sources)) return NULL;
+    Py_ssize_t piece = 0;
+    PyObject *before, *after, *reduce, *sources, *regions = Py_None;
+    if (!PyArg_ParseTuple(args, "iOOOO|nO", &narrays, &before, &after, &reduce, &sources, &piece, &regions))
+        return NULL;
     if (narrays < 0 || narrays > MAX_ARRAYS) {
         PyErr_SetString(PyExc_ValueError, "too many arrays");
         return NULL;
@@ -634,6 +763,11 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     if (!pl) return NULL;
     pl->before = pl->after = NULL;
     pl->rsrc = NULL;
+    pl->rrank = NULL;
+    pl->rrel = NULL;
+    pl->piece = 0;
+    pl->at = 0;
+    pl->at_byte = pl->at_elem = 0;
     pl->f = NULL;
     pl->stage = pl->half = 0;
     pl->step = 0;
@@ -695,6 +829,14 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
         pl->itemsize = ITEMSIZE[dtype];
         pl->f = f;
     }
+    if (piece > 0 && regions != Py_None) {
+        int whole = map_pieces(pl, regions);
+        if (whole < 0) {
+            Py_DECREF(pl);
+            return NULL;
+        }
+        pl->piece = whole ? 0 : piece;
+    }
     return (PyObject *)pl;
 }
 
@@ -703,6 +845,8 @@ static void Call_dealloc(CallObject *pl) {
     PyMem_Free(pl->before);
     PyMem_Free(pl->after);
     PyMem_Free(pl->rsrc);
+    PyMem_Free(pl->rrank);
+    PyMem_Free(pl->rrel);
     Py_XDECREF(pl->window);
     PyObject_Free(pl);
 }
@@ -769,34 +913,115 @@ static void do_after(CallObject *pl, char *const *bases, int half) {
         reduce_all(pl->f, where(&pl->rdst, bases, half), srcs, pl->nsrc, pl->count, pl->itemsize, NULL, 0);
     }
 }
+/* A call in pieces, stage 1: the copies before the post, raising this
+ * rank's progress after each piece of those into its region (in order of
+ * their place there, see map_pieces). */
+static void fill_in_pieces(CallObject *pl, char *const *bases, uint64_t k) {
+    WindowObject *w = pl->window;
+    for (int i = 0; i < pl->nbefore; i++) {
+        const Copy *c = &pl->before[i];
+        char *dst = where(&c->dst, bases, pl->half), *src = where(&c->src, bases, pl->half);
+        if (c->rank < 0) {
+            copy_bytes(dst, src, (size_t)c->n);
+            continue;
+        }
+        for (Py_ssize_t a = 0; a < c->n; a += pl->piece) {
+            Py_ssize_t n = c->n - a < pl->piece ? c->n - a : pl->piece;
+            copy_bytes(dst + a, src + a, (size_t)n);
+            set_progress(w, k, (uint64_t)(c->rel + a + n) / 64);
+        }
+    }
+}
+
+/* A call in pieces, stage 3: the copies and the reduction after the post,
+ * each piece once its source has filled it; NULL when done, else what to
+ * wait for (the source's post), the place to resume at kept. */
+static PyObject *read_in_pieces(CallObject *pl, char *const *bases, uint64_t k) {
+    WindowObject *w = pl->window;
+    for (; pl->at < pl->nafter; pl->at++, pl->at_byte = 0) {
+        const Copy *c = &pl->after[pl->at];
+        char *dst = where(&c->dst, bases, pl->half), *src = where(&c->src, bases, pl->half);
+        while (pl->at_byte < c->n) {
+            Py_ssize_t a = pl->at_byte, n = c->n - a < pl->piece ? c->n - a : pl->piece;
+            if (c->rank >= 0 && !wait_filled(w, c->rank, k, (uint64_t)(c->rel + a + n + 63) / 64))
+                return late(c->rank, K_POST, k);
+            copy_bytes(dst + a, src + a, (size_t)n);
+            pl->at_byte = a + n;
+        }
+    }
+    if (!pl->f) return NULL;
+    Py_ssize_t step = pl->piece / pl->itemsize > 0 ? pl->piece / pl->itemsize : 1;
+    char *out = where(&pl->rdst, bases, pl->half), *srcs[pl->nsrc];
+    while (pl->at_elem < pl->count) {
+        Py_ssize_t lo = pl->at_elem, n = pl->count - lo < step ? pl->count - lo : step;
+        Py_ssize_t off = lo * pl->itemsize, end = off + n * pl->itemsize;
+        for (int i = 0; i < pl->nsrc; i++) {
+            if (pl->rrank[i] >= 0 && !wait_filled(w, pl->rrank[i], k, (uint64_t)(pl->rrel[i] + end + 63) / 64))
+                return late(pl->rrank[i], K_POST, k);
+            srcs[i] = where(&pl->rsrc[i], bases, pl->half) + off;
+        }
+        reduce_all(pl->f, out + off, srcs, pl->nsrc, n, pl->itemsize, NULL, 0);
+        pl->at_elem = lo + n;
+    }
+    return NULL;
+}
+
 /* The call from its stage on: 1, wait until the half is free (when it
  * writes into the window), copy before, post with this call's signature
  * record; 2, wait for every rank's post, verify every record, copy after
  * and reduce, done. Returns None when complete, else what to wait for
  * before resuming (the stage is kept), or why it stopped for good (a
- * disagreement or an abort: the run is over, nothing read from a peer). */
+ * disagreement or an abort: the run is over, nothing read from a peer).
+ * A call in pieces (piece > 0) writes its record first and publishes its
+ * progress as it copies; in stage 2 it waits only for every rank's record,
+ * and in stage 3 reads each piece once its source has filled it. */
 static PyObject *advance(CallObject *pl, char *const *bases) {
     WindowObject *w = pl->window;
     uint64_t k = pl->step;
+    int r;
     if (pl->stage == 1) {
         if (pl->writes_window) {
             uint64_t v = k >= 2 ? k - 2 : 0;
-            int r = wait_for(w, K_DONE, v, NULL);
+            r = wait_for(w, K_DONE, v, NULL);
             if (r < w->size) return late(r, K_DONE, v);
         }
-        do_copies(pl->before, pl->nbefore, bases, pl->half);
-        write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
+        if (pl->piece) {
+            write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
+            set_progress(w, k, 0);
+            fill_in_pieces(pl, bases, k);
+        } else {
+            do_copies(pl->before, pl->nbefore, bases, pl->half);
+            write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
+        }
         publish(w, K_POST, k);
         pl->stage = 2;
     }
-    int r = wait_for(w, K_POST, k, NULL);
-    if (r < w->size) return late(r, K_POST, k);
-    pl->stage = 0;
-    r = verify(w, pl->seq);
-    if (r >= 0) return stopped(r, K_VERDICT);
-    int a = aborted_by(w, pl->seq);
-    if (a) return stopped(a - 1, K_ABORTED);
-    do_after(pl, bases, pl->half);
+    if (pl->stage == 2) {
+        if (pl->piece) {
+            for (r = 0; r < w->size; r++)
+                if (r != w->rank && !wait_filled(w, r, k, 0)) return late(r, K_POST, k);
+        } else {
+            r = wait_for(w, K_POST, k, NULL);
+            if (r < w->size) return late(r, K_POST, k);
+        }
+        pl->stage = 0;
+        r = verify(w, pl->seq);
+        if (r >= 0) return stopped(r, K_VERDICT);
+        int a = aborted_by(w, pl->seq);
+        if (a) return stopped(a - 1, K_ABORTED);
+        if (pl->piece) {
+            pl->stage = 3;
+            pl->at = 0;
+            pl->at_byte = pl->at_elem = 0;
+        } else {
+            do_after(pl, bases, pl->half);
+        }
+    }
+    if (pl->stage == 3) {
+        PyObject *wait = read_in_pieces(pl, bases, k);
+        if (wait) return wait;
+        pl->stage = 0;
+    }
     publish(w, K_DONE, k);
     if (w->t_calls) w->t_calls[8 * (pl->seq & w->t_mask) + 1] = now_seconds();
     Py_RETURN_NONE;
@@ -938,7 +1163,8 @@ static PyMethodDef Window_methods[] = {
     {"verify", (PyCFunction)Window_verify, METH_O,
      "verify(seq) -> int: -1 when every rank's signature record of call seq agrees, else a rank."},
     {"compile", (PyCFunction)Window_compile, METH_VARARGS,
-     "compile(narrays, before, after, reduce, sources) -> Call: copies, post, wait, copies, a reduction."},
+     "compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call: copies, post, wait, copies, "
+     "a reduction; in pieces of piece bytes (regions: every rank's (start, bytes))."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["ext", "built", "enabled", "kernel_codes", "reduce_into", "copy"]
+__all__ = ["ext", "built", "enabled", "kernel_codes", "kernel_itemsize", "reduce_into", "copy"]
 
 ext: Any = None
 try:
@@ -61,6 +61,11 @@ def kernel_codes(dtype: np.dtype, op_name: str, ufunc: Any = None) -> tuple[int,
     if ufunc is not None and ufunc is not _UFUNCS[op_name]:
         return None
     return d, o
+
+
+def kernel_itemsize(code: int) -> int:
+    """Bytes an element of the dtype whose kernel code (:func:`kernel_codes`) is ``code``."""
+    return next(dt.itemsize for dt, c in _DTYPES.items() if c == code)
 
 
 def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], codes: tuple[int, int],

@@ -160,11 +160,13 @@ class SharedWindow(abc.ABC):
         cores: cores the window's ranks share between them (0: not known,
             each rank taken to have one of its own); algorithms scale
             their switch points with the ranks per core.
+        size: the ranks that share the window (one region each).
     """
 
     features: frozenset[str] = frozenset()
     capacity: int
     cores: int = 0
+    size: int = 1
 
     # ------------------------------------------------------------- regions
 
@@ -227,7 +229,7 @@ class SharedWindow(abc.ABC):
     # ------------------------------------------------ feature "compiled_calls"
 
     def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
-                sources: list[int]) -> CompiledCall:
+                sources: list[int], piece: int = 0) -> CompiledCall:
         """A collective's one-step case as a :class:`CompiledCall` (feature
         ``"compiled_calls"``).
 
@@ -241,6 +243,13 @@ class SharedWindow(abc.ABC):
                 srcs[0] op srcs[1] ...`` over ``count`` elements, in rank
                 order, after the ``after`` copies.
             sources: the ranks whose regions ``after`` and ``reduce`` read.
+            piece: when above 0, run in pieces of this many bytes: the
+                record is posted first, each rank publishes how far it has
+                filled its region as it copies, and once every record
+                agrees a reader copies or reduces each piece as soon as its
+                writer has filled it, rather than after the writer's last
+                copy. A window may run a call whole instead; ranks may
+                differ in this and still agree.
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==

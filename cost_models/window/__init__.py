@@ -16,6 +16,6 @@ calibration's are; on 4 KiB pages the pieces run instead.
 """
 
 from . import allgather, allreduce, alltoall, barrier, bcast, gather, reduce, reduce_scatter, scatter  # noqa: F401
-from .common import direct, one_fence, pieces
+from .common import direct, filled, one_fence, pieces
 
-__all__ = ["direct", "one_fence", "pieces"]
+__all__ = ["direct", "filled", "one_fence", "pieces"]

@@ -4,7 +4,7 @@ copy((p-1)/p n) out; direct, 2F + copy((p-1)/p n)."""
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from .common import direct, pieces
+from .common import direct, filled, pieces
 
 
 @cost_model("alltoall", "shared_window")
@@ -15,4 +15,4 @@ def alltoall(p: int, n: int, P: Params) -> float:
     rest = (p - 1) / p * n
     if direct("alltoall", p, n, P):
         return 2 * P.fence + P.copy(rest)
-    return 2 * P.copy(rest) + pieces(n) * P.fence
+    return filled(rest, n / p, n, p, P) + P.copy(rest) + pieces(n) * P.fence

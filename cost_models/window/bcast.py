@@ -1,10 +1,10 @@
 """bcast through the shared window: 2F + copy(n) direct, or 2 copy(n) + F
-through the window."""
+through the window (copy(n) + copy(a piece) + F where it runs in pieces)."""
 
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from .common import direct
+from .common import direct, filled
 
 
 @cost_model("bcast", "shared_window")
@@ -14,4 +14,4 @@ def bcast(p: int, n: int, P: Params) -> float:
         return 0.0
     if direct("bcast", p, n, P):
         return 2 * P.fence + P.copy(n)
-    return 2 * P.copy(n) + P.fence
+    return filled(n, n, n, p, P) + P.copy(n) + P.fence

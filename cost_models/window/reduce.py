@@ -1,5 +1,5 @@
-"""reduce through the shared window: n <= max(32 KiB, 1 MiB/p), copy(n) + F +
-(p-1) n gamma (the root reduces every region); larger, per piece 2F,
+"""reduce through the shared window: n <= max(32 KiB, 1 MiB/p) (2 MiB where
+each rank has a core), copy(n) + F + (p-1) n gamma (the root reduces every region); larger, per piece 2F,
 copy((p-1)/p n) in, the reduction of a 1/p block from p sources
 ((p-1)/p n gamma; the root's block straight into its buffer), and the
 root copies the others' (p-1)/p n out."""
@@ -7,13 +7,15 @@ root copies the others' (p-1)/p n out."""
 from __future__ import annotations
 
 from ..model import Params, cost_model
+from collectives.algorithms.window.tuning import reduce_one_fence_limit
+
 from .common import one_fence, pieces
 
 
 @cost_model("reduce", "shared_window")
 def reduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; 2F per piece + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
-    small = one_fence(p, n, P)
+    small = one_fence(p, n, P, reduce_one_fence_limit(p, P.cores))
     if small is not None:
         return small
     share = (p - 1) / p * n

@@ -4,7 +4,7 @@ piece, each rank copies n/p out; direct, 2F + copy(n/p)."""
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from .common import direct, pieces
+from .common import direct, filled, pieces
 
 
 @cost_model("scatter", "shared_window")
@@ -14,4 +14,5 @@ def scatter(p: int, n: int, P: Params) -> float:
         return P.copy(n)
     if direct("scatter", p, n, P):
         return 2 * P.fence + P.copy(n / p)
-    return P.copy((p - 1) / p * n) + pieces(n) * P.fence + P.copy(n / p)
+    # in pieces, the last reader copies its block behind the root's last copy: one piece after it
+    return P.copy((p - 1) / p * n) + pieces(n) * P.fence + filled(n / p, n / p, n, p, P)

@@ -56,6 +56,7 @@ class ShmWindow(SharedWindow):
         lay = t._layout
         self.capacity = lay.window
         self.cores = t.cores  # shared by the ranks (algorithms scale thresholds with ranks per core)
+        self.size = t.size
         self._regions = [np.frombuffer(s.mm, np.uint8, lay.window, lay.window_off) for s in t._segs]
         self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]
         self._pool_base = self._pools[t.rank].ctypes.data
@@ -273,13 +274,16 @@ class ShmWindow(SharedWindow):
     # ------------------------------------------------------------- compiled calls
 
     def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
-                sources: list[int]) -> CompiledCall:
+                sources: list[int], piece: int = 0) -> CompiledCall:
         """A collective's small case in one compiled call (see
         :meth:`~collectives.window_contract.SharedWindow.compile` and
         ``collectives._compiled``)."""
         if self._compiled is None:
             raise NotImplementedError("the compiled window is off (COLLECTIVES_COMPILED=0, or a rank without it)")
-        return self._compiled.compile(narrays, before, after, reduce, sources)
+        if piece <= 0:
+            return self._compiled.compile(narrays, before, after, reduce, sources)
+        spans = [(reg.ctypes.data, reg.nbytes) for reg in self._regions]
+        return self._compiled.compile(narrays, before, after, reduce, sources, piece, spans)
 
     def record_calls(self, ring: np.ndarray | None) -> None:
         """Have every compiled call run record itself in row ``seq & (n - 1)``

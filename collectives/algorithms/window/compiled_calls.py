@@ -21,6 +21,7 @@ from ... import compiled
 from ...ops import Op
 from ...window_contract import COMPILED_CALLS
 from .state import DATA_OFFSET, WindowState, state_of
+from .tuning import compiled_piece
 
 __all__ = ["arr", "slot", "compile_call", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared"]
 
@@ -44,7 +45,11 @@ def compile_call(window, narrays: int, before: list, after: list, reduce: tuple 
     ``sources``: the ranks whose regions ``after`` and ``reduce`` read."""
     if COMPILED_CALLS not in window.features:
         return None
-    made = window.compile(narrays, before, after, reduce, sources)
+    through = [n for src, dst, n in before if dst[0] < 0] + [n for src, dst, n in after if src[0] < 0]
+    if reduce is not None:
+        through.append(reduce[2] * compiled.kernel_itemsize(reduce[3]))
+    piece = compiled_piece(max(through, default=0), window.size, window.cores)
+    made = window.compile(narrays, before, after, reduce, sources, piece)
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 

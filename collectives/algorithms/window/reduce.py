@@ -17,6 +17,7 @@ from .pieces import blocks, striped_cached
 from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce as reduce_blocks
 from .state import budget, region, single_fence, state_of, window_state
+from .tuning import reduce_one_fence_limit
 
 __all__ = ["reduce"]
 
@@ -25,7 +26,7 @@ def _prepare(transport, buf: np.ndarray, root: int, op: Op):
     """One compiled call for the one-fence case: copy in, fence, the root reduces."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
-    if p == 1 or buf.size == 0 or buf.dtype in LOW or not single_fence(buf.nbytes, p, st):
+    if p == 1 or buf.size == 0 or buf.dtype in LOW or not _one_fence(buf.nbytes, p, window, st):
         return None
     if reduction(arr(0), [], 0, buf.dtype, op) is None:  # every rank declines alike, not the root alone
         return None
@@ -34,6 +35,11 @@ def _prepare(transport, buf: np.ndarray, root: int, op: Op):
         reduced = reduction(arr(0), [arr(0)] + [slot(st, r) for r in peers], buf.size, buf.dtype, op)
         return prepared_from(compile_call(window, 1, [], [], reduced, peers), first)
     return prepared_from(compile_call(window, 1, [(arr(0), slot(st, me), buf.nbytes)], [], None, []), first)
+
+
+def _one_fence(nbytes: int, p: int, window, st) -> bool:
+    """Whether ``nbytes`` take the one-fence path (see :func:`~.tuning.reduce_one_fence_limit`)."""
+    return single_fence(nbytes, p, st, reduce_one_fence_limit(p, window.cores))
 
 
 @register("reduce", "shared_window", needs=("window",), prepare=_prepare,
@@ -47,7 +53,7 @@ def reduce(ctx, buf: np.ndarray, root: int, op: Op) -> None:
     window, st = state_of(ctx)
     dt, item = buf.dtype, buf.itemsize
     tracer = ctx.tracer
-    if single_fence(buf.nbytes, p, st):
+    if _one_fence(buf.nbytes, p, window, st):
         base = st.next_half(ctx.deadline)
         if me != root:
             t0 = _now() if tracer is not None else 0.0

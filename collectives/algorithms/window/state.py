@@ -80,9 +80,10 @@ def window_state(window, size: int) -> tuple[object, WindowState]:
     return window, st
 
 
-def single_fence(nbytes: int, p: int, st: WindowState) -> bool:
-    """Whether ``nbytes`` take the one-fence path (every rank's copy in the window)."""
-    return nbytes <= min(one_fence_limit(p), st.half)
+def single_fence(nbytes: int, p: int, st: WindowState, limit: int | None = None) -> bool:
+    """Whether ``nbytes`` take the one-fence path (every rank's copy in the
+    window): up to ``limit`` (default :func:`~.tuning.one_fence_limit`) and a half."""
+    return nbytes <= min(one_fence_limit(p) if limit is None else limit, st.half)
 
 
 def budget(st: WindowState) -> int:

@@ -10,13 +10,15 @@ from __future__ import annotations
 from ... import config
 
 
-__all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "DIRECT_FROM",
-           "one_fence_limit", "direct_from", "wants_huge_pages"]
+__all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
+           "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "wants_huge_pages"]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
 SMALL_TOTAL_BYTES = 1 << 20      # bytes: ... and up to this divided by p (each rank reads p * n bytes)
 PIECE_BYTES = 2 << 20            # bytes per rank and half: the largest piece of the pipelined paths
 COMPILED_REDUCE_BYTES = 16 * 1024  # bytes: blocks from this on are reduced by the compiled kernel
+PIECED_FROM = 1 << 20           # bytes: a compiled call whose largest copy or reduction through the
+PIECE = 64 * 1024                # window has this many runs in pieces of PIECE bytes (ranks <= cores)
 
 #: From which size each collective reads and writes peers' buffers directly
 #: (one copy, through the kernel or the shared pool) rather than through
@@ -42,6 +44,18 @@ def one_fence_limit(p: int) -> int:
     return max(SMALL_BYTES, SMALL_TOTAL_BYTES // p)
 
 
+def reduce_one_fence_limit(p: int, cores: int) -> int:
+    """Bytes up to which reduce takes the one-fence path at p ranks on
+    ``cores`` cores (0: a core each): as allreduce's (:func:`one_fence_limit`)
+    where ranks share cores, and up to a whole piece (:data:`PIECE_BYTES`)
+    where each has its own. Only the root reads every vector, and it reads
+    them while the others' copies are still in cache: 2 ranks, 1 MiB, 23 us
+    against 50 us through pieces."""
+    if cores and p > cores:
+        return one_fence_limit(p)
+    return max(one_fence_limit(p), PIECE_BYTES)
+
+
 def direct_from(collective: str, p: int, cores: int) -> int:
     """Bytes from which ``collective`` at ``p`` ranks on ``cores`` cores (0:
     a core each) reads peers' buffers directly (see :data:`DIRECT_FROM`);
@@ -59,3 +73,23 @@ def wants_huge_pages(collective: str) -> bool:
     """Whether ``collective`` reads private buffers directly only when they lie
     in huge pages (not when ``COLLECTIVES_WINDOW_DIRECT_BYTES`` forces the size)."""
     return DIRECT_FROM[collective][2] and not config.is_set("WINDOW_DIRECT_BYTES")
+
+
+def compiled_piece(largest: int, p: int, cores: int) -> int:
+    """Bytes a piece of a compiled call whose largest copy or reduction
+    through the window is ``largest`` bytes, at ``p`` ranks on ``cores``
+    cores (0: a core each); 0 to run it whole: below :data:`PIECED_FROM`,
+    and where ranks share cores (a reader would wait for a writer that is
+    not running). A copy of 1 MiB or more no longer stays in the writer's
+    cache for the reader; in pieces the reader takes each piece while it is
+    there (2 ranks: bcast of 1 MiB 130 -> 38 us, of 2 MiB 255 -> 58-80 us;
+    alltoall of 2 MiB 180 -> 80 us); below that, pieces gained nothing
+    where the machine was slow and up to 20 % where it was fast.
+    ``COLLECTIVES_WINDOW_PIECE_BYTES``, when set, makes every call of two
+    pieces or more of that size run in pieces, on any cores (0: none)."""
+    forced = config.get("WINDOW_PIECE_BYTES")
+    if forced is not None:  # from two pieces on, whatever the cores (to measure, and for tests)
+        return forced if forced > 0 and largest >= 2 * forced else 0
+    if largest < PIECED_FROM or (cores and p > cores):
+        return 0
+    return PIECE
