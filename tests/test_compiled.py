@@ -176,6 +176,74 @@ def test_a_compiled_call_reads_nothing_when_signatures_disagree():
 
 
 @needs_compiled
+def test_a_call_in_pieces_reads_each_piece_once_its_writer_has_filled_it():
+    two = _TwoRanks()
+    K = compiled.ext
+    n, piece = 1024, 256
+    spans = [(two.slot(r)[1], 1024) for r in range(2)]
+    sig = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), n)
+    root_call = two.windows[0].compile(1, [((0, 0, 0), two.slot(0), n)], [], None, [], piece, spans)
+    leaf_call = two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0], piece, spans)
+    sent, got = np.arange(n, dtype=np.uint8), np.zeros(n, np.uint8)
+    assert leaf_call.run((got,), 1, sig) == (0, K.K_POST, 1)  # the root has not started: nothing to verify
+    assert root_call.run((sent,), 1, sig) is None
+    progress = 64 + 7  # rank 0's progress word: beside its post counter
+    assert int(two.words[progress]) == (1 << 20) | (n // 64)
+    # replay the root half way: its record and 4 lines (one piece) written, not posted
+    two.set(K.K_POST, 0, 0)
+    two.words[progress] = (1 << 20) | 4
+    assert leaf_call.resume((got,)) == (0, K.K_POST, 1)
+    assert np.array_equal(got[:piece], sent[:piece]) and not got[piece:].any()
+    two.words[progress] = (1 << 20) | 9  # 2 pieces and a line of the third: the third waits
+    assert leaf_call.resume((got,)) == (0, K.K_POST, 1)
+    assert np.array_equal(got[:2 * piece], sent[:2 * piece]) and not got[2 * piece:].any()
+    two.words[progress] = (2 << 20) | 16  # another step's count says nothing of this one
+    assert leaf_call.resume((got,)) == (0, K.K_POST, 1) and not got[2 * piece:].any()
+    two.set(K.K_POST, 0, 1)  # the post says everything is filled
+    assert leaf_call.resume((got,)) is None
+    assert np.array_equal(got, sent) and two.counter(K.K_DONE, 1) == 1
+    two.close()
+
+
+@needs_compiled
+def test_a_call_in_pieces_reads_nothing_when_signatures_disagree():
+    two = _TwoRanks()
+    K = compiled.ext
+    n, piece = 1024, 256
+    spans = [(two.slot(r)[1], 1024) for r in range(2)]
+    sig = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), n)
+    other = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), n + 1)
+    root_call = two.windows[0].compile(1, [((0, 0, 0), two.slot(0), n)], [], None, [], piece, spans)
+    leaf_call = two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0], piece, spans)
+    got = np.zeros(n, np.uint8)
+    assert leaf_call.run((got,), 1, other) == (0, K.K_POST, 1)
+    assert root_call.run((np.arange(n, dtype=np.uint8),), 1, sig) == (1, K.K_VERDICT, 0)
+    assert leaf_call.resume((got,)) == (0, K.K_VERDICT, 0)
+    assert not got.any()  # every piece was filled, none read
+    two.close()
+
+
+@needs_compiled
+def test_a_call_runs_whole_where_its_copies_cannot_be_counted_in_order():
+    """Copies before the post into another rank's region, or out of order in
+    its own: the call runs whole (and still right)."""
+    two = _TwoRanks()
+    spans = [(two.slot(r)[1], 1024) for r in range(2)]
+    sig = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), 512)
+    backwards = [((0, 256, 0), two.slot(0, 256), 256), ((0, 0, 0), two.slot(0), 256)]
+    root_call = two.windows[0].compile(1, backwards, [], None, [], 128, spans)
+    leaf_call = two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), 512)], None, [0], 128, spans)
+    got, sent = np.zeros(512, np.uint8), np.arange(512, dtype=np.uint8)
+    assert leaf_call.run((got,), 1, sig) == (0, compiled.ext.K_POST, 1)
+    assert root_call.run((sent,), 1, sig) is None
+    assert int(two.words[64 + 7]) == 0  # no progress published: it ran whole
+    assert leaf_call.resume((got,)) is None and np.array_equal(got, sent)
+    with pytest.raises(ValueError):
+        two.windows[0].compile(1, backwards, [], None, [], 128, spans[:1])  # a span per rank
+    two.close()
+
+
+@needs_compiled
 def test_a_step_waits_until_its_half_is_free():
     two = _TwoRanks()
     K = compiled.ext
