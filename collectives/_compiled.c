@@ -1027,6 +1027,34 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
     Py_RETURN_NONE;
 }
 
+/* The start of a run of call seq with signature sig: the flight recorder's
+ * row; NULL when it may go on, else why it stops (a peer aborted). */
+static PyObject *begin_run(CallObject *pl, uint64_t seq, const uint64_t *sig) {
+    WindowObject *w = pl->window;
+    pl->seq = seq;
+    for (int i = 0; i < 3; i++) pl->sig[i] = sig[i];
+    if (w->t_calls) {  /* the flight recorder's: this call, and when it started */
+        double *row = w->t_calls + 8 * (seq & w->t_mask);
+        uint64_t *words = (uint64_t *)row;
+        row[0] = now_seconds();
+        words[2] = (sig[0] & ~(SIG_SEQ_MASK << SIG_SEQ_SHIFT)) | ((seq & SIG_SEQ_MASK) << SIG_SEQ_SHIFT);
+        words[3] = sig[1];
+        words[4] = sig[2];
+    }
+    int a = aborted_by(w, seq);
+    return a ? stopped(a - 1, K_ABORTED) : NULL;
+}
+
+/* The run's step through the window, as far as it goes (see advance). */
+static PyObject *first_step(CallObject *pl, char *const *bases) {
+    WindowObject *w = pl->window;
+    uint64_t k = pl->step = ++w->turn;
+    pl->half = (int)((k - 1) & 1);
+    publish(w, K_DONE, k - 1);
+    pl->stage = 1;
+    return advance(pl, bases);
+}
+
 /* .run(arrays, seq, sig) -> None or (rank, kind, value): take the next step
  * of call seq (signature sig: three words); this rank is done with every
  * earlier one; then as far as it can go (see advance). When it returns what
@@ -1034,6 +1062,7 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
 static PyObject *Call_run(CallObject *pl, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer views[MAX_ARRAYS];
     char *bases[MAX_ARRAYS];
+    uint64_t sig[3];
     if (nargs != 3 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 3) {
         PyErr_SetString(PyExc_TypeError, "run(arrays, seq, sig): sig is a tuple of three ints");
         return NULL;
@@ -1042,27 +1071,13 @@ static PyObject *Call_run(CallObject *pl, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_RuntimeError, "the compiled call's previous run is not finished");
         return NULL;
     }
-    pl->seq = PyLong_AsUnsignedLongLongMask(args[1]);
-    for (int i = 0; i < 3; i++) pl->sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(args[2], i));
+    uint64_t seq = PyLong_AsUnsignedLongLongMask(args[1]);
+    for (int i = 0; i < 3; i++) sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(args[2], i));
     if (PyErr_Occurred()) return NULL;
-    WindowObject *w = pl->window;
-    if (w->t_calls) {  /* the flight recorder's: this call, and when it started */
-        double *row = w->t_calls + 8 * (pl->seq & w->t_mask);
-        uint64_t *words = (uint64_t *)row;
-        row[0] = now_seconds();
-        words[2] = (pl->sig[0] & ~(SIG_SEQ_MASK << SIG_SEQ_SHIFT)) | ((pl->seq & SIG_SEQ_MASK) << SIG_SEQ_SHIFT);
-        words[3] = pl->sig[1];
-        words[4] = pl->sig[2];
-    }
-    int a = aborted_by(w, pl->seq);
-    if (a) return stopped(a - 1, K_ABORTED);
-    PyObject *arrays = args[0];
-    if (take_buffers(pl, arrays, views, bases) < 0) return NULL;
-    uint64_t k = pl->step = ++w->turn;
-    pl->half = (int)((k - 1) & 1);
-    publish(w, K_DONE, k - 1);
-    pl->stage = 1;
-    PyObject *out = advance(pl, bases);
+    PyObject *out = begin_run(pl, seq, sig);
+    if (out) return out;
+    if (take_buffers(pl, args[0], views, bases) < 0) return NULL;
+    out = first_step(pl, bases);
     release_buffers(pl, views);
     return out;
 }
@@ -1086,6 +1101,298 @@ static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
     pl->stage = 0;
     Py_RETURN_NONE;
 }
+
+/* ------------------------------------------------------ prepared calls from C */
+/* FastCalls(ndarray, queue, wait): the communicator's prepared calls that
+ * are compiled calls, run straight from its public methods. Each is kept
+ * under what a call passes (the collective, the algorithm, the root and
+ * the op, compared by identity: the objects the first call passed, held;
+ * and each array's dtype, also by identity, and size) with what a call
+ * checks before it runs (contiguous arrays, writable where written, apart
+ * where it must be). Identity keeps the comparison to a few words; an
+ * equal object that is not the same one only misses, and the call takes
+ * the Python path, which checks it as every call.
+ *   .seq: the communicator's call number (the Python path's too).
+ *   .open: 0 turns every lookup into a miss (an aborted or closed communicator).
+ *   .generation: how many times every entry was dropped (a full table, clear()).
+ *   .hits: calls run from here.
+ *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info)
+ *   .run(collective, algorithm, root, op, a, b, timeout) -> bool: False, nothing done,
+ *       where no entry fits (or a timeout is given, or the queue of
+ *       nonblocking calls is busy); else the call has run, or has failed:
+ *       a run that must wait goes on in wait(info, arrays, late, seq). */
+
+/* numpy's array object as its C API lays it out: the fields every numpy
+ * keeps at these places (1.x and 2.x); checked against numpy at start. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} ArrayHead;
+#define ARR_C_CONTIGUOUS 0x0001
+#define ARR_WRITEABLE 0x0400
+#define FAST_SLOTS 64
+#define TAG_SPACE (1ULL << 27)
+
+typedef struct {
+    CallObject *call;                    /* held; NULL: a free slot */
+    PyObject *name, *algorithm, *op;     /* held (op may be Py_None) */
+    long root;                           /* -1: None */
+    int narr;                            /* arrays the call passes (<= 2) */
+    PyObject *descr[2];                  /* held; NULL: the array is None */
+    Py_ssize_t size[2], nbytes[2];
+    int writes[2], apart;
+    uint64_t sig[3];
+    PyObject *info;                      /* held: handed to wait() */
+} FastEntry;
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *ndarray;
+    PyObject *queue, *wait;
+    unsigned long long seq, generation, hits;
+    int open;
+    FastEntry slots[FAST_SLOTS];
+} FastObject;
+
+static PyObject *str_busy;
+
+static void fast_clear_entry(FastEntry *e) {
+    Py_CLEAR(e->call);
+    Py_CLEAR(e->name);
+    Py_CLEAR(e->algorithm);
+    Py_CLEAR(e->op);
+    Py_CLEAR(e->descr[0]);
+    Py_CLEAR(e->descr[1]);
+    Py_CLEAR(e->info);
+}
+
+static void Fast_dealloc(FastObject *f) {
+    for (int i = 0; i < FAST_SLOTS; i++) fast_clear_entry(&f->slots[i]);
+    Py_CLEAR(f->ndarray);
+    Py_CLEAR(f->queue);
+    Py_CLEAR(f->wait);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static int Fast_init(FastObject *f, PyObject *args, PyObject *kwds) {
+    PyObject *ndarray, *queue, *wait;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyType_Type, &ndarray, &queue, &wait)) return -1;
+    for (int i = 0; i < FAST_SLOTS; i++) fast_clear_entry(&f->slots[i]);
+    Py_INCREF(ndarray);
+    Py_INCREF(queue);
+    Py_INCREF(wait);
+    Py_XSETREF(f->ndarray, (PyTypeObject *)ndarray);
+    Py_XSETREF(f->queue, queue);
+    Py_XSETREF(f->wait, wait);
+    f->seq = f->generation = f->hits = 0;
+    f->open = 1;
+    return 0;
+}
+
+/* 1 and the root as a long (-1 for None), or 0 where a root cannot be kept */
+static int root_of(PyObject *o, long *root) {
+    if (o == Py_None) { *root = -1; return 1; }
+    if (!PyLong_CheckExact(o)) return 0;
+    int overflow;
+    *root = PyLong_AsLongAndOverflow(o, &overflow);
+    return !overflow && *root >= 0;
+}
+
+static inline size_t fast_hash(PyObject *name, PyObject *algorithm, long root, PyObject *op, PyObject *d0,
+                               Py_ssize_t n0) {
+    uintptr_t h = (uintptr_t)name ^ ((uintptr_t)algorithm << 1) ^ ((uintptr_t)op << 2) ^ ((uintptr_t)d0 << 3);
+    h ^= (uintptr_t)(root + 1) * 0x9E3779B97F4A7C15ULL ^ (uintptr_t)n0 * 0xC2B2AE3D27D4EB4FULL;
+    h ^= h >> 29;
+    return (size_t)(h ^ (h >> 13)) & (FAST_SLOTS - 1);
+}
+
+/* An array of the call: NULL and 1 for None, the array and 1 for an exact
+ * numpy array of one dimension, else 0 (not kept: the Python path). */
+static inline int array_of(FastObject *f, PyObject *o, ArrayHead **out) {
+    if (o == Py_None) { *out = NULL; return 1; }
+    if (Py_TYPE(o) != f->ndarray) return 0;
+    *out = (ArrayHead *)o;
+    return (*out)->nd == 1;
+}
+
+/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info) */
+static PyObject *Fast_add(FastObject *f, PyObject *args) {
+    PyObject *name, *algorithm, *rooto, *op, *arrays, *call, *sigt, *writes, *info;
+    int apart;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
+                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info))
+        return NULL;
+    long root;
+    Py_ssize_t narr = PyTuple_GET_SIZE(arrays);
+    ArrayHead *a[2] = {NULL, NULL};
+    if (!root_of(rooto, &root) || narr > 2 || PyTuple_GET_SIZE(sigt) != 3 || PyTuple_GET_SIZE(writes) != narr)
+        Py_RETURN_FALSE;
+    for (int i = 0; i < narr; i++)
+        if (!array_of(f, PyTuple_GET_ITEM(arrays, i), &a[i])) Py_RETURN_FALSE;
+    FastEntry fresh;
+    memset(&fresh, 0, sizeof fresh);
+    for (int i = 0; i < 3; i++) fresh.sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(sigt, i));
+    for (int i = 0; i < narr; i++) fresh.writes[i] = PyObject_IsTrue(PyTuple_GET_ITEM(writes, i));
+    if (PyErr_Occurred()) return NULL;
+    for (int i = 0; i < narr; i++) {
+        if (!a[i]) continue;
+        PyObject *nb = PyObject_GetAttrString((PyObject *)a[i], "nbytes");
+        if (!nb) return NULL;
+        fresh.nbytes[i] = PyLong_AsSsize_t(nb);
+        Py_DECREF(nb);
+        if (PyErr_Occurred()) return NULL;
+        fresh.size[i] = a[i]->dimensions[0];
+        fresh.descr[i] = a[i]->descr;
+    }
+    size_t h = fast_hash(name, algorithm, root, op, fresh.descr[0], fresh.size[0]), at = h;
+    for (int probe = 0; probe < FAST_SLOTS; probe++, at = (at + 1) & (FAST_SLOTS - 1))
+        if (!f->slots[at].call) break;
+    if (f->slots[at].call) {  /* full: start over (the Python path adds them again) */
+        for (int i = 0; i < FAST_SLOTS; i++) fast_clear_entry(&f->slots[i]);
+        f->generation++;
+        at = h;
+    }
+    FastEntry *e = &f->slots[at];
+    *e = fresh;
+    e->root = root;
+    e->narr = (int)narr;
+    e->apart = apart;
+    Py_INCREF(call); e->call = (CallObject *)call;
+    Py_INCREF(name); e->name = name;
+    Py_INCREF(algorithm); e->algorithm = algorithm;
+    Py_INCREF(op); e->op = op;
+    Py_XINCREF(e->descr[0]);
+    Py_XINCREF(e->descr[1]);
+    Py_INCREF(info); e->info = info;
+    Py_RETURN_TRUE;
+}
+
+static inline int same_array(const FastEntry *e, int i, const ArrayHead *a) {
+    if (!a) return e->descr[i] == NULL;
+    return e->descr[i] == a->descr && e->size[i] == a->dimensions[0];
+}
+
+/* .run(collective, algorithm, root, op, a, b, timeout) -> bool (see above) */
+static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "run(collective, algorithm, root, op, a, b, timeout)");
+        return NULL;
+    }
+    long root;
+    ArrayHead *a[2];
+    if (!f->open || args[6] != Py_None || !root_of(args[2], &root) || !array_of(f, args[4], &a[0]) ||
+        !array_of(f, args[5], &a[1]))
+        Py_RETURN_FALSE;
+    PyObject *name = args[0], *algorithm = args[1], *op = args[3];
+    size_t at = fast_hash(name, algorithm, root, op, a[0] ? a[0]->descr : NULL, a[0] ? a[0]->dimensions[0] : 0);
+    FastEntry *e = NULL;
+    for (int probe = 0; probe < FAST_SLOTS; probe++, at = (at + 1) & (FAST_SLOTS - 1)) {
+        FastEntry *c = &f->slots[at];
+        if (!c->call) break;
+        if (c->name == name && c->algorithm == algorithm && c->root == root && c->op == op &&
+            same_array(c, 0, a[0]) && (c->narr < 2 ? a[1] == NULL : same_array(c, 1, a[1]))) {
+            e = c;
+            break;
+        }
+    }
+    if (!e || e->call->stage != 0) Py_RETURN_FALSE;
+    char *bases[MAX_ARRAYS] = {NULL, NULL, NULL, NULL};
+    for (int i = 0; i < e->narr; i++) {
+        if (!a[i]) continue;
+        int fl = a[i]->flags;
+        if (!(fl & ARR_C_CONTIGUOUS) || (e->writes[i] && !(fl & ARR_WRITEABLE))) Py_RETURN_FALSE;
+        bases[i] = a[i]->data;
+    }
+    if (e->apart && a[0] && a[1] && bases[0] < bases[1] + e->nbytes[1] && bases[1] < bases[0] + e->nbytes[0])
+        Py_RETURN_FALSE;
+    PyObject *busy = PyObject_GetAttr(f->queue, str_busy);
+    if (!busy) return NULL;
+    int idle = busy == Py_False || (PyLong_Check(busy) && PyLong_AsLong(busy) == 0);
+    Py_DECREF(busy);
+    if (!idle) Py_RETURN_FALSE;
+    uint64_t seq = f->seq = (f->seq + 1) % TAG_SPACE;
+    f->hits++;
+    CallObject *pl = e->call;
+    Py_INCREF(pl);
+    PyObject *late = begin_run(pl, seq, e->sig);
+    if (!late) late = first_step(pl, bases);
+    if (late && late != Py_None) {  /* wait (or raise why it stopped) in Python */
+        PyObject *arrays = PyTuple_New(pl->narrays);
+        for (int i = 0; arrays && i < pl->narrays; i++) {
+            PyObject *o = i < e->narr && a[i] ? (PyObject *)a[i] : Py_None;
+            Py_INCREF(o);
+            PyTuple_SET_ITEM(arrays, i, o);
+        }
+        PyObject *info = e->info;  /* the entry may be replaced while Python runs */
+        Py_INCREF(info);
+        PyObject *done = arrays ? PyObject_CallFunction(f->wait, "OOOK", info, arrays, late,
+                                                        (unsigned long long)seq) : NULL;
+        Py_DECREF(info);
+        Py_XDECREF(arrays);
+        Py_DECREF(late);
+        late = done;
+    }
+    Py_DECREF(pl);
+    if (!late) return NULL;
+    Py_DECREF(late);
+    Py_RETURN_TRUE;
+}
+
+/* .head(array) -> (data, nd, size, dtype, flags): what run reads of an array, to check against numpy */
+static PyObject *Fast_head(FastObject *f, PyObject *o) {
+    ArrayHead *a;
+    if (Py_TYPE(o) != f->ndarray || !array_of(f, o, &a)) {
+        PyErr_SetString(PyExc_TypeError, "head(array): a numpy array of one dimension");
+        return NULL;
+    }
+    return Py_BuildValue("(KinOi)", (unsigned long long)(uintptr_t)a->data, a->nd, a->dimensions[0], a->descr,
+                         a->flags & (ARR_C_CONTIGUOUS | ARR_WRITEABLE));
+}
+
+/* .clear(): forget every entry */
+static PyObject *Fast_clear(FastObject *f, PyObject *Py_UNUSED(ignored)) {
+    for (int i = 0; i < FAST_SLOTS; i++) fast_clear_entry(&f->slots[i]);
+    f->generation++;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Fast_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Fast_run, METH_FASTCALL,
+     "run(collective, algorithm, root, op, a, b, timeout) -> bool: run the kept call that fits, if any."},
+    {"add", (PyCFunction)Fast_add, METH_VARARGS,
+     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info) -> bool: keep a call."},
+    {"head", (PyCFunction)Fast_head, METH_O,
+     "head(array) -> (data, nd, size, dtype, flags) as run reads them (flags: C-contiguous 1, writable 0x400)."},
+    {"clear", (PyCFunction)Fast_clear, METH_NOARGS, "clear(): forget every call."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Fast_members[] = {
+    {"seq", T_ULONGLONG, offsetof(FastObject, seq), 0, "the communicator's call number"},
+    {"open", T_INT, offsetof(FastObject, open), 0, "0: every lookup misses"},
+    {"generation", T_ULONGLONG, offsetof(FastObject, generation), READONLY, "times every entry was dropped"},
+    {"hits", T_ULONGLONG, offsetof(FastObject, hits), READONLY, "calls run from here"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject FastType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "collectives._compiled.FastCalls",
+    .tp_basicsize = sizeof(FastObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "FastCalls(ndarray, queue, wait): a communicator's compiled prepared calls, run from C.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Fast_init,
+    .tp_dealloc = (destructor)Fast_dealloc,
+    .tp_methods = Fast_methods,
+    .tp_members = Fast_members,
+};
 
 /* ---------------------------------------------------------- module level */
 
@@ -1237,9 +1544,19 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__compiled(void) {
-    if (PyType_Ready(&WindowType) < 0 || PyType_Ready(&CallType) < 0) return NULL;
+    if (PyType_Ready(&WindowType) < 0 || PyType_Ready(&CallType) < 0 || PyType_Ready(&FastType) < 0) return NULL;
+    str_busy = PyUnicode_InternFromString("busy");
+    if (!str_busy) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
+    Py_INCREF(&FastType);
+    if (PyModule_AddObject(m, "FastCalls", (PyObject *)&FastType) < 0) {
+        Py_DECREF(&FastType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&CallType);
+    PyModule_AddObject(m, "Call", (PyObject *)&CallType);
     Py_INCREF(&WindowType);
     if (PyModule_AddObject(m, "Window", (PyObject *)&WindowType) < 0) {
         Py_DECREF(&WindowType);

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import compiled, debug_log, flight_recorder, signature, tracing
+from . import compiled, debug_log, fast_calls, flight_recorder, signature, tracing
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES
 from .errors import BadArgument, CollectiveError
@@ -80,14 +80,22 @@ class Communicator(CallExecution, Survival):
         self.size: int = transport.size
         self.timeout = float(timeout)
         self._prepared = PreparedCalls()
+        self._queue = CallQueue(f"collectives-rank{self.rank}")
+        this = weakref.ref(self)  # the fast calls hold this, not the communicator
+
+        def wait(info: tuple, arrays: tuple, late: Any, seq: int) -> None:
+            comm = this()
+            if comm is None:
+                raise RuntimeError("the communicator of this call is gone")
+            comm._fast_wait(info, arrays, late, seq)
+        self._fast = fast_calls.make(self._queue, wait)  # keeps the call number (``_seq``)
+        self._fast_run = self._fast.run
         self._capabilities = frozenset(transport.capabilities)
         self.selector = selector if selector is not None else RuleSelector()
         self.segment_bytes = segment_bytes
         self._planner = Planner(self.rank, self.size, transport, self._choose)
         self._signed = signature.checks_enabled()
-        self._seq = 0
         self._scratch: dict = {}
-        self._queue = CallQueue(f"collectives-rank{self.rank}")
         self._broken: CollectiveError | None = None
         self._closed = False
         self._eager = False
@@ -125,6 +133,7 @@ class Communicator(CallExecution, Survival):
     def selector(self, selector: Selector) -> None:
         self._selector = selector
         self._prepared.clear()  # prepared calls follow the old choices
+        self._fast.clear()
 
     def explain(self, collective: str, nbytes: int, dtype: Any = np.float32) -> Any:
         """Why ``auto`` runs what it runs for ``collective`` of ``nbytes`` here:
@@ -159,6 +168,8 @@ class Communicator(CallExecution, Survival):
         if self._closed:
             return
         self._closed = True
+        self._fast.open = 0
+        self._fast.clear()
         try:
             if not self._queue.idle:
                 self._queue.drain(self.timeout)
@@ -220,6 +231,8 @@ class Communicator(CallExecution, Survival):
         Returns:
             ``buf``.
         """
+        if self._fast_run("bcast", algorithm, root, None, buf, None, timeout):
+            return buf
         key = call_key("bcast", algorithm, root, None, buf)
         if self._run_prepared(key, (buf,), timeout):
             return buf
@@ -238,6 +251,8 @@ class Communicator(CallExecution, Survival):
 
         Other ranks' ``buf`` is left unchanged. Returns ``buf``.
         """
+        if self._fast_run("reduce", algorithm, root, op, buf, None, timeout):
+            return buf
         key = call_key("reduce", algorithm, root, op, buf)
         if self._run_prepared(key, (buf,), timeout):
             return buf
@@ -266,6 +281,8 @@ class Communicator(CallExecution, Survival):
             The buffer holding the result (``buf`` or ``out``).
         """
         if out is None:
+            if self._fast_run("allreduce", algorithm, None, op, buf, None, timeout):
+                return buf
             key = call_key("allreduce", algorithm, None, op, buf)
             if self._run_prepared(key, (buf,), timeout):
                 return buf
@@ -299,6 +316,8 @@ class Communicator(CallExecution, Survival):
         Returns ``recvbuf``.
         """
         send = sendbuf if type(root) is int and root == self.rank else None  # matters only on the root
+        if self._fast_run("scatter", algorithm, root, None, send, recvbuf, timeout):
+            return recvbuf
         key = call_key("scatter", algorithm, root, None, recvbuf, send)
         if self._run_prepared(key, (send, recvbuf), timeout):
             return recvbuf
@@ -332,6 +351,8 @@ class Communicator(CallExecution, Survival):
         Returns ``recvbuf`` on the root, None elsewhere.
         """
         recv = recvbuf if type(root) is int and root == self.rank else None  # matters only on the root
+        if self._fast_run("gather", algorithm, root, None, sendbuf, recv, timeout):
+            return recv
         key = call_key("gather", algorithm, root, None, sendbuf, recv)
         if self._run_prepared(key, (sendbuf, recv), timeout):
             return recv
@@ -367,12 +388,16 @@ class Communicator(CallExecution, Survival):
         """
         if recvbuf is None:
             recvbuf = self._gathered(sendbuf)
+        elif sendbuf is None and self._fast_run("allgather", algorithm, None, None, recvbuf, None, timeout):
+            return recvbuf  # in place: the call's one array is recvbuf
         key = call_key("allgather", algorithm, None, None, recvbuf, sendbuf)
-        if self._run_prepared(key, (recvbuf, sendbuf), timeout):
+        if self._run_prepared(key, (recvbuf,) if sendbuf is None else (recvbuf, sendbuf), timeout):
             return recvbuf
         counts = self._even_counts(element_count(recvbuf), "recvbuf")
         plan = self._plan(self._planner.allgatherv, sendbuf, recvbuf, counts, algorithm, False)
-        if key is not None:
+        if key is not None and sendbuf is None:
+            self._remember(key, plan, (True,), lambda a: (a[0], counts))
+        elif key is not None:
             lo = counts[0] * self.rank
             hi = lo + counts[0]
 
@@ -419,6 +444,8 @@ class Communicator(CallExecution, Survival):
 
         Returns ``recvbuf``.
         """
+        if self._fast_run("reduce_scatter", algorithm, None, op, sendbuf, recvbuf, timeout):
+            return recvbuf
         key = call_key("reduce_scatter", algorithm, None, op, sendbuf, recvbuf)
         if self._run_prepared(key, (sendbuf, recvbuf), timeout):
             return recvbuf
@@ -451,6 +478,8 @@ class Communicator(CallExecution, Survival):
 
         Returns ``recvbuf``.
         """
+        if self._fast_run("alltoall", algorithm, None, None, sendbuf, recvbuf, timeout):
+            return recvbuf
         key = call_key("alltoall", algorithm, None, None, sendbuf, recvbuf)
         if self._run_prepared(key, (sendbuf, recvbuf), timeout):
             return recvbuf
@@ -479,6 +508,8 @@ class Communicator(CallExecution, Survival):
 
     def barrier(self, *, algorithm: str = "auto", timeout: float | None = None) -> None:
         """Wait until every rank has entered the barrier."""
+        if self._fast_run("barrier", algorithm, None, None, None, None, timeout):
+            return
         key = call_key("barrier", algorithm, None, None)
         if self._run_prepared(key, (), timeout):
             return

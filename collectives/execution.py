@@ -15,7 +15,8 @@ aborts the communicator unless the call was refused alike everywhere.
 It reads the communicator's ``rank``, ``size``, ``transport``, ``timeout``,
 ``segment_bytes``, ``_planner``, ``_prepared``, ``_scratch``,
 ``_recorder``, ``_tracer``, ``_signed``, ``_log_calls``, ``_queue`` and
-``_closed``, and keeps ``_seq``, ``_broken`` and ``_eager``.
+``_closed``, and keeps ``_broken`` and ``_eager``, and ``_seq`` in ``_fast``
+(:mod:`.fast_calls`, whose calls it adds there once they ran here).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .context import CallContext
 from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
 from .handles import Handle
 from .planning import ROOTED, Plan
+from .prepared import apart
 from .signature import NO_SIG, REFUSED, Sig
 
 if TYPE_CHECKING:
@@ -68,6 +70,15 @@ class _Refused(Exception):
 
 class CallExecution:
     """The machinery of the communicator's calls (see the module docstring)."""
+
+    @property
+    def _seq(self) -> int:
+        """The number of the last call (kept with the fast calls, which count too)."""
+        return self._fast.seq
+
+    @_seq.setter
+    def _seq(self, value: int) -> None:
+        self._fast.seq = value
 
     def _check_open(self) -> None:
         self._planner.stages = []
@@ -134,6 +145,10 @@ class CallExecution:
                     direct[1](arrays, late, self._started(seq) + limit)
             except BaseException as exc:
                 raise self._failed(entry.collective, entry.algo.name, seq, exc, self._started(seq), limit) from None
+            if entry.call is not None and entry.fast_generation != self._fast.generation:  # from now on, from C
+                self._fast.add(key[0], key[1], key[2], key[3], arrays, entry.call, entry.sig, entry.writes,
+                               entry.check is apart, (entry.collective, entry.algo.name, direct[1]))
+                entry.fast_generation = self._fast.generation
             return True
         start = _now()
         if rec is not None:
@@ -151,6 +166,16 @@ class CallExecution:
         if rec is not None:
             rec.finish(seq, _now())
         return True
+
+    def _fast_wait(self, info: tuple, arrays: tuple, late: Any, seq: int) -> None:
+        """The rest of a fast call's run that has to wait, or why it stopped
+        (see :mod:`.fast_calls`); raises as the Python path does."""
+        collective, algo, settle = info
+        limit = self.timeout
+        try:
+            settle(arrays, late, self._started(seq) + limit)
+        except BaseException as exc:
+            raise self._failed(collective, algo, seq, exc, self._started(seq), limit) from None
 
     def _started(self, seq: int) -> float:
         """When call ``seq`` started, as its compiled call recorded it (now, where nothing did)."""
@@ -328,6 +353,7 @@ class CallExecution:
         """Abort the communicator after ``exc`` in call ``seq`` (the first reason stays)."""
         if self._broken is None:
             self._broken = exc
+            self._fast.open = 0
         self._tell_abort(abort_reason(exc), seq)
 
     def _tell_abort(self, reason: str, seq: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import compiled
 from .context import CallContext
 from .planning import ROOTED, Plan
 from .registry import Algorithm
@@ -88,9 +89,14 @@ class Prepared:
             from the call's arrays, ``go(arrays, seq, sig)``, and when that
             returns what to wait for, ``settle(arrays, late, deadline)``;
             None if it has none.
+        call: the compiled call ``go`` runs, where it runs on the call's
+            arrays as they are (the fast calls of :mod:`.fast_calls` may
+            keep it), else None.
+        fast_generation: the fast calls' generation it was added in (-1: never).
     """
 
-    __slots__ = ("algo", "collective", "sig", "writes", "args", "func", "ctx", "check", "direct")
+    __slots__ = ("algo", "collective", "sig", "writes", "args", "func", "ctx", "check", "direct", "call",
+                 "fast_generation")
 
     def __init__(self, algo: Algorithm, sig: Sig, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                  func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None,
@@ -98,6 +104,10 @@ class Prepared:
         self.algo, self.collective, self.sig = algo, algo.collective, sig
         self.writes, self.args, self.func, self.ctx, self.check = writes, args, func, ctx, check
         self.direct = direct
+        go = direct[0] if direct is not None else None
+        owner = getattr(go, "__self__", None)
+        self.call = owner if compiled.ext is not None and isinstance(owner, compiled.ext.Call) else None
+        self.fast_generation = -1
 
 
 class PreparedCalls(BoundedCache):

@@ -104,4 +104,5 @@ class Survival:
         err.origin = self.rank
         if self._broken is None:
             self._broken = err
+            self._fast.open = 0
         self._tell_abort(abort_reason(PeerLost(reason, self.rank)), self._seq + 1)

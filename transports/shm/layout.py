@@ -47,6 +47,10 @@ Q_POST, Q_DONE = 64, 80  # lines 8 and 10: the last window step whose data this 
 #: Word index of the first call record slot (:mod:`.records`): right after
 #: the window post counter, so both share one cache line.
 Q_RECORD = 65
+#: A compiled call in pieces: (step << 20) | the 64-byte lines of its region
+#: this rank has filled in that step (the last word of the post's line; the
+#: C extension's progress_of).
+Q_PROGRESS = 71
 #: Written by peers: (first call not completed) << 32 | rank + 1 of the first
 #: peer that aborted this rank's job.
 Q_INBOX = 72

@@ -1,0 +1,205 @@
+"""Prepared calls run straight from C (:mod:`collectives.fast_calls`): they
+run (the counter of C hits goes up), give the reference's results, count
+calls as the Python path does, miss rather than guess where the objects
+differ, and fail as the Python path fails: a peer killed, stopped or
+aborting, the communicator aborted or closed, a new selector, a mismatch
+against a rank on the Python path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from collectives import CollectiveError, compiled
+from collectives.selection import RuleSelector
+from harness import run_ranks
+from reference import data, expect_equal, reduced
+from test_fault_injection import _resume_stopped_children
+
+pytestmark = pytest.mark.skipif(not compiled.built, reason="the C extension is not built here")
+
+
+def _outcome(fn) -> tuple[str, str, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return "ok", "", time.monotonic() - t0
+    except CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+def counted(comm) -> list[str]:
+    """Every kept kind from C (allgather in place), with results and call numbers as on the Python path."""
+    p, me, failures = comm.size, comm.rank, []
+    n = 24
+    mine = data(me, n, "float32")
+    every = np.concatenate([data(r, n, "float32") for r in range(p)])
+    for rep in range(4):
+        seq, hits = comm._seq, comm._fast.hits
+        x = mine.copy()
+        comm.allreduce(x)
+        expect_equal(failures, f"allreduce #{rep}", x, reduced(p, n, "float32", "sum"))
+        x = mine.copy()
+        comm.reduce(x, root=p - 1)
+        expect_equal(failures, f"reduce #{rep}", x, reduced(p, n, "float32", "sum") if me == p - 1 else mine)
+        b = mine.copy()
+        comm.bcast(b, root=0)
+        expect_equal(failures, f"bcast #{rep}", b, data(0, n, "float32"))
+        out = np.zeros(n * p, np.float32) if me == 0 else None
+        comm.gather(mine, out, root=0)
+        if me == 0:
+            expect_equal(failures, f"gather #{rep}", out, every)
+        block = np.zeros(n, np.float32)
+        comm.scatter(every if me == 0 else None, block, root=0)
+        expect_equal(failures, f"scatter #{rep}", block, every[me * n:(me + 1) * n])
+        out = np.zeros(n, np.float32)
+        comm.reduce_scatter(np.concatenate([mine] * p), out)
+        expect_equal(failures, f"reduce_scatter #{rep}", out, reduced(p, n, "float32", "sum"))
+        send = np.concatenate([data(me, n, "float32", salt=r + 1) for r in range(p)])
+        out = np.zeros(n * p, np.float32)
+        comm.alltoall(send, out)
+        expect_equal(failures, f"alltoall #{rep}", out,
+                     np.concatenate([data(r, n, "float32", salt=me + 1) for r in range(p)]))
+        out = np.zeros(n * p, np.float32)
+        out[me * n:(me + 1) * n] = mine
+        comm.allgather(None, out)  # in place
+        expect_equal(failures, f"allgather #{rep}", out, every)
+        comm.barrier()
+        if comm._seq != seq + 9:
+            failures.append(f"round {rep}: 9 calls counted as {comm._seq - seq}")
+        if rep >= 2 and comm._fast.hits != hits + 9:
+            failures.append(f"round {rep}: {comm._fast.hits - hits} of 9 calls ran from C")
+    return failures
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_kept_calls_run_from_c_and_count_alike(p):
+    for r, failures in enumerate(run_ranks(counted, p, timeout=120)):
+        assert not failures, f"rank {r}: {failures}"
+
+
+def other_objects(comm) -> list[str]:
+    """Equal objects that are not the kept ones miss, and the Python path runs them right."""
+    p, failures = comm.size, []
+    x = np.ones(8, np.float32)
+    for _ in range(3):
+        comm.allreduce(x, "max")
+    hits = comm._fast.hits
+    op = "".join(["m", "ax"])  # equal to "max", not the same object
+    for _ in range(3):
+        y = np.full(8, comm.rank + 1, np.float32)
+        comm.allreduce(y, op)
+        expect_equal(failures, "an equal op", y, np.full(8, p, np.float32))
+    view = np.zeros(16, np.float32)[:8]  # a view: its own dtype object and size, same data type
+    view[:] = comm.rank + 1
+    comm.allreduce(view, "max")
+    expect_equal(failures, "a view", view, np.full(8, p, np.float32))
+    if comm._fast.hits - hits > 1:  # the view may share the dtype object: one hit at most
+        failures.append(f"{comm._fast.hits - hits} calls with other objects ran from C")
+    for i in range(100):  # more calls than the table keeps: it starts over, results stay right
+        z = np.full(i + 1, comm.rank + 1, np.float32)
+        comm.allreduce(z, "max")
+        comm.allreduce(z, "max")
+        expect_equal(failures, f"size {i + 1}", z, np.full(i + 1, p, np.float32))
+    if comm._fast.generation < 1:
+        failures.append("the table never started over")
+    return failures
+
+
+def test_other_objects_miss_and_a_full_table_starts_over():
+    for r, failures in enumerate(run_ranks(other_objects, 2, timeout=120)):
+        assert not failures, f"rank {r}: {failures}"
+
+
+def after_state_changes(comm) -> list[str]:
+    """A new selector forgets the kept calls; a closed communicator refuses."""
+    failures = []
+    x = np.ones(8, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)
+    comm.selector = RuleSelector()
+    hits = comm._fast.hits
+    comm.allreduce(x)
+    if comm._fast.hits != hits:
+        failures.append("a call ran from C after a new selector")
+    comm.close()
+    outcome = _outcome(lambda: comm.allreduce(x))
+    if "closed" not in outcome[1]:
+        failures.append(f"after close: {outcome}")
+    return failures
+
+
+def test_a_new_selector_or_a_closed_communicator_misses():
+    for r, failures in enumerate(run_ranks(after_state_changes, 2, timeout=60)):
+        assert not failures, f"rank {r}: {failures}"
+
+
+def mismatch_against_python(comm, p_field: str):
+    """Rank 0 runs its kept call from C; rank 1 makes a call it never made
+    (the Python path): both raise MismatchedCollective naming the field."""
+    x = np.ones(8, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)
+    hits = comm._fast.hits
+    if comm.rank == 1:
+        y = np.ones(8, np.float64) if p_field == "dtype" else np.ones(9, np.float32)
+        got = _outcome(lambda: comm.allreduce(y))
+    else:
+        got = _outcome(lambda: comm.allreduce(x))
+    return got + (comm._fast.hits - hits,)
+
+
+@pytest.mark.parametrize("field", ["dtype", "count"])
+def test_a_call_from_c_against_one_on_the_python_path_is_a_mismatch_on_every_rank(field):
+    words = {"dtype": "float64", "count": "x 9"}[field]
+    for r, (outcome, message, elapsed, hits) in enumerate(run_ranks(mismatch_against_python, 3, field,
+                                                                     timeout=60)):
+        assert outcome == "MismatchedCollective", f"rank {r}: {outcome} {message}"
+        assert words in message and "allreduce #4" in message, f"rank {r}: {message}"
+        assert elapsed < 3.0, f"rank {r}: {elapsed:.2f} s"
+        assert hits == (0 if r == 1 else 1), f"rank {r}: {hits} calls from C"
+
+
+def peer_fails(comm, how: str):
+    """The call is kept on every rank; then rank 1 is killed, stopped or
+    aborts, and the others' next call (from C) must say so."""
+    x = np.ones(16, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)
+    if comm.rank == 1:
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "stopped":
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes it once the others gave up
+        if how == "aborts":
+            comm.abort("the application gave up")
+            return ("aborted",) + _outcome(lambda: comm.allreduce(x))
+    hits = comm._fast.hits
+    return _outcome(lambda: comm.allreduce(x)) + (comm._fast.hits - hits,)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped", "aborts"])
+def test_a_peer_lost_during_a_call_from_c_is_named_on_every_rank(how):
+    timeout = 2.0
+    if how == "stopped":
+        threading.Thread(target=_resume_stopped_children, daemon=True).start()
+    outcomes = run_ranks(peer_fails, 3, how, timeout=60, comm_timeout=timeout, expect_errors=True)
+    want = {"killed": ("PeerLost", "died"), "stopped": ("CollectiveTimeout", "has not arrived"),
+            "aborts": ("PeerLost", "the application gave up")}[how]
+    for o in outcomes:
+        if o.rank == 1:
+            if how == "aborts":
+                assert o.ok and o.value[1] == "PeerLost", str(o)  # its own later call raises too
+            continue
+        assert o.ok, str(o)
+        outcome, message, elapsed, hits = o.value
+        assert outcome == want[0], f"rank {o.rank}: {outcome} {message}"
+        assert "rank 1" in message and want[1] in message and "allreduce #4" in message, \
+            f"rank {o.rank}: {message}"
+        assert elapsed < timeout + 1.5, f"rank {o.rank}: {elapsed:.1f} s"
+        assert hits == 1, f"rank {o.rank}: the call did not run from C"
