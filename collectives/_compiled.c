@@ -1116,7 +1116,7 @@ static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
  *   .open: 0 turns every lookup into a miss (an aborted or closed communicator).
  *   .generation: how many times every entry was dropped (a full table, clear()).
  *   .hits: calls run from here.
- *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info)
+ *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in])
  *   .run(collective, algorithm, root, op, a, b, timeout) -> bool: False, nothing done,
  *       where no entry fits (or a timeout is given, or the queue of
  *       nonblocking calls is busy); else the call has run, or has failed:
@@ -1147,6 +1147,7 @@ typedef struct {
     PyObject *descr[2];                  /* held; NULL: the array is None */
     Py_ssize_t size[2], nbytes[2];
     int writes[2], apart;
+    Py_ssize_t copy_in;                  /* >= 0: copy array 1 into array 0 there first, run on array 0 */
     uint64_t sig[3];
     PyObject *info;                      /* held: handed to wait() */
 } FastEntry;
@@ -1221,12 +1222,13 @@ static inline int array_of(FastObject *f, PyObject *o, ArrayHead **out) {
     return (*out)->nd == 1;
 }
 
-/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info) */
+/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) */
 static PyObject *Fast_add(FastObject *f, PyObject *args) {
     PyObject *name, *algorithm, *rooto, *op, *arrays, *call, *sigt, *writes, *info;
     int apart;
-    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
-                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info))
+    Py_ssize_t copy_in = -1;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO|n", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
+                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info, &copy_in))
         return NULL;
     long root;
     Py_ssize_t narr = PyTuple_GET_SIZE(arrays);
@@ -1235,6 +1237,7 @@ static PyObject *Fast_add(FastObject *f, PyObject *args) {
         Py_RETURN_FALSE;
     for (int i = 0; i < narr; i++)
         if (!array_of(f, PyTuple_GET_ITEM(arrays, i), &a[i])) Py_RETURN_FALSE;
+    if (copy_in >= 0 && (narr != 2 || !a[0] || ((CallObject *)call)->narrays != 1)) Py_RETURN_FALSE;
     FastEntry fresh;
     memset(&fresh, 0, sizeof fresh);
     for (int i = 0; i < 3; i++) fresh.sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(sigt, i));
@@ -1250,6 +1253,8 @@ static PyObject *Fast_add(FastObject *f, PyObject *args) {
         fresh.size[i] = a[i]->dimensions[0];
         fresh.descr[i] = a[i]->descr;
     }
+    if (copy_in >= 0 && a[1] && copy_in + fresh.nbytes[1] > fresh.nbytes[0]) Py_RETURN_FALSE;
+    fresh.copy_in = copy_in;
     size_t h = fast_hash(name, algorithm, root, op, fresh.descr[0], fresh.size[0]), at = h;
     for (int probe = 0; probe < FAST_SLOTS; probe++, at = (at + 1) & (FAST_SLOTS - 1))
         if (!f->slots[at].call) break;
@@ -1316,6 +1321,12 @@ static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs
     int idle = busy == Py_False || (PyLong_Check(busy) && PyLong_AsLong(busy) == 0);
     Py_DECREF(busy);
     if (!idle) Py_RETURN_FALSE;
+    int runs_on = e->narr;  /* the call's arrays: as given, or the first alone after copying the second in */
+    if (e->copy_in >= 0) {
+        if (bases[1] && e->nbytes[1]) copy_bytes(bases[0] + e->copy_in, bases[1], (size_t)e->nbytes[1]);
+        bases[1] = NULL;
+        runs_on = 1;
+    }
     uint64_t seq = f->seq = (f->seq + 1) % TAG_SPACE;
     f->hits++;
     CallObject *pl = e->call;
@@ -1325,7 +1336,7 @@ static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs
     if (late && late != Py_None) {  /* wait (or raise why it stopped) in Python */
         PyObject *arrays = PyTuple_New(pl->narrays);
         for (int i = 0; arrays && i < pl->narrays; i++) {
-            PyObject *o = i < e->narr && a[i] ? (PyObject *)a[i] : Py_None;
+            PyObject *o = i < runs_on && a[i] ? (PyObject *)a[i] : Py_None;
             Py_INCREF(o);
             PyTuple_SET_ITEM(arrays, i, o);
         }
@@ -1366,7 +1377,8 @@ static PyMethodDef Fast_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Fast_run, METH_FASTCALL,
      "run(collective, algorithm, root, op, a, b, timeout) -> bool: run the kept call that fits, if any."},
     {"add", (PyCFunction)Fast_add, METH_VARARGS,
-     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info) -> bool: keep a call."},
+     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) -> bool: keep a "
+     "call (copy_in >= 0: copy array 1 into array 0 at that byte first, then run on array 0 alone)."},
     {"head", (PyCFunction)Fast_head, METH_O,
      "head(array) -> (data, nd, size, dtype, flags) as run reads them (flags: C-contiguous 1, writable 0x400)."},
     {"clear", (PyCFunction)Fast_clear, METH_NOARGS, "clear(): forget every call."},

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import compiled, debug_log, fast_calls, flight_recorder, signature, tracing
+from . import debug_log, fast_calls, flight_recorder, signature, tracing
 from .buffers import element_count, flat
 from .context import SEGMENT_BYTES
 from .errors import BadArgument, CollectiveError
@@ -38,7 +38,7 @@ from .execution import TAG_SPACE, CallExecution
 from .flight_recorder import FlightRecorder
 from .handles import CallQueue, Handle, RequestHandle
 from .planning import Planner
-from .prepared import PreparedCalls, apart, call_key
+from .prepared import CopyIn, PreparedCalls, apart, call_key
 from .selection import RuleSelector, Selector, size_bucket
 from .survival import Survival
 from .transport import Transport
@@ -287,6 +287,8 @@ class Communicator(CallExecution, Survival):
             if self._run_prepared(key, (buf,), timeout):
                 return buf
         else:  # out of place: out takes buf's values first, then the call runs in place on it
+            if self._fast_run("allreduce", algorithm, None, op, out, buf, timeout):
+                return out
             key = call_key("allreduce", algorithm, None, op, out, buf)
             if self._run_prepared(key, (out, buf), timeout):
                 return out
@@ -296,11 +298,9 @@ class Communicator(CallExecution, Survival):
             if out is None:
                 self._remember(key, plan, (True,), lambda a: (a[0], o))
             else:
-                def start(a: tuple) -> tuple:
-                    compiled.copy(a[0], a[1])
-                    return a[:1]
-                self._remember(key, plan, (True, False), lambda a: (start(a)[0], o), check=apart,
-                               as_is=(start, lambda a: a[:1]))
+                copy_in = CopyIn(0)
+                self._remember(key, plan, (True, False), lambda a: (copy_in.start(a)[0], o), check=apart,
+                               as_is=copy_in)
         return self._call(plan, timeout)
 
     def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
@@ -388,8 +388,8 @@ class Communicator(CallExecution, Survival):
         """
         if recvbuf is None:
             recvbuf = self._gathered(sendbuf)
-        elif sendbuf is None and self._fast_run("allgather", algorithm, None, None, recvbuf, None, timeout):
-            return recvbuf  # in place: the call's one array is recvbuf
+        elif self._fast_run("allgather", algorithm, None, None, recvbuf, sendbuf, timeout):
+            return recvbuf
         key = call_key("allgather", algorithm, None, None, recvbuf, sendbuf)
         if self._run_prepared(key, (recvbuf,) if sendbuf is None else (recvbuf, sendbuf), timeout):
             return recvbuf
@@ -398,18 +398,8 @@ class Communicator(CallExecution, Survival):
         if key is not None and sendbuf is None:
             self._remember(key, plan, (True,), lambda a: (a[0], counts))
         elif key is not None:
-            lo = counts[0] * self.rank
-            hi = lo + counts[0]
-
-            def start(a: tuple) -> tuple:
-                recv, send = a
-                if send is not None and send.size:
-                    compiled.copy(recv[lo:hi], send)  # a no-op when sendbuf already is this block
-                return (recv,)
-
-            def args(a: tuple) -> tuple:
-                return start(a)[0], counts
-            self._remember(key, plan, (True, False), args, as_is=(start, lambda a: a[:1]))
+            copy_in = CopyIn(counts[0] * self.rank)  # a no-op when sendbuf already is this block
+            self._remember(key, plan, (True, False), lambda a: (copy_in.start(a)[0], counts), as_is=copy_in)
         return self._call(plan, timeout)
 
     def iallgather(self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto",

@@ -35,7 +35,7 @@ from .context import CallContext
 from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
 from .handles import Handle
 from .planning import ROOTED, Plan
-from .prepared import apart
+from .prepared import CopyIn, apart
 from .signature import NO_SIG, REFUSED, Sig
 
 if TYPE_CHECKING:
@@ -146,8 +146,10 @@ class CallExecution:
             except BaseException as exc:
                 raise self._failed(entry.collective, entry.algo.name, seq, exc, self._started(seq), limit) from None
             if entry.call is not None and entry.fast_generation != self._fast.generation:  # from now on, from C
+                copied = entry.copy_in
                 self._fast.add(key[0], key[1], key[2], key[3], arrays, entry.call, entry.sig, entry.writes,
-                               entry.check is apart, (entry.collective, entry.algo.name, direct[1]))
+                               entry.check is apart, (entry.collective, entry.algo.name, direct[1]),
+                               -1 if copied is None else copied.at * arrays[0].itemsize)
                 entry.fast_generation = self._fast.generation
             return True
         start = _now()
@@ -183,7 +185,7 @@ class CallExecution:
         return float(rec.start[seq & (rec.capacity - 1)]) if rec is not None else _now()
 
     def _remember(self, key: tuple | None, plan: Plan, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
-                  check: Callable[[tuple], bool] | None = None, as_is: bool | tuple = True) -> None:
+                  check: Callable[[tuple], bool] | None = None, as_is: bool | CopyIn = True) -> None:
         if key is None or self._tracer is not None or self._log_calls:
             return  # no key: not a call that can be prepared; tracing and logging every call take the full path
         self._prepared.remember(key, plan, self.transport, self.segment_bytes, self._scratch, writes, args,

@@ -16,7 +16,7 @@ buffers that are not 1-D arrays): views, pieces, compiled calls.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from .planning import ROOTED, Plan
 from .registry import Algorithm
 from .signature import Sig
 
-__all__ = ["BoundedCache", "Prepared", "PreparedCalls", "call_key", "apart"]
+__all__ = ["BoundedCache", "Prepared", "PreparedCalls", "CopyIn", "call_key", "apart"]
 
 #: Entries a cache keeps before its oldest half is dropped.
 CAPACITY = 256
@@ -59,6 +59,22 @@ def call_key(collective: str, algorithm: str, root: Any, op: Any, first: Any = _
     return (collective, algorithm, root, op, first.dtype, first.size, second.dtype, second.size)
 
 
+class CopyIn(NamedTuple):
+    """How a call's arrays map to its algorithm's (``as_is`` of
+    :meth:`PreparedCalls.remember`): the second array is first copied into
+    the first from element ``at`` on (when it is not None), and the
+    algorithm runs on the first alone (out-of-place allreduce, allgather)."""
+
+    at: int
+
+    def start(self, arrays: tuple) -> tuple:
+        """Copy the second array in; the algorithm's arrays."""
+        first, second = arrays
+        if second is not None and second.size:
+            compiled.copy(first[self.at:self.at + second.size], second)
+        return arrays[:1]
+
+
 class BoundedCache(dict):
     """A dict of at most :data:`CAPACITY` entries: adding one to a full cache
     drops the oldest half first (``get`` stays a dict's: the hot path)."""
@@ -89,24 +105,21 @@ class Prepared:
             from the call's arrays, ``go(arrays, seq, sig)``, and when that
             returns what to wait for, ``settle(arrays, late, deadline)``;
             None if it has none.
-        call: the compiled call ``go`` runs, where it runs on the call's
-            arrays as they are (the fast calls of :mod:`.fast_calls` may
-            keep it), else None.
+        call: the compiled call ``go`` runs (the fast calls of
+            :mod:`.fast_calls` may keep it), else None.
+        copy_in: the :class:`CopyIn` that comes first, or None.
         fast_generation: the fast calls' generation it was added in (-1: never).
     """
 
     __slots__ = ("algo", "collective", "sig", "writes", "args", "func", "ctx", "check", "direct", "call",
-                 "fast_generation")
+                 "copy_in", "fast_generation")
 
     def __init__(self, algo: Algorithm, sig: Sig, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                  func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None,
-                 direct: tuple | None = None) -> None:
+                 direct: tuple | None = None, call: Any = None, copy_in: CopyIn | None = None) -> None:
         self.algo, self.collective, self.sig = algo, algo.collective, sig
         self.writes, self.args, self.func, self.ctx, self.check = writes, args, func, ctx, check
-        self.direct = direct
-        go = direct[0] if direct is not None else None
-        owner = getattr(go, "__self__", None)
-        self.call = owner if compiled.ext is not None and isinstance(owner, compiled.ext.Call) else None
+        self.direct, self.call, self.copy_in = direct, call, copy_in
         self.fast_generation = -1
 
 
@@ -117,14 +130,12 @@ class PreparedCalls(BoundedCache):
     def remember(self, key: tuple, plan: Plan, transport: Any, segment_bytes: int, scratch: dict,
                  writes: tuple[bool, ...], args: Callable[[tuple], tuple], staged: bool,
                  check: Callable[[tuple], bool] | None = None,
-                 as_is: bool | tuple[Callable[[tuple], tuple], Callable[[tuple], tuple]] = True) -> None:
+                 as_is: bool | CopyIn = True) -> None:
         """Keep ``plan`` (just validated) for repeated calls of ``key``, with the
         algorithm's own prepared call where it offers one. ``as_is``: True when
         the call's arrays are the algorithm's array arguments, in order (so a
-        prepared call's ``on_arrays`` may take them directly); or ``(start,
-        view)``: ``start(arrays)`` does what the call does first and gives the
-        algorithm's arrays, ``view(arrays)`` gives them again without doing it
-        (for a call that has to wait). Plans with a
+        prepared call's ``on_arrays`` may take them directly); or a
+        :class:`CopyIn` that maps them. Plans with a
         finalizer (``avg``), staged device buffers, a refusal or no data, and
         rooted calls over messages (they start with a signature check), are
         not kept."""
@@ -138,9 +149,12 @@ class PreparedCalls(BoundedCache):
                 func = plan.algo.prepare(transport, *plan.args) or func
             ctx = CallContext(transport, 0, 0.0, segment_bytes, scratch)
             direct = getattr(func, "on_arrays", None) if as_is else None
-            if direct is not None and as_is is not True:
-                direct = _mapped(direct, *as_is)
-            entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check, direct)
+            owner = getattr(direct[0], "__self__", None) if direct is not None else None
+            call = owner if compiled.ext is not None and isinstance(owner, compiled.ext.Call) else None
+            copy_in = as_is if isinstance(as_is, CopyIn) else None
+            if direct is not None and copy_in is not None:
+                direct = _mapped(direct, copy_in.start, lambda a: a[:1])
+            entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check, direct, call, copy_in)
         self.keep(key, entry)
 
 

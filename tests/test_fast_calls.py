@@ -34,7 +34,7 @@ def _outcome(fn) -> tuple[str, str, float]:
 
 
 def counted(comm) -> list[str]:
-    """Every kept kind from C (allgather in place), with results and call numbers as on the Python path."""
+    """Every kept kind from C, with results and call numbers as on the Python path."""
     p, me, failures = comm.size, comm.rank, []
     n = 24
     mine = data(me, n, "float32")
@@ -69,11 +69,19 @@ def counted(comm) -> list[str]:
         out[me * n:(me + 1) * n] = mine
         comm.allgather(None, out)  # in place
         expect_equal(failures, f"allgather #{rep}", out, every)
+        out = np.zeros(n * p, np.float32)
+        comm.allgather(mine, out)  # out of place: the block copied in first
+        expect_equal(failures, f"allgather out of place #{rep}", out, every)
+        out = np.zeros(n, np.float32)
+        x = mine.copy()
+        comm.allreduce(x, out=out)
+        expect_equal(failures, f"allreduce out of place #{rep}", out, reduced(p, n, "float32", "sum"))
+        expect_equal(failures, f"allreduce out of place #{rep}: its input", x, mine)
         comm.barrier()
-        if comm._seq != seq + 9:
-            failures.append(f"round {rep}: 9 calls counted as {comm._seq - seq}")
-        if rep >= 2 and comm._fast.hits != hits + 9:
-            failures.append(f"round {rep}: {comm._fast.hits - hits} of 9 calls ran from C")
+        if comm._seq != seq + 11:
+            failures.append(f"round {rep}: 11 calls counted as {comm._seq - seq}")
+        if rep >= 2 and comm._fast.hits != hits + 11:
+            failures.append(f"round {rep}: {comm._fast.hits - hits} of 11 calls ran from C")
     return failures
 
 
@@ -132,6 +140,27 @@ def after_state_changes(comm) -> list[str]:
     if "closed" not in outcome[1]:
         failures.append(f"after close: {outcome}")
     return failures
+
+
+def overlapping_out(comm) -> list[str]:
+    """An out-of-place allreduce kept for apart arrays; then out overlapping
+    buf: it misses, and the Python path runs it (out takes buf first)."""
+    failures = []
+    x, out = np.ones(8, np.float32), np.zeros(8, np.float32)
+    for _ in range(3):
+        comm.allreduce(x, out=out)
+    both = np.ones(12, np.float32)
+    hits = comm._fast.hits
+    comm.allreduce(both[:8], out=both[4:])
+    expect_equal(failures, "overlapping out", both[4:], np.full(8, comm.size, np.float32))
+    if comm._fast.hits != hits:
+        failures.append("overlapping out ran from C")
+    return failures
+
+
+def test_overlapping_out_of_place_arrays_miss():
+    for r, failures in enumerate(run_ranks(overlapping_out, 2, timeout=60)):
+        assert not failures, f"rank {r}: {failures}"
 
 
 def test_a_new_selector_or_a_closed_communicator_misses():
