@@ -93,9 +93,10 @@ def _settings() -> dict[str, Setting]:
                 "machine costs every call 100 us or more", "shm"),
         Setting("WINDOW_DIRECT_BYTES", "bytes", None, "read peers' buffers directly from this size on, for every "
                 "collective (default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
-        Setting("WINDOW_PIECE_BYTES", "bytes", None, "compiled calls move data through the window in pieces of "
-                "this size, a reader starting on a piece as soon as its writer has filled it (0: whole steps; "
-                "default: see docs/shared-memory.md)", "shm"),
+        Setting("WINDOW_PIECE_BYTES", "bytes", None, "every compiled call of two pieces or more moves its data "
+                "through the window in pieces of this size, a reader taking each piece once its writer has filled "
+                "it (0: none; unset: from a copy of 1 MiB where each rank has a core, see docs/shared-memory.md)",
+                "shm"),
         Setting("COMPILED", "bool", True, "use the C fast path when it is built", "shm"),
         # TCP
         Setting("ZMQ_LANES", "bool", True, "carry the data of TCP jobs on direct lanes (not over ZeroMQ)", "tcp"),
