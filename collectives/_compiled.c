@@ -1329,8 +1329,11 @@ static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs
     }
     uint64_t seq = f->seq = (f->seq + 1) % TAG_SPACE;
     f->hits++;
+    /* held for the run: another thread may empty the table while a wait lets go of the GIL */
     CallObject *pl = e->call;
+    PyObject *info = e->info;
     Py_INCREF(pl);
+    Py_INCREF(info);
     PyObject *late = begin_run(pl, seq, e->sig);
     if (!late) late = first_step(pl, bases);
     if (late && late != Py_None) {  /* wait (or raise why it stopped) in Python */
@@ -1340,15 +1343,13 @@ static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs
             Py_INCREF(o);
             PyTuple_SET_ITEM(arrays, i, o);
         }
-        PyObject *info = e->info;  /* the entry may be replaced while Python runs */
-        Py_INCREF(info);
         PyObject *done = arrays ? PyObject_CallFunction(f->wait, "OOOK", info, arrays, late,
                                                         (unsigned long long)seq) : NULL;
-        Py_DECREF(info);
         Py_XDECREF(arrays);
         Py_DECREF(late);
         late = done;
     }
+    Py_DECREF(info);
     Py_DECREF(pl);
     if (!late) return NULL;
     Py_DECREF(late);
