@@ -92,7 +92,8 @@ def test_kept_calls_run_from_c_and_count_alike(p):
 
 
 def other_objects(comm) -> list[str]:
-    """Equal objects that are not the kept ones miss, and the Python path runs them right."""
+    """Equal objects that are not the kept ones miss, and the Python path runs
+    them right; another array of the kept dtype and size (a view) is the kept call."""
     p, failures = comm.size, []
     x = np.ones(8, np.float32)
     for _ in range(3):
@@ -103,12 +104,23 @@ def other_objects(comm) -> list[str]:
         y = np.full(8, comm.rank + 1, np.float32)
         comm.allreduce(y, op)
         expect_equal(failures, "an equal op", y, np.full(8, p, np.float32))
-    view = np.zeros(16, np.float32)[:8]  # a view: its own dtype object and size, same data type
+    if comm._fast.hits != hits:
+        failures.append("a call with an equal op (another object) ran from C")
+    view = np.zeros(16, np.float32)[4:12]  # another array, inside a larger one: the same call
     view[:] = comm.rank + 1
     comm.allreduce(view, "max")
     expect_equal(failures, "a view", view, np.full(8, p, np.float32))
-    if comm._fast.hits - hits > 1:  # the view may share the dtype object: one hit at most
-        failures.append(f"{comm._fast.hits - hits} calls with other objects ran from C")
+    if comm._fast.hits != hits + 1:
+        failures.append("a view of the kept dtype and size did not run from C")
+    reshaped = np.full(8, comm.rank + 1, np.float32)
+    comm.allreduce(reshaped, "max")
+    hits = comm._fast.hits
+    reshaped.shape = (2, 4)  # the same object, now two-dimensional: not the kept call
+    reshaped[...] = comm.rank + 1
+    comm.allreduce(reshaped, "max")
+    expect_equal(failures, "reshaped in place", reshaped.ravel(), np.full(8, p, np.float32))
+    if comm._fast.hits != hits:
+        failures.append("a two-dimensional array ran from C")
     for i in range(100):  # more calls than the table keeps: it starts over, results stay right
         z = np.full(i + 1, comm.rank + 1, np.float32)
         comm.allreduce(z, "max")
