@@ -369,23 +369,27 @@ static inline int first_below(WindowObject *w, int kind, uint64_t v, const unsig
 /* Wait (spin, then yield) until every peer (in ``mask``) has its counter of
  * ``kind`` at ``v`` or beyond; size if they all have, else the first peer
  * still below when the time ran out. Releases the GIL while it waits. */
+/* One turn of a bounded wait that started at ``start``: spin a little,
+ * or yield the CPU; 0 once the spin and the yielding are both used up. */
+static inline int keep_waiting(const WindowObject *w, int64_t start) {
+    int64_t waited = now_ns() - start;
+    if (waited < w->spin_ns) {
+        for (int i = 0; i < 16; i++) cpu_relax();
+    } else if (waited < w->spin_ns + w->yield_ns) {
+        sched_yield();
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
 static int wait_for(WindowObject *w, int kind, uint64_t v, const unsigned char *mask) {
     int r = first_below(w, kind, v, mask, 0);
     if (r == w->size) return r;
     Py_BEGIN_ALLOW_THREADS
     int64_t start = now_ns();
-    for (;;) {
-        r = first_below(w, kind, v, mask, r);
-        if (r == w->size) break;
-        int64_t waited = now_ns() - start;
-        if (waited < w->spin_ns) {
-            for (int i = 0; i < 16; i++) cpu_relax();
-        } else if (waited < w->spin_ns + w->yield_ns) {
-            sched_yield();
-        } else {
-            break;
-        }
-    }
+    while ((r = first_below(w, kind, v, mask, r)) < w->size && keep_waiting(w, start))
+        ;
     Py_END_ALLOW_THREADS
     return r;
 }
@@ -420,20 +424,11 @@ static inline int has_filled(WindowObject *w, int r, uint64_t k, uint64_t units)
  * region below units * 64 bytes in step k; 0 when the time ran out. */
 static int wait_filled(WindowObject *w, int r, uint64_t k, uint64_t units) {
     if (has_filled(w, r, k, units)) return 1;
-    int ok = 0;
+    int ok;
     Py_BEGIN_ALLOW_THREADS
     int64_t start = now_ns();
-    for (;;) {
-        if (has_filled(w, r, k, units)) { ok = 1; break; }
-        int64_t waited = now_ns() - start;
-        if (waited < w->spin_ns) {
-            for (int i = 0; i < 16; i++) cpu_relax();
-        } else if (waited < w->spin_ns + w->yield_ns) {
-            sched_yield();
-        } else {
-            break;
-        }
-    }
+    while (!(ok = has_filled(w, r, k, units)) && keep_waiting(w, start))
+        ;
     Py_END_ALLOW_THREADS
     return ok;
 }

@@ -153,20 +153,20 @@ class PreparedCalls(BoundedCache):
             call = owner if compiled.ext is not None and isinstance(owner, compiled.ext.Call) else None
             copy_in = as_is if isinstance(as_is, CopyIn) else None
             if direct is not None and copy_in is not None:
-                direct = _mapped(direct, copy_in.start, lambda a: a[:1])
+                direct = _mapped(direct, copy_in)
             entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check, direct, call, copy_in)
         self.keep(key, entry)
 
 
-def _mapped(direct: tuple, start: Callable[[tuple], tuple], view: Callable[[tuple], tuple]) -> tuple:
+def _mapped(direct: tuple, copy_in: CopyIn) -> tuple:
     """A compiled call's ``(go, settle)`` on the call's own arrays (see ``as_is``)."""
     go, settle = direct
 
     def go_from(arrays: tuple, seq: int, sig: Sig) -> Any:
-        return go(start(arrays), seq, sig)
+        return go(copy_in.start(arrays), seq, sig)
 
     def settle_from(arrays: tuple, late: Any, deadline: float) -> None:
-        settle(view(arrays), late, deadline)
+        settle(arrays[:1], late, deadline)
     return go_from, settle_from
 
 

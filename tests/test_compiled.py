@@ -175,15 +175,20 @@ def test_a_compiled_call_reads_nothing_when_signatures_disagree():
     two.close()
 
 
+def _bcast_in_pieces(two: _TwoRanks, n: int, piece: int) -> tuple:
+    """A bcast of ``n`` bytes from rank 0 in pieces of ``piece`` bytes: (root's call, leaf's call)."""
+    spans = [(two.slot(r)[1], 1024) for r in range(2)]
+    return (two.windows[0].compile(1, [((0, 0, 0), two.slot(0), n)], [], None, [], piece, spans),
+            two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0], piece, spans))
+
+
 @needs_compiled
 def test_a_call_in_pieces_reads_each_piece_once_its_writer_has_filled_it():
     two = _TwoRanks()
     K = compiled.ext
     n, piece = 1024, 256
-    spans = [(two.slot(r)[1], 1024) for r in range(2)]
     sig = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), n)
-    root_call = two.windows[0].compile(1, [((0, 0, 0), two.slot(0), n)], [], None, [], piece, spans)
-    leaf_call = two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0], piece, spans)
+    root_call, leaf_call = _bcast_in_pieces(two, n, piece)
     sent, got = np.arange(n, dtype=np.uint8), np.zeros(n, np.uint8)
     assert leaf_call.run((got,), 1, sig) == (0, K.K_POST, 1)  # the root has not started: nothing to verify
     assert root_call.run((sent,), 1, sig) is None
@@ -210,11 +215,9 @@ def test_a_call_in_pieces_reads_nothing_when_signatures_disagree():
     two = _TwoRanks()
     K = compiled.ext
     n, piece = 1024, 256
-    spans = [(two.slot(r)[1], 1024) for r in range(2)]
     sig = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), n)
     other = signature.make("bcast", "shared_window", None, 0, np.dtype(np.uint8), n + 1)
-    root_call = two.windows[0].compile(1, [((0, 0, 0), two.slot(0), n)], [], None, [], piece, spans)
-    leaf_call = two.windows[1].compile(1, [], [(two.slot(0), (0, 0, 0), n)], None, [0], piece, spans)
+    root_call, leaf_call = _bcast_in_pieces(two, n, piece)
     got = np.zeros(n, np.uint8)
     assert leaf_call.run((got,), 1, other) == (0, K.K_POST, 1)
     assert root_call.run((np.arange(n, dtype=np.uint8),), 1, sig) == (1, K.K_VERDICT, 0)
