@@ -369,17 +369,32 @@ static inline int first_below(WindowObject *w, int kind, uint64_t v, const unsig
 /* Wait (spin, then yield) until every peer (in ``mask``) has its counter of
  * ``kind`` at ``v`` or beyond; size if they all have, else the first peer
  * still below when the time ran out. Releases the GIL while it waits. */
-/* One turn of a bounded wait that started at ``start``: spin a little,
- * or yield the CPU; 0 once the spin and the yielding are both used up. */
-static inline int keep_waiting(const WindowObject *w, int64_t start) {
-    int64_t waited = now_ns() - start;
-    if (waited < w->spin_ns) {
-        for (int i = 0; i < 16; i++) cpu_relax();
-    } else if (waited < w->spin_ns + w->yield_ns) {
-        sched_yield();
-    } else {
-        return 0;
+/* A bounded wait: when it started, its turns, and whether it has spun its
+ * spin_ns (then it yields the CPU each turn until yield_ns more are used). */
+typedef struct {
+    int64_t start;
+    unsigned turn;
+    int yielding;
+} Waiting;
+
+static inline Waiting waiting_from_now(const WindowObject *w) {
+    Waiting s = {now_ns(), 0, w->spin_ns <= 0};
+    return s;
+}
+
+/* One turn of a bounded wait: one pause while it spins (the clock is read
+ * every 32 turns only, so that a peer's store is seen within a pause or
+ * two), else a sched_yield; 0 once the spin and the yielding are used up. */
+#define SPIN_TURNS_PER_CLOCK 32
+static inline int keep_waiting(const WindowObject *w, Waiting *s) {
+    if (!s->yielding) {
+        cpu_relax();
+        if (++s->turn % SPIN_TURNS_PER_CLOCK) return 1;
+        if (now_ns() - s->start < w->spin_ns) return 1;
+        s->yielding = 1;
     }
+    if (now_ns() - s->start >= w->spin_ns + w->yield_ns) return 0;
+    sched_yield();
     return 1;
 }
 
@@ -387,8 +402,8 @@ static int wait_for(WindowObject *w, int kind, uint64_t v, const unsigned char *
     int r = first_below(w, kind, v, mask, 0);
     if (r == w->size) return r;
     Py_BEGIN_ALLOW_THREADS
-    int64_t start = now_ns();
-    while ((r = first_below(w, kind, v, mask, r)) < w->size && keep_waiting(w, start))
+    Waiting s = waiting_from_now(w);
+    while ((r = first_below(w, kind, v, mask, r)) < w->size && keep_waiting(w, &s))
         ;
     Py_END_ALLOW_THREADS
     return r;
@@ -426,8 +441,8 @@ static int wait_filled(WindowObject *w, int r, uint64_t k, uint64_t units) {
     if (has_filled(w, r, k, units)) return 1;
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    int64_t start = now_ns();
-    while (!(ok = has_filled(w, r, k, units)) && keep_waiting(w, start))
+    Waiting s = waiting_from_now(w);
+    while (!(ok = has_filled(w, r, k, units)) && keep_waiting(w, &s))
         ;
     Py_END_ALLOW_THREADS
     return ok;
