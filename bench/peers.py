@@ -6,14 +6,16 @@ Each runner offers the same small interface on numpy buffers, so one sweep
 
 * ``rank``, ``size``, ``barrier()``, ``max_over_ranks(times)``;
 * ``algorithms(collective, wanted)``: the names to time;
-* ``call(collective, algorithm, bufs)``: one collective on prepared buffers;
+* ``bind(collective, algorithm, bufs)``: one collective on prepared buffers, as a
+  callable with its arguments bound, so that a timed loop pays no dispatch of its own;
 * ``mpi``: the MPI library that made the rows ("MPICH 5.0.2", "Open MPI 5.0.11"),
   None where no MPI did.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import numpy as np
 
@@ -102,27 +104,31 @@ class OursRunner:
         self.comm.allreduce(times, "max")
         return times
 
-    def call(self, collective: str, algorithm: str, b: dict[str, Any]) -> None:
+    def bind(self, collective: str, algorithm: str, b: dict[str, Any]) -> Callable[[], Any]:
+        """The call, its arguments bound, as a user's loop makes it (no ``algorithm=`` for auto, the default)."""
         c = self.comm
-        kw = {} if algorithm == "auto" else {"algorithm": algorithm}  # as a user calls it: auto is the default
+        kw = {} if algorithm == "auto" else {"algorithm": algorithm}
         if collective == "allreduce":
-            c.allreduce(b["send"], b["op"], out=b.get("out"), **kw)
-        elif collective == "reduce":
-            c.reduce(b["send"], b["root"], b["op"], **kw)
-        elif collective == "bcast":
-            c.bcast(b["send"], b["root"], **kw)
-        elif collective == "allgather":
-            c.allgather(b.get("part"), b["recv"], **kw)
-        elif collective == "reduce_scatter":
-            c.reduce_scatter(b["send"], b["recv"], b["op"], **kw)
-        elif collective == "alltoall":
-            c.alltoall(b["send"], b["recv"], **kw)
-        elif collective == "scatter":
-            c.scatter(b["send"], b["recv"], b["root"], **kw)
-        elif collective == "gather":
-            c.gather(b["send"], b["recv"], b["root"], **kw)
-        elif collective == "barrier":
-            c.barrier(**kw)
+            if b.get("out") is None:
+                return partial(c.allreduce, b["send"], b["op"], **kw)
+            return partial(c.allreduce, b["send"], b["op"], out=b["out"], **kw)
+        if collective == "reduce":
+            return partial(c.reduce, b["send"], b["root"], b["op"], **kw)
+        if collective == "bcast":
+            return partial(c.bcast, b["send"], b["root"], **kw)
+        if collective == "allgather":
+            return partial(c.allgather, b.get("part"), b["recv"], **kw)
+        if collective == "reduce_scatter":
+            return partial(c.reduce_scatter, b["send"], b["recv"], b["op"], **kw)
+        if collective == "alltoall":
+            return partial(c.alltoall, b["send"], b["recv"], **kw)
+        if collective == "scatter":
+            return partial(c.scatter, b["send"], b["recv"], b["root"], **kw)
+        if collective == "gather":
+            return partial(c.gather, b["send"], b["recv"], b["root"], **kw)
+        if collective == "barrier":
+            return partial(c.barrier, **kw)
+        raise ValueError(f"unknown collective {collective!r}")
 
     def close(self) -> None:
         self.comm.close()
@@ -165,36 +171,36 @@ class MpiRunner(_NativePeer):
         self.c.Allreduce(self.MPI.IN_PLACE, times, self.MPI.MAX)
         return times
 
-    def call(self, collective: str, algorithm: str, b: dict[str, Any]) -> None:
+    def bind(self, collective: str, algorithm: str, b: dict[str, Any]) -> Callable[[], Any]:
+        """mpi4py's call, its arguments (and the MPI op) bound once."""
         MPI, c = self.MPI, self.c
         op = getattr(MPI, _MPI_OPS.get(b.get("op_name", "sum"), "SUM"))
+        root = b.get("root", 0)
         if collective == "allreduce":
             if b.get("out") is None:
-                c.Allreduce(MPI.IN_PLACE, b["send"], op)
-            else:
-                c.Allreduce(b["send"], b["out"], op)
-        elif collective == "reduce":
-            if self.rank == b["root"]:
-                c.Reduce(MPI.IN_PLACE, b["send"], op, b["root"])
-            else:
-                c.Reduce(b["send"], None, op, b["root"])
-        elif collective == "bcast":
-            c.Bcast(b["send"], b["root"])
-        elif collective == "allgather":
+                return partial(c.Allreduce, MPI.IN_PLACE, b["send"], op)
+            return partial(c.Allreduce, b["send"], b["out"], op)
+        if collective == "reduce":
+            if self.rank == root:
+                return partial(c.Reduce, MPI.IN_PLACE, b["send"], op, root)
+            return partial(c.Reduce, b["send"], None, op, root)
+        if collective == "bcast":
+            return partial(c.Bcast, b["send"], root)
+        if collective == "allgather":
             if b.get("part") is None:
-                c.Allgather(MPI.IN_PLACE, b["recv"])
-            else:
-                c.Allgather(b["part"], b["recv"])
-        elif collective == "reduce_scatter":
-            c.Reduce_scatter_block(b["send"], b["recv"], op)
-        elif collective == "alltoall":
-            c.Alltoall(b["send"], b["recv"])
-        elif collective == "scatter":
-            c.Scatter(b["send"] if self.rank == b["root"] else None, b["recv"], b["root"])
-        elif collective == "gather":
-            c.Gather(b["send"], b["recv"] if self.rank == b["root"] else None, b["root"])
-        elif collective == "barrier":
-            c.Barrier()
+                return partial(c.Allgather, MPI.IN_PLACE, b["recv"])
+            return partial(c.Allgather, b["part"], b["recv"])
+        if collective == "reduce_scatter":
+            return partial(c.Reduce_scatter_block, b["send"], b["recv"], op)
+        if collective == "alltoall":
+            return partial(c.Alltoall, b["send"], b["recv"])
+        if collective == "scatter":
+            return partial(c.Scatter, b["send"] if self.rank == root else None, b["recv"], root)
+        if collective == "gather":
+            return partial(c.Gather, b["send"], b["recv"] if self.rank == root else None, root)
+        if collective == "barrier":
+            return c.Barrier
+        raise ValueError(f"unknown collective {collective!r}")
 
     def close(self) -> None:
         pass
@@ -229,7 +235,11 @@ class GlooRunner(_NativePeer):
         self.dist.all_reduce(self.torch.from_numpy(times), op=self.dist.ReduceOp.MAX)
         return times
 
-    def call(self, collective: str, algorithm: str, b: dict[str, Any]) -> None:
+    def bind(self, collective: str, algorithm: str, b: dict[str, Any]) -> Callable[[], Any]:
+        """The call (its tensors are made from the buffers on each call, as the Gloo bench always did)."""
+        return partial(self._call, collective, b)
+
+    def _call(self, collective: str, b: dict[str, Any]) -> None:
         t, dist = self.torch.from_numpy, self.dist
         op = getattr(dist.ReduceOp, {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX",
                                      "band": "BAND", "bor": "BOR", "bxor": "BXOR"}.get(b.get("op_name", "sum"),

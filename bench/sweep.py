@@ -176,15 +176,16 @@ def _time(runner: Any, collective: str, algo: str, b: dict[str, Any], iters: int
     ranks) and overflow to inf after about 128 of them: numpy's overflow
     warning is expected here and silenced (the checked call runs on reset
     buffers afterwards)."""
+    call = runner.bind(collective, algo, b)
     with np.errstate(over="ignore"):
         for _ in range(warmup):
-            runner.call(collective, algo, b)
+            call()
         runner.barrier()
         times = np.empty(iters, dtype=np.float64)
         clock = time.perf_counter
         for i in range(iters):
             t0 = clock()
-            runner.call(collective, algo, b)
+            call()
             times[i] = clock() - t0
     return runner.max_over_ranks(times)
 
@@ -205,7 +206,7 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
     case.reset()
     times = _time(runner, collective, algorithm, case.bufs, n_iter, n_warm)
     case.reset()
-    runner.call(collective, algorithm, case.bufs)
+    runner.bind(collective, algorithm, case.bufs)()
     bad = runner.max_over_ranks(np.array([case.wrong()], dtype=np.float64))
     med = float(np.median(times))
     algbw = size / med / 1e9 if med > 0 else 0.0
