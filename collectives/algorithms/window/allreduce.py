@@ -26,6 +26,7 @@ from .pieces import blocks, displs, piece_elems, striped
 from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce
 from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, window_state
+from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM
 
 __all__ = ["allreduce"]
 
@@ -42,7 +43,8 @@ def _prepare(transport, buf: np.ndarray, op: Op):
         return None
     reduced = reduction(arr(0), [slot(st, r) for r in range(p)], buf.size, dtype, op)
     peers = [r for r in range(p) if r != rank]
-    made = compile_call(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers) if reduced else None
+    made = compile_call(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers,
+                        ALLREDUCE_PIECED_FROM, ALLREDUCE_PIECE) if reduced else None
     if made is not None:
         return prepared_from(made, first)
     halves = []

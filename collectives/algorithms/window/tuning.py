@@ -11,7 +11,7 @@ from ... import config
 
 
 __all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
-           "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "wants_huge_pages"]
+           "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "wants_huge_pages"]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
 SMALL_TOTAL_BYTES = 1 << 20      # bytes: ... and up to this divided by p (each rank reads p * n bytes)
@@ -19,6 +19,8 @@ PIECE_BYTES = 2 << 20            # bytes per rank and half: the largest piece of
 COMPILED_REDUCE_BYTES = 16 * 1024  # bytes: blocks from this on are reduced by the compiled kernel
 PIECED_FROM = 1 << 20           # bytes: a compiled call whose largest copy or reduction through the
 PIECE = 64 * 1024                # window has this many runs in pieces of PIECE bytes (ranks <= cores)
+ALLREDUCE_PIECED_FROM = 64 * 1024  # bytes: the same for allreduce's one-fence call (every rank reduces
+ALLREDUCE_PIECE = 32 * 1024        # every rank's vector as it is filled), in pieces of this many
 
 #: From which size each collective reads and writes peers' buffers directly
 #: (one copy, through the kernel or the shared pool) rather than through
@@ -75,21 +77,26 @@ def wants_huge_pages(collective: str) -> bool:
     return DIRECT_FROM[collective][2] and not config.is_set("WINDOW_DIRECT_BYTES")
 
 
-def compiled_piece(largest: int, p: int, cores: int) -> int:
+def compiled_piece(largest: int, p: int, cores: int, pieced_from: int = PIECED_FROM, piece: int = PIECE) -> int:
     """Bytes a piece of a compiled call whose largest copy or reduction
     through the window is ``largest`` bytes, at ``p`` ranks on ``cores``
-    cores (0: a core each); 0 to run it whole: below :data:`PIECED_FROM`,
+    cores (0: a core each); 0 to run it whole: below ``pieced_from``
+    (:data:`PIECED_FROM`; allreduce's one-fence call passes
+    :data:`ALLREDUCE_PIECED_FROM` and :data:`ALLREDUCE_PIECE`),
     and where ranks share cores (a reader would wait for a writer that is
     not running). A copy of 1 MiB or more no longer stays in the writer's
     cache for the reader; in pieces the reader takes each piece while it is
     there (2 ranks: bcast of 1 MiB 130 -> 38 us, of 2 MiB 255 -> 58-80 us;
     alltoall of 2 MiB 180 -> 80 us); below that, pieces gained nothing
-    where the machine was slow and up to 20 % where it was fast.
+    for the other collectives. Allreduce's one-fence call, where every rank
+    reduces every vector, gains from 64 KiB in pieces of 32 KiB (2 ranks:
+    64 KiB 5.6 -> 4.0-4.3 us, 128 KiB 10.7 -> 7.3-8.3 us where the machine
+    was fast; 8.6 -> 8.1 us and 16.3 -> 14.6-15.3 us where it was slow).
     ``COLLECTIVES_WINDOW_PIECE_BYTES``, when set, makes every call of two
     pieces or more of that size run in pieces, on any cores (0: none)."""
     forced = config.get("WINDOW_PIECE_BYTES")
     if forced is not None:  # from two pieces on, whatever the cores (to measure, and for tests)
         return forced if forced > 0 and largest >= 2 * forced else 0
-    if largest < PIECED_FROM or (cores and p > cores):
+    if largest < pieced_from or (cores and p > cores):
         return 0
-    return PIECE
+    return piece
