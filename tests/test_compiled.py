@@ -29,6 +29,28 @@ def test_the_extension_is_built_where_a_compiler_is():
     assert compiled.built, "a C compiler is present but collectives._compiled was not built (pip install -e .)"
 
 
+@needs_compiled
+def test_the_recorders_clock_reads_the_monotonic_clock():
+    """The flight recorder's clock (through the time-stamp counter where the
+    kernel's clock source is it) gives CLOCK_MONOTONIC's seconds: each
+    reading lies between time.monotonic() just before and just after it,
+    and never goes back, across its anchors (one each millisecond)."""
+    import time
+
+    from collectives import _compiled
+
+    last, worst = 0.0, 0.0
+    deadline = time.monotonic() + 0.05
+    while time.monotonic() < deadline:  # about 50 anchors
+        before = time.monotonic()
+        t, _ = _compiled.recorder_time()
+        after = time.monotonic()
+        worst = max(worst, before - t, t - after)
+        assert t >= last
+        last = t
+    assert worst < 5e-6, f"the recorder's clock is {worst * 1e6:.1f} us off the monotonic clock"
+
+
 def _operands(dtype: np.dtype, p: int, n: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     if dtype.kind == "f":
