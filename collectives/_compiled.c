@@ -81,53 +81,69 @@ typedef void (*binop_fn)(void *out, const void *a, const void *b, Py_ssize_t n);
  * min and max follow numpy's minimum and maximum: a NaN in either operand
  * gives NaN, and of two equal values the second is taken. */
 
+/* The kernels are built twice where the compiler can (GCC on x86-64): for
+ * AVX2 and for the baseline, the loader picking one for the processor it
+ * runs on. Each element sees the same operation either way, so the bits
+ * are the same. 2 ranks, shared window (collectives bench reduce -n 2, the
+ * two builds in turns): reduce of 64 KiB 1.77-2.00 -> 1.50-1.62 us, of
+ * 1 MiB 21.9-24.5 -> 18.7-20.8 us; reduce_scatter of 256 KiB 5.3-5.6 ->
+ * 4.9-5.1 us. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define KERNEL __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef KERNEL
+#define KERNEL
+#endif
+
 #define INT_KERNELS(NAME, T, UT)                                                       \
-    static void sum_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
+    KERNEL static void sum_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = (T)((UT)x[i] + (UT)y[i]);          \
     }                                                                                  \
-    static void prod_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
+    KERNEL static void prod_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = (T)((UT)x[i] * (UT)y[i]);          \
     }                                                                                  \
-    static void min_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
+    KERNEL static void min_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] < y[i] ? x[i] : y[i];         \
     }                                                                                  \
-    static void max_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
+    KERNEL static void max_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] > y[i] ? x[i] : y[i];         \
     }                                                                                  \
-    static void band_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
+    KERNEL static void band_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] & y[i];                       \
     }                                                                                  \
-    static void bor_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
+    KERNEL static void bor_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] | y[i];                       \
     }                                                                                  \
-    static void bxor_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
+    KERNEL static void bxor_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] ^ y[i];                       \
     }
 
 #define FLOAT_KERNELS(NAME, T)                                                         \
-    static void sum_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
+    KERNEL static void sum_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] + y[i];                       \
     }                                                                                  \
-    static void prod_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
+    KERNEL static void prod_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {     \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] * y[i];                       \
     }                                                                                  \
-    static void min_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
+    KERNEL static void min_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) {                                           \
             T u = x[i], v = y[i];                                                      \
             out[i] = (u != u) ? u : (u < v ? u : v);                                   \
         }                                                                              \
     }                                                                                  \
-    static void max_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
+    KERNEL static void max_##NAME(void *o, const void *a, const void *b, Py_ssize_t n) {      \
         T *out = o; const T *x = a, *y = b;                                            \
         for (Py_ssize_t i = 0; i < n; i++) {                                           \
             T u = x[i], v = y[i];                                                      \
