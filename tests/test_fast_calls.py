@@ -244,3 +244,47 @@ def test_a_peer_lost_during_a_call_from_c_is_named_on_every_rank(how):
             f"rank {o.rank}: {message}"
         assert elapsed < timeout + 1.5, f"rank {o.rank}: {elapsed:.1f} s"
         assert hits == 1, f"rank {o.rank}: the call did not run from C"
+
+
+def waits_let_threads_run(comm, flag: str) -> tuple[int, int]:
+    """Rank 0 waits in a barrier from C while its other thread must run for
+    rank 1 to come: the thread watches, under the GIL, for the call number
+    to move (the call from C has begun), then writes ``flag``, which rank 1
+    waits for before its barrier. A wait that kept the GIL would keep the
+    thread from ever seeing it (and rank 1 from coming)."""
+    for _ in range(3):
+        comm.barrier()  # kept, so the next one runs from C
+    hits = comm._fast.hits
+    if comm.rank == 0:
+        done = threading.Event()
+        before = comm._fast.seq
+
+        def flag_once_inside() -> None:
+            deadline = time.monotonic() + 30
+            while comm._fast.seq == before and time.monotonic() < deadline:
+                pass  # bytecode, under the GIL
+            with open(flag, "w") as f:
+                f.write("go")
+            done.set()
+
+        threading.Thread(target=flag_once_inside, daemon=True).start()
+        comm.barrier()
+        assert done.wait(5)
+    else:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(flag):
+            assert time.monotonic() < deadline, "rank 0's thread never ran while rank 0 waited"
+            time.sleep(0.001)
+        comm.barrier()
+    return comm._fast.hits - hits, comm.rank
+
+
+def test_a_wait_from_c_lets_other_threads_run(tmp_path, monkeypatch):
+    """A compiled wait holds the GIL for its first checks only (about 2 us),
+    then lets go of it while it spins or yields. The yielding is made to
+    last 60 s here, so that a wait that kept the GIL would stay in C past
+    rank 1's deadline rather than hand the wait back to Python."""
+    monkeypatch.setenv("COLLECTIVES_SHM_YIELD_US", str(60_000_000))
+    flag = str(tmp_path / "go")
+    for hits, rank in run_ranks(waits_let_threads_run, 2, flag, timeout=60, comm_timeout=15):
+        assert hits == 1, f"rank {rank}: the barrier did not run from C"
