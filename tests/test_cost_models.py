@@ -17,7 +17,7 @@ from collectives.cost_models.calibration_fits import fit_line, fit_overheads, fi
 from collectives.cost_models.calibration_measurements import PROBE_BYTES, PROBES
 from collectives.cost_models.explain import main as explain_main, parse_bytes
 from collectives.cost_models.profile import DEFAULTS, load_profile, profile_path
-from collectives.cost_models.selector import TIE, ModelSelector
+from collectives.cost_models.selector import TIE, WINDOW_TIE, ModelSelector
 from collectives.registry import all_algorithms, algorithms_for
 from collectives.selection import rule
 
@@ -149,6 +149,32 @@ def test_a_tie_goes_to_the_rule_and_explain_says_so() -> None:
                 else:
                     wins += 1
                     assert exp.choice == best.name and "would take" not in exp.table(), exp.table()
+    assert ties and wins  # both cases came up
+
+
+def test_a_prediction_within_the_window_tie_keeps_the_window() -> None:
+    """Where the rule takes the shared window, another algorithm runs only when
+    predicted more than WINDOW_TIE faster than it; explain says which."""
+    assert WINDOW_TIE > TIE
+    sel = ModelSelector(Params(alpha=1e-6, beta=1e-9, gamma=1e-10, cores=2))
+    caps = frozenset({"window"})
+    ties = wins = 0
+    for collective in ("bcast", "allreduce", "allgather", "reduce_scatter", "alltoall", "scatter", "gather", "reduce"):
+        for p in (2, 3, 4, 8):
+            for nbytes in (8, 1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26):
+                exp = sel.explain(collective, nbytes, p, np.float32, caps)
+                pool = [c for c in exp.candidates if c.runnable and c.name != "native"]
+                best = min(pool, key=lambda c: c.seconds)
+                assert rule(collective, nbytes, p, 4, caps) == "shared_window"
+                window = next(c for c in pool if c.name == "shared_window")
+                if best.name == "shared_window":
+                    assert exp.choice == "shared_window"
+                elif best.seconds >= (1 - WINDOW_TIE) * window.seconds:
+                    ties += 1
+                    assert exp.choice == "shared_window" and f"within {WINDOW_TIE:.0%}" in exp.table(), exp.table()
+                else:
+                    wins += 1
+                    assert exp.choice == best.name, exp.table()
     assert ties and wins  # both cases came up
 
 
