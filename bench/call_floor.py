@@ -1,16 +1,18 @@
 """Where the time of a small call goes: ``python -m collectives.bench.call_floor``.
 
-Back-to-back 8 B calls (bcast, allreduce in place, barrier) at 2 ranks on
-shared memory, each the best of 5 runs of ``--iters`` calls over the
-loop's own time (no per-call clock), against mpi4py's on MPICH (``mpiexec``)
-and on Open MPI (its own environment, see :mod:`.openmpi`), the jobs taking
-turns for ``--rounds`` rounds. For ours it also times the parts: the key
+Back-to-back 8 B calls (by default bcast, allreduce in place and barrier; 8
+B per rank for scatter and gather) on shared memory, each the best of 5
+runs of ``--iters`` calls over the loop's own time (no per-call clock), the
+slowest rank's, against mpi4py's on MPICH (``mpiexec``) and on Open MPI (its
+own environment, see :mod:`.openmpi`), the jobs taking turns for
+``--rounds`` rounds. For ours it also times the parts of allreduce: the key
 of the prepared call, and the compiled call alone (the C code that posts
 this rank's signature record, waits for every peer's, checks them and
 moves the data), so that the rest is the Python method around it.
 
-    python -m collectives.bench.call_floor                 # 3 rounds
+    python -m collectives.bench.call_floor                 # 2 ranks, 3 rounds
     python -m collectives.bench.call_floor --rounds 5 --no-openmpi
+    python -m collectives.bench.call_floor -n 4 --calls bcast,reduce,scatter,gather,allreduce,barrier
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any, Callable, Sequence
 __all__ = ["main"]
 
 CALLS = ("bcast", "allreduce", "barrier")
+#: Every call it can time.
+ALL_CALLS = ("bcast", "reduce", "scatter", "gather", "allreduce", "barrier")
 
 
 def _best(fn: Callable[[], Any], barrier: Callable[[], Any], iters: int) -> float:
@@ -41,60 +45,85 @@ def _best(fn: Callable[[], Any], barrier: Callable[[], Any], iters: int) -> floa
     return best * 1e6
 
 
-def ours_rank(iters: int) -> dict[str, float]:
-    """Every rank: our calls and their parts; rank 0 returns the row."""
+def _slowest(row: dict[str, float], max_over_ranks: Callable[[Any], Any]) -> dict[str, float]:
+    """``row`` with each figure the largest over the ranks."""
+    import numpy as np
+
+    keys = sorted(row)
+    vals = np.array([row[k] for k in keys], dtype=np.float64)
+    max_over_ranks(vals)
+    return dict(zip(keys, (float(v) for v in vals)))
+
+
+def ours_rank(iters: int, names: Sequence[str]) -> dict[str, float]:
+    """Every rank: our calls and the parts of allreduce; the slowest rank's figures."""
     import numpy as np
 
     import collectives
     from collectives.prepared import call_key
 
     comm = collectives.init()
-    buf = np.zeros(2, np.float32)
-    calls = {"bcast": lambda: comm.bcast(buf), "allreduce": lambda: comm.allreduce(buf), "barrier": comm.barrier}
+    p, buf = comm.size, np.zeros(2, np.float32)
+    whole, part = np.zeros(2 * p, np.float32), np.zeros(2, np.float32)
+    every = {"bcast": lambda: comm.bcast(buf), "reduce": lambda: comm.reduce(buf),
+             "scatter": lambda: comm.scatter(whole, part), "gather": lambda: comm.gather(part, whole),
+             "allreduce": lambda: comm.allreduce(buf), "barrier": comm.barrier}
     row: dict[str, float] = {}
-    for name, fn in calls.items():
+    for name in names:
+        fn = every[name]
         for _ in range(100):
             fn()
         row[name] = _best(fn, comm.barrier, iters)
-    key = call_key("allreduce", "auto", None, "sum", buf)
-    row["allreduce: call_key"] = _best(lambda: call_key("allreduce", "auto", None, "sum", buf), comm.barrier, iters)
-    entry = comm._prepared.get(key)
-    if entry is not None and entry.direct is not None:
-        go, settle = entry.direct
-        sig, arrays, seq = entry.sig, (buf,), [comm._seq]
+    if "allreduce" in names:
+        key = call_key("allreduce", "auto", None, "sum", buf)
+        row["allreduce: call_key"] = _best(lambda: call_key("allreduce", "auto", None, "sum", buf), comm.barrier,
+                                           iters)
+        entry = comm._prepared.get(key)
+        if entry is not None and entry.direct is not None:
+            go, settle = entry.direct
+            sig, arrays, seq = entry.sig, (buf,), [comm._seq]
 
-        def compiled() -> None:
-            seq[0] += 1
-            late = go(arrays, seq[0], sig)
-            if late is not None:
-                settle(arrays, late, time.monotonic() + 30)
-        row["allreduce: the compiled call alone"] = _best(compiled, lambda: None, iters)
-        comm._seq = seq[0]  # the method's next call goes on from there, on every rank alike
+            def compiled() -> None:
+                seq[0] += 1
+                late = go(arrays, seq[0], sig)
+                if late is not None:
+                    settle(arrays, late, time.monotonic() + 30)
+            row["allreduce: the compiled call alone"] = _best(compiled, lambda: None, iters)
+            comm._seq = seq[0]  # the method's next call goes on from there, on every rank alike
     comm.barrier()
+    row = _slowest(row, lambda v: comm.allreduce(v, "max"))
     comm.close()
     return row
 
 
-def mpi_rank(iters: int) -> dict[str, Any]:
-    """Every rank under mpiexec: mpi4py's calls; rank 0 returns the row."""
+def mpi_rank(iters: int, names: Sequence[str]) -> dict[str, Any]:
+    """Every rank under mpiexec: mpi4py's calls; the slowest rank's figures."""
     import numpy as np
     from mpi4py import MPI
 
     c = MPI.COMM_WORLD
-    buf = np.zeros(2, np.float32)
-    calls = {"bcast": lambda: c.Bcast(buf, 0), "allreduce": lambda: c.Allreduce(MPI.IN_PLACE, buf),
-             "barrier": c.Barrier}
+    p, buf = c.Get_size(), np.zeros(2, np.float32)
+    whole, part = np.zeros(2 * p, np.float32), np.zeros(2, np.float32)
+    root = c.Get_rank() == 0
+    every = {"bcast": lambda: c.Bcast(buf, 0),
+             "reduce": (lambda: c.Reduce(MPI.IN_PLACE, buf, MPI.SUM, 0)) if root else (lambda: c.Reduce(buf, None,
+                                                                                                        MPI.SUM, 0)),
+             "scatter": lambda: c.Scatter(whole if root else None, part, 0),
+             "gather": lambda: c.Gather(part, whole if root else None, 0),
+             "allreduce": lambda: c.Allreduce(MPI.IN_PLACE, buf), "barrier": c.Barrier}
     row: dict[str, Any] = {}
-    for name, fn in calls.items():
+    for name in names:
+        fn = every[name]
         for _ in range(100):
             fn()
         row[name] = _best(fn, c.Barrier, iters)
+    row = _slowest(row, lambda v: c.Allreduce(MPI.IN_PLACE, v, MPI.MAX))
     row["library"] = MPI.Get_library_version().splitlines()[0].strip()[:40]
     return row
 
 
-def _rank_main(kind: str, iters: int) -> int:
-    row = ours_rank(iters) if kind == "ours" else mpi_rank(iters)
+def _rank_main(kind: str, iters: int, names: Sequence[str]) -> int:
+    row = ours_rank(iters, names) if kind == "ours" else mpi_rank(iters, names)
     rank = int(os.environ.get("COLLECTIVES_RANK", os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK",
                                                                                              "0"))))
     if rank == 0:
@@ -115,6 +144,8 @@ def _job(argv: list[str], env: dict[str, str] | None, timeout: float) -> dict[st
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m collectives.bench.call_floor", description=__doc__.split("\n")[0])
+    ap.add_argument("-n", "--nprocs", type=int, default=2)
+    ap.add_argument("--calls", default=",".join(CALLS), help=f"a comma list of {', '.join(ALL_CALLS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=200_000)
     ap.add_argument("--no-mpich", action="store_true")
@@ -122,20 +153,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--rank", choices=("ours", "mpi"), help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
+    names = [c for c in ns.calls.split(",") if c]
+    unknown = [c for c in names if c not in ALL_CALLS]
+    if unknown or not names or ns.nprocs < 2:
+        ap.error(f"--calls takes {', '.join(ALL_CALLS)} and -n at least 2 (got {ns.calls!r}, {ns.nprocs})")
     if ns.rank:
-        return _rank_main(ns.rank, ns.iters)
-    me = ["-m", "collectives.bench.call_floor", "--iters", str(ns.iters), "--rank"]
+        return _rank_main(ns.rank, ns.iters, names)
+    me = ["-m", "collectives.bench.call_floor", "--iters", str(ns.iters), "--calls", ",".join(names), "--rank"]
+    n = str(ns.nprocs)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "OMPI_"))}
     jobs: dict[str, tuple[list[str], dict[str, str] | None]] = {
-        "ours": ([sys.executable, "-m", "collectives.cli", "run", "-n", "2", sys.executable] + me + ["ours"], clean)}
+        "ours": ([sys.executable, "-m", "collectives.cli", "run", "-n", n, sys.executable] + me + ["ours"], clean)}
     if not ns.no_mpich:
-        jobs["MPICH"] = (["mpiexec", "-n", "2", sys.executable] + me + ["mpi"], clean)
+        jobs["MPICH"] = (["mpiexec", "-n", n, sys.executable] + me + ["mpi"], clean)
     if not ns.no_openmpi:
         from . import openmpi
 
         try:
             venv = openmpi.ensure_venv()
-            jobs["Open MPI"] = (openmpi.mpiexec_command(venv, 2, me + ["mpi"]), openmpi.mpiexec_env(venv))
+            jobs["Open MPI"] = (openmpi.mpiexec_command(venv, ns.nprocs, me + ["mpi"]), openmpi.mpiexec_env(venv))
         except openmpi.OpenMpiUnavailable as exc:
             print(f"# Open MPI left out: {exc}")
     got: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
@@ -147,9 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"# {name}, round {r + 1}: {row}")
             else:
                 got[name].append(row)
-    print(f"# 2 ranks, 8 B, back-to-back calls: microseconds per call, the median over {ns.rounds} interleaved "
-          "rounds [min-max] of each round's best of 5 runs")
-    keys = [k for k in got["ours"][0]] if got["ours"] else list(CALLS)
+    print(f"# {ns.nprocs} ranks, 8 B, back-to-back calls: microseconds per call (the slowest rank's), the median "
+          f"over {ns.rounds} interleaved rounds [min-max] of each round's best of 5 runs")
+    keys = names + sorted(k for k in (got["ours"][0] if got["ours"] else {}) if k not in names)
     names = [n for n in jobs if got[n]]
     for n in names:
         if n != "ours":

@@ -218,6 +218,21 @@ def test_the_call_floor_bench_times_our_calls_and_their_parts_beside_mpich():
     assert "allreduce: call_key" in rows and "allreduce: the" in rows, res.stdout
 
 
+def test_the_call_floor_bench_takes_ranks_and_rooted_calls():
+    res = subprocess.run([sys.executable, "-m", "collectives.bench.call_floor", "-n", "3", "--calls", "scatter,gather",
+                          "--rounds", "1", "--iters", "1000", "--no-openmpi"], capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "# 3 ranks, 8 B" in res.stdout, res.stdout
+    rows = {line.split()[0]: line.split() for line in res.stdout.splitlines() if line and not line.startswith("#")}
+    assert rows["call"][1:] == ["ours", "MPICH"] and "bcast" not in rows, res.stdout
+    for call in ("scatter", "gather"):
+        assert len(rows[call]) == 5 and float(rows[call][1]) > 0 and float(rows[call][3]) > 0, res.stdout
+    bad = subprocess.run([sys.executable, "-m", "collectives.bench.call_floor", "--calls", "alltoall"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--calls takes" in bad.stderr, bad.stderr
+
+
 # -- Open MPI beside MPICH: its own venv, and every row naming its MPI ------------------------------
 
 
