@@ -456,9 +456,6 @@ static inline int first_below(WindowObject *w, int kind, uint64_t v, const unsig
     return r;
 }
 
-/* Wait (spin, then yield) until every peer (in ``mask``) has its counter of
- * ``kind`` at ``v`` or beyond; size if they all have, else the first peer
- * still below when the time ran out. Releases the GIL while it waits. */
 /* A bounded wait: when it started, its turns, and whether it has spun its
  * spin_ns (then it yields the CPU each turn until yield_ns more are used). */
 typedef struct {
@@ -497,19 +494,48 @@ static inline int keep_waiting(const WindowObject *w, Waiting *s) {
  * 0.69-0.71 -> 0.65-0.66 and 0.74-0.76 -> 0.71-0.73 us where it was slow. */
 #define HELD_SPIN_TURNS 64
 
-static int wait_for(WindowObject *w, int kind, uint64_t v, const unsigned char *mask) {
-    int r = first_below(w, kind, v, mask, 0);
-    if (r == w->size) return r;
+/* Wait until ready(arg): HELD_SPIN_TURNS checks holding the GIL (none
+ * where ranks share cores), then, the GIL let go, the bounded spin and
+ * yield of keep_waiting; whether it became ready. ready only reads shared
+ * memory (it runs without the GIL). */
+static inline int wait_until(WindowObject *w, int (*ready)(void *), void *arg) {
+    if (ready(arg)) return 1;
     for (int i = 0; w->spin_ns > 0 && i < HELD_SPIN_TURNS; i++) {
         cpu_relax();
-        if ((r = first_below(w, kind, v, mask, r)) == w->size) return r;
+        if (ready(arg)) return 1;
     }
+    int ok;
     Py_BEGIN_ALLOW_THREADS
     Waiting s = waiting_from_now(w);
-    while ((r = first_below(w, kind, v, mask, r)) < w->size && keep_waiting(w, &s))
+    while (!(ok = ready(arg)) && keep_waiting(w, &s))
         ;
     Py_END_ALLOW_THREADS
-    return r;
+    return ok;
+}
+
+/* wait_for's condition: every peer (in mask) at v or beyond; r, the first
+ * still below, moves on as they arrive. */
+typedef struct {
+    WindowObject *w;
+    int kind;
+    uint64_t v;
+    const unsigned char *mask;
+    int r;
+} Reached;
+
+static int all_reached(void *arg) {
+    Reached *c = arg;
+    c->r = first_below(c->w, c->kind, c->v, c->mask, c->r);
+    return c->r == c->w->size;
+}
+
+/* Wait (spin, then yield) until every peer (in ``mask``) has its counter of
+ * ``kind`` at ``v`` or beyond; size if they all have, else the first peer
+ * still below when the time ran out. Releases the GIL while it waits. */
+static int wait_for(WindowObject *w, int kind, uint64_t v, const unsigned char *mask) {
+    Reached c = {w, kind, v, mask, 0};
+    wait_until(w, all_reached, &c);
+    return c.r;
 }
 
 /* Progress of a call in pieces: beside its post counter (word 7 of that
@@ -538,21 +564,23 @@ static inline int has_filled(WindowObject *w, int r, uint64_t k, uint64_t units)
     return (v >> PROG_SHIFT) == (k & PROG_STEP_MASK) && (v & PROG_UNITS) >= units;
 }
 
+/* wait_filled's condition: rank r has filled its region below units * 64 bytes in step k. */
+typedef struct {
+    WindowObject *w;
+    int r;
+    uint64_t k, units;
+} Filling;
+
+static int filled(void *arg) {
+    Filling *c = arg;
+    return has_filled(c->w, c->r, c->k, c->units);
+}
+
 /* Wait (spin, then yield; bounded as wait_for) until rank r has filled its
  * region below units * 64 bytes in step k; 0 when the time ran out. */
 static int wait_filled(WindowObject *w, int r, uint64_t k, uint64_t units) {
-    if (has_filled(w, r, k, units)) return 1;
-    for (int i = 0; w->spin_ns > 0 && i < HELD_SPIN_TURNS; i++) {
-        cpu_relax();
-        if (has_filled(w, r, k, units)) return 1;
-    }
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    Waiting s = waiting_from_now(w);
-    while (!(ok = has_filled(w, r, k, units)) && keep_waiting(w, &s))
-        ;
-    Py_END_ALLOW_THREADS
-    return ok;
+    Filling c = {w, r, k, units};
+    return wait_until(w, filled, &c);
 }
 
 /* (rank, kind, value): what a caller must wait for before it resumes. */

@@ -53,7 +53,7 @@ def tie_for(ruled_name: str) -> float:
     return WINDOW_TIE if ruled_name == "shared_window" else TIE
 
 
-def _tie(best: float, ruled: float, ruled_name: str = "") -> bool:
+def _tie(best: float, ruled: float, ruled_name: str) -> bool:
     """Whether a best prediction of ``best`` seconds ties with ``ruled``, the
     rule's choice's (``ruled_name``: :data:`WINDOW_TIE` for the shared window)."""
     return best >= (1.0 - tie_for(ruled_name)) * ruled
