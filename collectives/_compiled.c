@@ -28,13 +28,16 @@
  *       -1 when every rank's signature record of call ``seq`` equals this
  *       rank's (or the rank has passed the call), else the first that does
  *       not (or that refused).
- *   Window.compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call
+ *   Window.compile(narrays, before, after, reduce, sources[, piece, regions, then]) -> Call
  *       a collective's small case as data: copies before posting, then,
  *       once every rank posted (and every signature record agrees), copies
  *       and one reduction, between the call's arrays and the window's
  *       halves (reading only the sources' regions). With piece bytes and
  *       every rank's region, in pieces: a reader copies or reduces each
- *       piece as soon as its writer has filled it (see progress_of).
+ *       piece as soon as its writer has filled it (see progress_of). With
+ *       then = (before, after), a second step through the other half:
+ *       its copies before its post, and after every rank's post (a call
+ *       of two steps runs whole).
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -754,7 +757,8 @@ typedef struct {
     PyObject_HEAD
     WindowObject *window;
     int narrays;
-    int stage;                    /* 0 idle, 1 to post, 2 to read (a run waits there) */
+    int stage;                    /* 0 idle, 1 to post, 2 to read, 3 to read in pieces, 4 and 5: the
+                                     second step's post and read (a run waits in 1, 2, 3 and 5) */
     int half;                     /* the half of the step in progress */
     uint64_t step;                /* the step in progress */
     int writes_window;            /* some copy before the post lands in the window */
@@ -764,6 +768,9 @@ typedef struct {
     int writes[MAX_ARRAYS];
     int nbefore, nafter, nsrc;
     Copy *before, *after;
+    int two_steps;                /* a second step follows (then): */
+    int nbefore2, nafter2;        /* its copies before its post and after every rank's */
+    Copy *before2, *after2;
     binop_fn f;                   /* NULL: no reduction */
     Py_ssize_t count;
     int itemsize;
@@ -897,8 +904,8 @@ static int map_pieces(CallObject *pl, PyObject *regions) {
 static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     int narrays;
     Py_ssize_t piece = 0;
-    PyObject *before, *after, *reduce, *sources, *regions = Py_None;
-    if (!PyArg_ParseTuple(args, "iOOOO|nO", &narrays, &before, &after, &reduce, &sources, &piece, &regions))
+    PyObject *before, *after, *reduce, *sources, *regions = Py_None, *then = Py_None;
+    if (!PyArg_ParseTuple(args, "iOOOO|nOO", &narrays, &before, &after, &reduce, &sources, &piece, &regions, &then))
         return NULL;
     if (narrays < 0 || narrays > MAX_ARRAYS) {
         PyErr_SetString(PyExc_ValueError, "too many arrays");
@@ -906,7 +913,8 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     }
     CallObject *pl = PyObject_New(CallObject, &CallType);
     if (!pl) return NULL;
-    pl->before = pl->after = NULL;
+    pl->before = pl->after = pl->before2 = pl->after2 = NULL;
+    pl->two_steps = pl->nbefore2 = pl->nafter2 = 0;
     pl->rsrc = NULL;
     pl->rrank = NULL;
     pl->rrel = NULL;
@@ -933,6 +941,16 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     }
     pl->writes_window = 0;
     for (int i = 0; i < pl->nbefore; i++) pl->writes_window |= pl->before[i].dst.idx < 0;
+    if (then != Py_None) {
+        PyObject *before2, *after2;
+        if (!PyArg_ParseTuple(then, "OO", &before2, &after2) ||
+            parse_copies(before2, &pl->before2, &pl->nbefore2, narrays, pl->need, pl->writes) < 0 ||
+            parse_copies(after2, &pl->after2, &pl->nafter2, narrays, pl->need, pl->writes) < 0) {
+            Py_DECREF(pl);
+            return NULL;
+        }
+        pl->two_steps = 1;
+    }
     PyObject *fast = PySequence_Fast(sources, "sources must be a sequence of ranks");
     if (!fast) {
         Py_DECREF(pl);
@@ -974,7 +992,7 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
         pl->itemsize = ITEMSIZE[dtype];
         pl->f = f;
     }
-    if (piece > 0 && regions != Py_None) {
+    if (piece > 0 && regions != Py_None && !pl->two_steps) {
         int whole = map_pieces(pl, regions);
         if (whole < 0) {
             Py_DECREF(pl);
@@ -989,6 +1007,8 @@ static void Call_dealloc(CallObject *pl) {
     PyMem_Free(pl->sources);
     PyMem_Free(pl->before);
     PyMem_Free(pl->after);
+    PyMem_Free(pl->before2);
+    PyMem_Free(pl->after2);
     PyMem_Free(pl->rsrc);
     PyMem_Free(pl->rrank);
     PyMem_Free(pl->rrel);
@@ -1167,7 +1187,28 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
         if (wait) return wait;
         pl->stage = 0;
     }
-    publish(w, K_DONE, k);
+    if (pl->stage == 0) {  /* the first step is done */
+        publish(w, K_DONE, k);
+        if (pl->two_steps) {
+            k = pl->step = ++w->turn;
+            pl->half = (int)((k - 1) & 1);
+            pl->stage = 4;
+        }
+    }
+    if (pl->stage == 4) {  /* the second step's half was free once every rank posted the first */
+        do_copies(pl->before2, pl->nbefore2, bases, pl->half);
+        publish(w, K_POST, k);
+        pl->stage = 5;
+    }
+    if (pl->stage == 5) {
+        r = wait_for(w, K_POST, k, NULL);
+        if (r < w->size) return late(r, K_POST, k);
+        pl->stage = 0;
+        int a = aborted_by(w, pl->seq);
+        if (a) return stopped(a - 1, K_ABORTED);
+        do_copies(pl->after2, pl->nafter2, bases, pl->half);
+        publish(w, K_DONE, k);
+    }
     if (w->t_calls) {  /* its end, never before its start (the clock's anchor may move between) */
         double *row = w->t_calls + 8 * (pl->seq & w->t_mask), end = recorder_seconds();
         row[1] = end >= row[0] ? end : row[0];
@@ -1663,6 +1704,12 @@ static PyMethodDef Call_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Call_members[] = {
+    {"two_steps", T_INT, offsetof(CallObject, two_steps), READONLY, "1 when a second step follows the first"},
+    {"piece", T_PYSSIZET, offsetof(CallObject, piece), READONLY, "bytes a piece (0: the call runs whole)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject CallType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "collectives._compiled.Call",
@@ -1671,6 +1718,7 @@ static PyTypeObject CallType = {
     .tp_doc = "A collective's small case: copies, post, wait for the sources, copies, a reduction.",
     .tp_dealloc = (destructor)Call_dealloc,
     .tp_methods = Call_methods,
+    .tp_members = Call_members,
 };
 
 static PyObject *ext_copy(PyObject *Py_UNUSED(module), PyObject *args) {

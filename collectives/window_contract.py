@@ -229,9 +229,9 @@ class SharedWindow(abc.ABC):
     # ------------------------------------------------ feature "compiled_calls"
 
     def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
-                sources: list[int], piece: int = 0) -> CompiledCall:
-        """A collective's one-step case as a :class:`CompiledCall` (feature
-        ``"compiled_calls"``).
+                sources: list[int], piece: int = 0, then: tuple | None = None) -> CompiledCall:
+        """A collective's one-step case (or two-step, with ``then``) as a
+        :class:`CompiledCall` (feature ``"compiled_calls"``).
 
         Args:
             narrays: how many arrays each run passes (at most 4; an array
@@ -250,6 +250,10 @@ class SharedWindow(abc.ABC):
                 writer has filled it, rather than after the writer's last
                 copy. A window may run a call whole instead; ranks may
                 differ in this and still agree.
+            then: None, or ``(before, after)`` of a second step through the
+                other half, taken once the first is done: copies before its
+                post, and copies after every rank's post. A call of two
+                steps runs whole (``piece`` does not apply).
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==

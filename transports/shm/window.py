@@ -274,12 +274,14 @@ class ShmWindow(SharedWindow):
     # ------------------------------------------------------------- compiled calls
 
     def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
-                sources: list[int], piece: int = 0) -> CompiledCall:
+                sources: list[int], piece: int = 0, then: tuple | None = None) -> CompiledCall:
         """A collective's small case in one compiled call (see
         :meth:`~collectives.window_contract.SharedWindow.compile` and
         ``collectives._compiled``)."""
         if self._compiled is None:
             raise NotImplementedError("the compiled window is off (COLLECTIVES_COMPILED=0, or a rank without it)")
+        if then is not None:
+            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then)
         if piece <= 0:
             return self._compiled.compile(narrays, before, after, reduce, sources)
         spans = [(reg.ctypes.data, reg.nbytes) for reg in self._regions]

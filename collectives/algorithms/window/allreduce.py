@@ -3,6 +3,9 @@
 Small vectors take a single-fence path: every rank copies its vector into
 its half, fences, and reduces all of them itself, in rank order, so every
 rank gets the same bits (one compiled call where the window has them).
+Where ranks share cores, from 16 KiB up to a half, that call takes two
+steps instead: each rank reduces 1/p in the same order, then copies the
+others' reduced blocks (:func:`~.tuning.two_steps`).
 Larger ones go in pieces that fit a half: copy in, fence, each rank reduces
 1/p of the piece straight from every region, fence, everyone copies the
 reduced blocks out. From :data:`~.tuning.DIRECT_FROM` on, where every
@@ -26,7 +29,7 @@ from .pieces import blocks, displs, piece_elems, striped
 from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce
 from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, window_state
-from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM
+from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, two_steps
 
 __all__ = ["allreduce"]
 
@@ -39,13 +42,17 @@ def _prepare(transport, buf: np.ndarray, op: Op):
     p, rank = transport.size, transport.rank
     nbytes, dtype = buf.nbytes, buf.dtype
     window, st = window_state(transport.window, p)
-    if p == 1 or nbytes == 0 or dtype in LOW or not single_fence(nbytes, p, st):
+    one_fence, two = single_fence(nbytes, p, st), _takes_two_steps(window, st, buf)
+    if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two):
         return None
-    reduced = reduction(arr(0), [slot(st, r) for r in range(p)], buf.size, dtype, op)
     peers = [r for r in range(p) if r != rank]
-    made = compile_call(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers,
-                        ALLREDUCE_PIECED_FROM, ALLREDUCE_PIECE) if reduced else None
-    if made is not None:
+    if two:
+        made = _two_steps(window, st, rank, buf, op, peers)
+    else:
+        reduced = reduction(arr(0), [slot(st, r) for r in range(p)], buf.size, dtype, op)
+        made = compile_call(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers,
+                            ALLREDUCE_PIECED_FROM, ALLREDUCE_PIECE) if reduced else None
+    if made is not None or not one_fence:
         return prepared_from(made, first)
     halves = []
     for off in (DATA_OFFSET, DATA_OFFSET + st.half):
@@ -64,6 +71,31 @@ def _prepare(transport, buf: np.ndarray, op: Op):
     return run
 
 
+def _takes_two_steps(window, st: WindowState, buf: np.ndarray) -> bool:
+    """Whether ``buf`` takes the compiled call of two steps (where the window
+    has compiled calls and a kernel for its dtype and op): see
+    :func:`~.tuning.two_steps`; the whole vector must fit a half."""
+    return two_steps(buf.nbytes, window.size, window.cores) and buf.size >= window.size and buf.nbytes <= st.half
+
+
+def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int]):
+    """The one-fence path's compiled call in two steps (see
+    :func:`~.tuning.two_steps`): copy in, post; reduce this rank's block
+    (1/p) from every region, in rank order, into its buffer; post it in the
+    other half; copy the others' reduced blocks out. Every element is
+    reduced as the one-step call reduces it, so the bits are the same."""
+    item, p = buf.itemsize, len(peers) + 1
+    counts = blocks(buf.size, p)
+    starts = [s * item for s in displs(counts)]
+    mine, n = starts[rank], counts[rank] * item
+    reduced = reduction(arr(0, mine), [slot(st, r, mine) for r in range(p)], counts[rank], buf.dtype, op)
+    if reduced is None:
+        return None
+    then = ([(arr(0, mine), slot(st, rank), n)],
+            [(slot(st, r), arr(0, starts[r]), counts[r] * item) for r in peers])
+    return compile_call(window, 1, [(arr(0), slot(st, rank), buf.nbytes)], [], reduced, peers, then=then)
+
+
 @register("allreduce", "shared_window", needs=("window",), prepare=_prepare,
           description="single-copy reduction through the shared window (1/p per rank)")
 def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
@@ -71,9 +103,12 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
     if p == 1 or buf.size == 0:
         return
     window, st = state_of(ctx)
+    key = ("allreduce", buf.dtype, buf.size, op.name)
     if single_fence(buf.nbytes, p, st):
-        if not run_prepared(ctx, _prepare, ("allreduce", buf.dtype, buf.size, op.name), buf, op):
+        if not run_prepared(ctx, _prepare, key, buf, op):
             _small(ctx, window, st, buf, op)
+        return
+    if _takes_two_steps(window, st, buf) and run_prepared(ctx, _prepare, key, buf, op):
         return
     if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op):
         _pieces(ctx, window, st, buf, op)

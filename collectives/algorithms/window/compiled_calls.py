@@ -38,21 +38,25 @@ def slot(st: WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, in
 
 
 def compile_call(window, narrays: int, before: list, after: list, reduce: tuple | None, sources: list[int],
-                 pieced_from: int = PIECED_FROM, piece: int = PIECE):
+                 pieced_from: int = PIECED_FROM, piece: int = PIECE, then: tuple | None = None):
     """``(run, settle)`` of the window's compiled call, or None where it has none:
     ``run(arrays, seq, sig)`` takes the next step of call ``seq`` (signature
     ``sig``) as the algorithm would, and returns None, or what to wait for
     (or why it stopped): then ``settle(arrays, late, deadline)``.
     ``sources``: the ranks whose regions ``after`` and ``reduce`` read;
     ``pieced_from`` and ``piece``: when it runs in pieces (see
-    :func:`~.tuning.compiled_piece`)."""
+    :func:`~.tuning.compiled_piece`); ``then``: a second step's copies
+    ``(before, after)`` (such a call runs whole)."""
     if COMPILED_CALLS not in window.features:
         return None
     through = [n for src, dst, n in before if dst[0] < 0] + [n for src, dst, n in after if src[0] < 0]
     if reduce is not None:
         through.append(reduce[2] * compiled.kernel_itemsize(reduce[3]))
-    size = compiled_piece(max(through, default=0), window.size, window.cores, pieced_from, piece)
-    made = window.compile(narrays, before, after, reduce, sources, size)
+    if then is not None:
+        made = window.compile(narrays, before, after, reduce, sources, 0, then)
+    else:
+        size = compiled_piece(max(through, default=0), window.size, window.cores, pieced_from, piece)
+        made = window.compile(narrays, before, after, reduce, sources, size)
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 

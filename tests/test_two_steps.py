@@ -1,0 +1,115 @@
+"""Allreduce's compiled call of two steps, where ranks share cores: each rank
+reduces 1/p of the vector in rank order, posts it in the other half, and
+copies the others' reduced blocks. It must give the one-step call's bits
+(every element reduced in rank order), take over exactly where the rule
+says, and catch a mismatched call on every rank before anything is read.
+
+Ranks share cores here either by their number (3 ranks on 2 cores) or by
+pinning every rank to one core before its communicator is made."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from collectives import compiled, get_op
+from collectives.algorithms.window.state import window_state
+from collectives.algorithms.window.tuning import ALLREDUCE_TWO_STEPS_FROM, two_steps
+from collectives.bench.faults import fresh
+from harness import run_ranks
+from test_fault_injection import _check_mismatches, mismatch_every_field
+
+pytestmark = pytest.mark.skipif(not compiled.built, reason="the C extension is not built here")
+
+ITEM = 4
+#: float32 elements: just below the switch, at it, blocks of uneven sizes,
+#: and up to nearly a whole half of the default window.
+COUNTS = (ALLREDUCE_TWO_STEPS_FROM // ITEM - 1, ALLREDUCE_TWO_STEPS_FROM // ITEM,
+          ALLREDUCE_TWO_STEPS_FROM // ITEM + 3, 65537, 262144, 500001)
+
+
+def _pin_to_one_core() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def _inputs(rank: int, n: int, dtype: str, salt: int) -> np.ndarray:
+    """Values whose sums depend on the order they are added in."""
+    rng = np.random.default_rng(7919 * rank + 104729 * salt + n)
+    return (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype)
+
+
+def _in_rank_order(p: int, n: int, dtype: str, op: str, salt: int) -> np.ndarray:
+    ufunc = get_op(op).ufunc
+    out = _inputs(0, n, dtype, salt)
+    for r in range(1, p):
+        ufunc(out, _inputs(r, n, dtype, salt), out=out)
+    return out
+
+
+def _steps_of(comm, x: np.ndarray, op: str) -> int | None:
+    """Steps of the compiled call the window keeps for this allreduce (None: none kept)."""
+    _, st = window_state(comm.transport.window, comm.size)
+    run = st.cache.get(("allreduce", x.dtype, x.size, op))
+    made = getattr(run, "on_arrays", None)
+    return None if made is None else 1 + made[0].__self__.two_steps
+
+
+def allreduce_every_count(comm, pin: bool) -> list[str]:
+    """Each count, dtype and op twice (the second a call from C), against the
+    reduction in rank order, bit for bit; and the path each took."""
+    if pin:
+        _pin_to_one_core()
+    c = fresh("two-steps", timeout=30.0)
+    p, me, failures = c.size, c.rank, []
+    window = c.transport.window
+    _, st = window_state(window, p)
+    for n in COUNTS:
+        for dtype, op in (("float32", "sum"), ("float64", "sum"), ("float32", "max"), ("int32", "prod")):
+            nbytes = n * np.dtype(dtype).itemsize
+            if nbytes > st.half:  # beyond both calls (in pieces, blocks are reduced in another order)
+                continue
+            for rep in range(2):
+                x = _inputs(me, n, dtype, salt=rep) if dtype != "int32" else (np.arange(n) % 3 + me).astype(dtype)
+                want = (_in_rank_order(p, n, dtype, op, salt=rep) if dtype != "int32"
+                        else np.prod([(np.arange(n) % 3 + r).astype(dtype) for r in range(p)], axis=0, dtype=dtype))
+                c.allreduce(x, op=op)
+                if x.tobytes() != want.tobytes():
+                    bad = int(np.flatnonzero(x != want)[0]) if x.shape == want.shape else -1
+                    failures.append(f"{dtype} {op} n={n} #{rep}: differs first at {bad}")
+            steps = _steps_of(c, x, op)
+            expect = 2 if two_steps(nbytes, p, window.cores) else 1
+            if steps not in (None, expect) or (expect == 2 and steps is None):
+                failures.append(f"{dtype} {op} n={n}: {steps} steps, the rule says {expect}")
+    c.close()
+    return failures
+
+
+@pytest.mark.parametrize("p, pin", [(2, True), (3, False), (4, False)])
+def test_two_steps_give_the_bits_of_rank_order(p, pin):
+    """2 ranks pinned to one core, and 3 and 4 ranks on the machine's cores."""
+    if not pin and len(os.sched_getaffinity(0)) >= p:
+        pytest.skip(f"{p} ranks have a core each here")
+    for r, failures in enumerate(run_ranks(allreduce_every_count, p, pin, timeout=240)):
+        assert not failures, f"rank {r}: {failures[:6]}"
+
+
+def pinned_mismatches(comm, count: int):
+    _pin_to_one_core()
+    return mismatch_every_field(comm, "allreduce", count, "auto")
+
+
+@pytest.mark.parametrize("count", [ALLREDUCE_TWO_STEPS_FROM // ITEM, 262144])
+def test_mismatched_calls_of_two_steps_are_caught_on_every_rank(count):
+    """2 ranks on one core; rank 1 changes one field at a time (dtype, count,
+    collective, op): every rank raises MismatchedCollective in that call,
+    naming the field, and no guard region is touched."""
+    outcomes = run_ranks(pinned_mismatches, 2, count, timeout=120)
+    _check_mismatches(outcomes, senders_may_finish=False)
+
+
+def test_the_rule_takes_two_steps_only_where_ranks_share_cores():
+    assert two_steps(ALLREDUCE_TWO_STEPS_FROM, 3, 2) and two_steps(1 << 20, 4, 2)
+    assert not two_steps(ALLREDUCE_TWO_STEPS_FROM - 1, 4, 2)
+    assert not two_steps(1 << 20, 2, 2) and not two_steps(1 << 20, 8, 0)
