@@ -37,7 +37,8 @@
  *       piece as soon as its writer has filled it (see progress_of). With
  *       then = (before, after), a second step through the other half:
  *       its copies before its post, and after every rank's post (a call
- *       of two steps runs whole).
+ *       of two steps runs whole); then = (before, after, 0): it does not
+ *       wait for the others' posts of the second step (nothing after).
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -769,6 +770,7 @@ typedef struct {
     int nbefore, nafter, nsrc;
     Copy *before, *after;
     int two_steps;                /* a second step follows (then): */
+    int wait2;                    /* whether it waits for every rank's post of it */
     int nbefore2, nafter2;        /* its copies before its post and after every rank's */
     Copy *before2, *after2;
     binop_fn f;                   /* NULL: no reduction */
@@ -915,6 +917,7 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     if (!pl) return NULL;
     pl->before = pl->after = pl->before2 = pl->after2 = NULL;
     pl->two_steps = pl->nbefore2 = pl->nafter2 = 0;
+    pl->wait2 = 1;
     pl->rsrc = NULL;
     pl->rrank = NULL;
     pl->rrel = NULL;
@@ -943,7 +946,8 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     for (int i = 0; i < pl->nbefore; i++) pl->writes_window |= pl->before[i].dst.idx < 0;
     if (then != Py_None) {
         PyObject *before2, *after2;
-        if (!PyArg_ParseTuple(then, "OO", &before2, &after2) ||
+        pl->wait2 = 1;
+        if (!PyArg_ParseTuple(then, "OO|p", &before2, &after2, &pl->wait2) ||
             parse_copies(before2, &pl->before2, &pl->nbefore2, narrays, pl->need, pl->writes) < 0 ||
             parse_copies(after2, &pl->after2, &pl->nafter2, narrays, pl->need, pl->writes) < 0) {
             Py_DECREF(pl);
@@ -1201,8 +1205,10 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
         pl->stage = 5;
     }
     if (pl->stage == 5) {
-        r = wait_for(w, K_POST, k, NULL);
-        if (r < w->size) return late(r, K_POST, k);
+        if (pl->wait2) {
+            r = wait_for(w, K_POST, k, NULL);
+            if (r < w->size) return late(r, K_POST, k);
+        }
         pl->stage = 0;
         int a = aborted_by(w, pl->seq);
         if (a) return stopped(a - 1, K_ABORTED);

@@ -250,10 +250,12 @@ class SharedWindow(abc.ABC):
                 writer has filled it, rather than after the writer's last
                 copy. A window may run a call whole instead; ranks may
                 differ in this and still agree.
-            then: None, or ``(before, after)`` of a second step through the
-                other half, taken once the first is done: copies before its
-                post, and copies after every rank's post. A call of two
-                steps runs whole (``piece`` does not apply).
+            then: None, or ``(before, after[, wait])`` of a second step
+                through the other half, taken once the first is done: copies
+                before its post, and copies after every rank's post (with
+                ``wait`` false, it neither waits for the posts nor copies
+                after). A call of two steps runs whole (``piece`` does not
+                apply).
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==

@@ -333,7 +333,7 @@ def test_merge_takes_a_directory_of_jobs_or_one_job(tmp_path):
 def _copies(comm, where: str):
     comm.allgather(np.ones(300_000, np.float32))  # more than one piece: no compiled call
     comm.bcast(np.ones(600_000, np.float32), 0)
-    comm.allreduce(np.ones(200_000, np.float32))
+    comm.allreduce(np.ones(600_000, np.float32))  # more than a half: in pieces, not one call of two steps
     comm.allreduce(np.ones(4, np.float32))  # a compiled call: one step, no phases of its own
     return comm.rank
 

@@ -1,8 +1,10 @@
-"""Allreduce's compiled call of two steps, where ranks share cores: each rank
-reduces 1/p of the vector in rank order, posts it in the other half, and
-copies the others' reduced blocks. It must give the one-step call's bits
-(every element reduced in rank order), take over exactly where the rule
-says, and catch a mismatched call on every rank before anything is read.
+"""Allreduce's and reduce's compiled calls of two steps, where ranks share
+cores: each rank reduces 1/p of the vector, posts it in the other half, and
+the others (reduce: the root) copy the reduced blocks. They must give the
+bits of the paths they replace (allreduce: every element reduced in rank
+order; reduce: each block by its owner, its own values first), leave
+reduce's non-roots' buffers alone, take over exactly where the rule says,
+and catch a mismatched call on every rank before anything is read.
 
 Ranks share cores here either by their number (3 ranks on 2 cores) or by
 pinning every rank to one core before its communicator is made."""
@@ -16,7 +18,9 @@ import pytest
 
 from collectives import compiled, get_op
 from collectives.algorithms.window.state import window_state
-from collectives.algorithms.window.tuning import ALLREDUCE_TWO_STEPS_FROM, two_steps
+from collectives.algorithms.window.pieces import blocks
+from collectives.algorithms.window.tuning import (ALLREDUCE_TWO_STEPS_FROM, REDUCE_TWO_STEPS_FROM,
+                                                  reduce_one_fence_limit, two_steps)
 from collectives.bench.faults import fresh
 from harness import run_ranks
 from test_fault_injection import _check_mismatches, mismatch_every_field
@@ -48,10 +52,27 @@ def _in_rank_order(p: int, n: int, dtype: str, op: str, salt: int) -> np.ndarray
     return out
 
 
-def _steps_of(comm, x: np.ndarray, op: str) -> int | None:
-    """Steps of the compiled call the window keeps for this allreduce (None: none kept)."""
+def _owner_first(p: int, n: int, dtype: str, op: str, salt: int, root: int | None = None) -> np.ndarray:
+    """Reduce's order in blocks: each block reduced by the rank that owns it,
+    its own values first, then every other rank's in rank order (``root``:
+    the whole vector as one block, the root's)."""
+    ufunc, ins = get_op(op).ufunc, [_inputs(r, n, dtype, salt) for r in range(p)]
+    out, lo = np.empty_like(ins[0]), 0
+    owned = enumerate(blocks(n, p)) if root is None else [(root, n)]
+    for q, c in owned:
+        part = ins[q][lo:lo + c].copy()
+        for r in range(p):
+            if r != q:
+                ufunc(part, ins[r][lo:lo + c], out=part)
+        out[lo:lo + c] = part
+        lo += c
+    return out
+
+
+def _steps_of(comm, key: tuple) -> int | None:
+    """Steps of the compiled call the window keeps under ``key`` (None: none kept)."""
     _, st = window_state(comm.transport.window, comm.size)
-    run = st.cache.get(("allreduce", x.dtype, x.size, op))
+    run = st.cache.get(key)
     made = getattr(run, "on_arrays", None)
     return None if made is None else 1 + made[0].__self__.two_steps
 
@@ -78,7 +99,7 @@ def allreduce_every_count(comm, pin: bool) -> list[str]:
                 if x.tobytes() != want.tobytes():
                     bad = int(np.flatnonzero(x != want)[0]) if x.shape == want.shape else -1
                     failures.append(f"{dtype} {op} n={n} #{rep}: differs first at {bad}")
-            steps = _steps_of(c, x, op)
+            steps = _steps_of(c, ("allreduce", x.dtype, x.size, op))
             expect = 2 if two_steps(nbytes, p, window.cores) else 1
             if steps not in (None, expect) or (expect == 2 and steps is None):
                 failures.append(f"{dtype} {op} n={n}: {steps} steps, the rule says {expect}")
@@ -95,17 +116,60 @@ def test_two_steps_give_the_bits_of_rank_order(p, pin):
         assert not failures, f"rank {r}: {failures[:6]}"
 
 
-def pinned_mismatches(comm, count: int):
+def reduce_every_count(comm, pin: bool) -> list[str]:
+    """Reduce at each count, dtype and op, to the first and the last rank,
+    twice: the root's result in reduce's order, bit for bit; the others'
+    buffers unchanged; the path each took."""
+    if pin:
+        _pin_to_one_core()
+    c = fresh("two-steps-reduce", timeout=30.0)
+    p, me, failures = c.size, c.rank, []
+    window = c.transport.window
+    _, st = window_state(window, p)
+    for n in (REDUCE_TWO_STEPS_FROM // ITEM - 1, REDUCE_TWO_STEPS_FROM // ITEM + 3, 262144, 500001):
+        for dtype, op in (("float32", "sum"), ("float64", "min")):
+            nbytes = n * np.dtype(dtype).itemsize
+            if nbytes > st.half:
+                continue
+            expect = 2 if two_steps(nbytes, p, window.cores, REDUCE_TWO_STEPS_FROM) else 1
+            whole = expect == 1 and nbytes <= reduce_one_fence_limit(p, window.cores)  # the root reduces alone
+            for root in (0, p - 1):
+                for rep in range(2):
+                    mine = _inputs(me, n, dtype, salt=rep)
+                    x = mine.copy()
+                    c.reduce(x, root=root, op=op)
+                    want = _owner_first(p, n, dtype, op, rep, root if whole else None) if me == root else mine
+                    if x.tobytes() != want.tobytes():
+                        failures.append(f"{dtype} {op} n={n} root {root} #{rep}: differs first at "
+                                        f"{int(np.flatnonzero(x != want)[0])}")
+                steps = _steps_of(c, ("reduce", x.dtype, x.size, root, op))
+                if (expect == 2 and steps != 2) or (expect == 1 and steps == 2):
+                    failures.append(f"{dtype} {op} n={n} root {root}: {steps} steps, the rule says {expect}")
+    c.close()
+    return failures
+
+
+@pytest.mark.parametrize("p, pin", [(2, True), (3, False), (4, False)])
+def test_reduce_in_two_steps(p, pin):
+    if not pin and len(os.sched_getaffinity(0)) >= p:
+        pytest.skip(f"{p} ranks have a core each here")
+    for r, failures in enumerate(run_ranks(reduce_every_count, p, pin, timeout=240)):
+        assert not failures, f"rank {r}: {failures[:6]}"
+
+
+def pinned_mismatches(comm, collective: str, count: int):
     _pin_to_one_core()
-    return mismatch_every_field(comm, "allreduce", count, "auto")
+    return mismatch_every_field(comm, collective, count, "auto")
 
 
-@pytest.mark.parametrize("count", [ALLREDUCE_TWO_STEPS_FROM // ITEM, 262144])
-def test_mismatched_calls_of_two_steps_are_caught_on_every_rank(count):
+@pytest.mark.parametrize("collective, count", [("allreduce", ALLREDUCE_TWO_STEPS_FROM // ITEM),
+                                               ("allreduce", 262144), ("reduce", REDUCE_TWO_STEPS_FROM // ITEM),
+                                               ("reduce", 262144)])
+def test_mismatched_calls_of_two_steps_are_caught_on_every_rank(collective, count):
     """2 ranks on one core; rank 1 changes one field at a time (dtype, count,
-    collective, op): every rank raises MismatchedCollective in that call,
-    naming the field, and no guard region is touched."""
-    outcomes = run_ranks(pinned_mismatches, 2, count, timeout=120)
+    collective, op, root): every rank raises MismatchedCollective in that
+    call, naming the field, and no guard region is touched."""
+    outcomes = run_ranks(pinned_mismatches, 2, collective, count, timeout=120)
     _check_mismatches(outcomes, senders_may_finish=False)
 
 

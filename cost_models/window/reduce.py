@@ -2,12 +2,14 @@
 each rank has a core), copy(n) + F + (p-1) n gamma (the root reduces every region); larger, per piece 2F,
 copy((p-1)/p n) in, the reduction of a 1/p block from p sources
 ((p-1)/p n gamma; the root's block straight into its buffer), and the
-root copies the others' (p-1)/p n out."""
+root copies the others' (p-1)/p n out. Where ranks share cores, from
+REDUCE_TWO_STEPS_FROM to a half (taken as PIECE_BYTES), the same in one
+call of two steps: 2F + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
 
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from collectives.algorithms.window.tuning import reduce_one_fence_limit
+from collectives.algorithms.window.tuning import PIECE_BYTES, REDUCE_TWO_STEPS_FROM, reduce_one_fence_limit, two_steps
 
 from .common import one_fence, pieces
 
@@ -15,8 +17,10 @@ from .common import one_fence, pieces
 @cost_model("reduce", "shared_window")
 def reduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; 2F per piece + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
+    share = (p - 1) / p * n
+    if n < PIECE_BYTES and two_steps(n, p, P.cores, REDUCE_TWO_STEPS_FROM):
+        return 2 * P.fence + 2 * P.copy(share) + share * P.gamma
     small = one_fence(p, n, P, reduce_one_fence_limit(p, P.cores))
     if small is not None:
         return small
-    share = (p - 1) / p * n
     return 2 * pieces(n) * P.fence + 2 * P.copy(share) + share * P.gamma

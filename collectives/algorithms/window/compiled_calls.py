@@ -5,7 +5,8 @@ A window with the feature ``"compiled_calls"`` runs a collective's small case
 as data (:meth:`~collectives.window_contract.SharedWindow.compile`): copies
 before the post, copies and one reduction after every rank posted. The
 helpers here name the places those copies use: :func:`arr` in the call's
-arrays, :func:`slot` in a rank's region (at the same offset in both halves).
+arrays, :func:`slot` in a rank's region (at the same offset in both halves),
+:func:`other_half` there in the half a second step does not use.
 Every rank runs a case alike, compiled or not (a compiled call and a
 fence do not wait for each other), so a window's compiled calls are on for every
 rank or for none.
@@ -23,7 +24,7 @@ from ...window_contract import COMPILED_CALLS
 from .state import DATA_OFFSET, WindowState, state_of
 from .tuning import PIECE, PIECED_FROM, compiled_piece
 
-__all__ = ["arr", "slot", "compile_call", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared"]
+__all__ = ["arr", "slot", "other_half", "compile_call", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared"]
 
 
 def arr(index: int, byte_offset: int = 0) -> tuple[int, int, int]:
@@ -35,6 +36,13 @@ def slot(st: WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, in
     """A place in ``rank``'s window region at ``byte_offset`` of the half in use."""
     base = st.regions[rank].ctypes.data + DATA_OFFSET + byte_offset
     return (-1, base, base + st.half)
+
+
+def other_half(st: WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, int]:
+    """A place in ``rank``'s region at ``byte_offset`` of the half not in use
+    (in a call's second step: where its first step wrote)."""
+    base = st.regions[rank].ctypes.data + DATA_OFFSET + byte_offset
+    return (-1, base + st.half, base)
 
 
 def compile_call(window, narrays: int, before: list, after: list, reduce: tuple | None, sources: list[int],

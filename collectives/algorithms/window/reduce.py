@@ -1,7 +1,9 @@
 """reduce through the shared window: small vectors as allreduce's one-fence
 path, the root alone reducing; larger ones in pieces: each rank reduces 1/p
 of the piece from every region (the root into its buffer), then the root
-copies the others' reduced blocks out. Other ranks' buffers stay unchanged."""
+copies the others' reduced blocks out. Where ranks share cores, from 64 KiB
+up to a half, that is one compiled call of two steps (:func:`_two_steps`).
+Other ranks' buffers stay unchanged."""
 
 from __future__ import annotations
 
@@ -13,28 +15,61 @@ from ... import compiled
 from ...ops import Op
 from ...registry import register
 from ...tracing import COPYING
-from .pieces import blocks, striped_cached
-from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
+from .pieces import blocks, displs, striped_cached
+from .compiled_calls import arr, first, compile_call, other_half, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce as reduce_blocks
 from .state import budget, region, single_fence, state_of, window_state
-from .tuning import reduce_one_fence_limit
+from .tuning import REDUCE_TWO_STEPS_FROM, reduce_one_fence_limit, two_steps
 
 __all__ = ["reduce"]
 
 
 def _prepare(transport, buf: np.ndarray, root: int, op: Op):
-    """One compiled call for the one-fence case: copy in, fence, the root reduces."""
+    """One compiled call for the one-fence case: copy in, fence, the root
+    reduces; or, where ranks share cores, of two steps (:func:`_two_steps`)."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
-    if p == 1 or buf.size == 0 or buf.dtype in LOW or not _one_fence(buf.nbytes, p, window, st):
+    two = _takes_two_steps(window, st, buf)
+    if p == 1 or buf.size == 0 or buf.dtype in LOW or not (two or _one_fence(buf.nbytes, p, window, st)):
         return None
     if reduction(arr(0), [], 0, buf.dtype, op) is None:  # every rank declines alike, not the root alone
         return None
+    if two:
+        return prepared_from(_two_steps(window, st, me, buf, root, op), first)
     if me == root:
         peers = [r for r in range(p) if r != root]
         reduced = reduction(arr(0), [arr(0)] + [slot(st, r) for r in peers], buf.size, buf.dtype, op)
         return prepared_from(compile_call(window, 1, [], [], reduced, peers), first)
     return prepared_from(compile_call(window, 1, [(arr(0), slot(st, me), buf.nbytes)], [], None, []), first)
+
+
+def _takes_two_steps(window, st, buf: np.ndarray) -> bool:
+    """Whether ``buf`` takes the compiled call of two steps: where ranks
+    share cores, from :data:`~.tuning.REDUCE_TWO_STEPS_FROM` up to a half
+    (see :func:`~.tuning.two_steps`)."""
+    return (two_steps(buf.nbytes, window.size, window.cores, REDUCE_TWO_STEPS_FROM)
+            and buf.size >= window.size and buf.nbytes <= st.half)
+
+
+def _two_steps(window, st, me: int, buf: np.ndarray, root: int, op: Op):
+    """The compiled call of two steps, as the path in pieces in one piece:
+    each rank copies in the blocks others reduce, posts; reduces its own
+    block (its buffer's first, then every other region's, in rank order),
+    the root into its buffer, the others into their region; the others
+    post their block in the other half, and the root copies them out."""
+    p, item = window.size, buf.itemsize
+    counts = blocks(buf.size, p)
+    starts = [s * item for s in displs(counts)]
+    peers = [r for r in range(p) if r != me]
+    before = [(arr(0, starts[r]), slot(st, me, starts[r]), counts[r] * item) for r in peers]
+    mine, n = starts[me], counts[me] * item
+    dst = arr(0, mine) if me == root else slot(st, me, mine)
+    reduced = reduction(dst, [arr(0, mine)] + [slot(st, r, mine) for r in peers], counts[me], buf.dtype, op)
+    if me == root:
+        then = ([], [(slot(st, r), arr(0, starts[r]), counts[r] * item) for r in peers])
+    else:
+        then = ([(other_half(st, me, mine), slot(st, me), n)], [], False)
+    return compile_call(window, 1, before, [], reduced, peers, then=then)
 
 
 def _one_fence(nbytes: int, p: int, window, st) -> bool:

@@ -11,7 +11,7 @@ from ... import config
 
 
 __all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
-           "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps", "wants_huge_pages"]
+           "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM", "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps", "wants_huge_pages"]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
 SMALL_TOTAL_BYTES = 1 << 20      # bytes: ... and up to this divided by p (each rank reads p * n bytes)
@@ -23,6 +23,7 @@ ALLREDUCE_PIECED_FROM = 64 * 1024  # bytes: the same for allreduce's one-fence c
 ALLREDUCE_PIECE = 32 * 1024        # every rank's vector as it is filled), in pieces of this many
 ALLREDUCE_TWO_STEPS_FROM = 16 * 1024  # bytes: where ranks share cores, allreduce from this up to a half
                                       # takes one compiled call of two steps (each rank reduces 1/p)
+REDUCE_TWO_STEPS_FROM = 64 * 1024    # bytes: the same for reduce (each rank reduces 1/p, the root gathers)
 
 #: From which size each collective reads and writes peers' buffers directly
 #: (one copy, through the kernel or the shared pool) rather than through
@@ -79,17 +80,22 @@ def wants_huge_pages(collective: str) -> bool:
     return DIRECT_FROM[collective][2] and not config.is_set("WINDOW_DIRECT_BYTES")
 
 
-def two_steps(nbytes: int, p: int, cores: int) -> bool:
-    """Whether allreduce of ``nbytes`` at ``p`` ranks on ``cores`` cores (0:
-    a core each) takes the compiled call of two steps, when its vector fits
-    a half: from :data:`ALLREDUCE_TWO_STEPS_FROM` on, where ranks share
-    cores. Each rank reduces 1/p of the vector, where the one-fence call
-    has every rank reduce all of it: work the shared cores do p times over.
-    4 ranks on 2 cores: 64 KiB 25-27 -> 16-21 us, 256 KiB 85-108 -> 39-51 us
-    (the one-fence call), 1 MiB 248-322 -> 164-187 us (in pieces with two
-    fences each); 3 ranks: 64 KiB 18-23 -> 11-12 us, 1 MiB 178-267 ->
-    119-157 us. Below 16 KiB the two were within noise."""
-    return bool(cores) and p > cores and nbytes >= ALLREDUCE_TWO_STEPS_FROM
+def two_steps(nbytes: int, p: int, cores: int, from_bytes: int = ALLREDUCE_TWO_STEPS_FROM) -> bool:
+    """Whether allreduce (reduce: ``from_bytes`` :data:`REDUCE_TWO_STEPS_FROM`)
+    of ``nbytes`` at ``p`` ranks on ``cores`` cores (0: a core each) takes
+    the compiled call of two steps, when its vector fits a half: from
+    :data:`ALLREDUCE_TWO_STEPS_FROM` on, where ranks share cores. Each rank
+    reduces 1/p of the vector, where allreduce's one-fence call has every
+    rank reduce all of it (work the shared cores do p times over) and
+    reduce's has the root alone reduce it (one core of the shared ones).
+    Allreduce, 4 ranks on 2 cores: 64 KiB 25-27 -> 16-21 us, 256 KiB
+    85-108 -> 39-51 us (the one-fence call), 1 MiB 248-322 -> 164-187 us
+    (in pieces with two fences each); 3 ranks: 64 KiB 18-23 -> 11-12 us,
+    1 MiB 178-267 -> 119-157 us; below 16 KiB within noise. Reduce, 4
+    ranks: 128 KiB 25-66 -> 17-25 us, 512 KiB 173-178 -> 54-99 us; 3
+    ranks: 128 KiB 23-41 -> 15-25 us; at 64 KiB within noise, below it no
+    gain."""
+    return bool(cores) and p > cores and nbytes >= from_bytes
 
 
 def compiled_piece(largest: int, p: int, cores: int, pieced_from: int = PIECED_FROM, piece: int = PIECE) -> int:
