@@ -392,7 +392,9 @@ def test_a_bad_argument_on_one_rank_is_an_error_on_every_rank(algorithm):
 
 _LOOP = [Spec("allreduce", count=8), Spec("allreduce", count=LARGE // 8), Spec("bcast", count=1000),
          Spec("allgather", count=3), Spec("reduce_scatter", count=5000), Spec("alltoall", count=2),
-         Spec("barrier"), Spec("gather", count=300_000), Spec("reduce", count=10, root=1)]
+         Spec("barrier"), Spec("gather", count=300_000), Spec("reduce", count=10, root=1),
+         Spec("reduce", count=100_000, root=0)]  # where ranks share cores, allreduce of LARGE // 8 and this
+                                                 # reduce take compiled calls of two steps
 
 
 def killed_at_random(comm, victim: int, at: int, seed: int):

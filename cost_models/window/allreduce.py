@@ -26,8 +26,7 @@ from .common import direct, one_fence, pieces
 
 @cost_model("allreduce", "shared_window")
 def allreduce(p: int, n: int, P: Params) -> float:
-    """Two steps where ranks share cores; copy(n) + F + (p-1) n gamma small;
-    pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
+    """copy(n) + F + (p-1) n gamma small; two steps on shared cores; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
     if n < PIECE_BYTES and two_steps(n, p, P.cores):
         share = (p - 1) / p * n
         return P.copy(n) + 2 * P.fence + share * P.gamma + P.copy(n / p) + P.copy(share)

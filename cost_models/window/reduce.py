@@ -16,7 +16,7 @@ from .common import one_fence, pieces
 
 @cost_model("reduce", "shared_window")
 def reduce(p: int, n: int, P: Params) -> float:
-    """copy(n) + F + (p-1) n gamma small; 2F per piece + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
+    """copy(n) + F + (p-1) n gamma small; 2F per piece (or two steps on shared cores) + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
     share = (p - 1) / p * n
     if n < PIECE_BYTES and two_steps(n, p, P.cores, REDUCE_TWO_STEPS_FROM):
         return 2 * P.fence + 2 * P.copy(share) + share * P.gamma
