@@ -77,15 +77,20 @@ def _steps_of(comm, key: tuple) -> int | None:
     return None if made is None else 1 + made[0].__self__.two_steps
 
 
+def _communicator(pin: bool, tag: str):
+    """A new communicator (its ranks first pinned to one core with ``pin``), its window and the window's state."""
+    if pin:
+        _pin_to_one_core()
+    c = fresh(tag, timeout=30.0)
+    window = c.transport.window
+    return c, window, window_state(window, c.size)[1]
+
+
 def allreduce_every_count(comm, pin: bool) -> list[str]:
     """Each count, dtype and op twice (the second a call from C), against the
     reduction in rank order, bit for bit; and the path each took."""
-    if pin:
-        _pin_to_one_core()
-    c = fresh("two-steps", timeout=30.0)
+    c, window, st = _communicator(pin, "two-steps")
     p, me, failures = c.size, c.rank, []
-    window = c.transport.window
-    _, st = window_state(window, p)
     for n in COUNTS:
         for dtype, op in (("float32", "sum"), ("float64", "sum"), ("float32", "max"), ("int32", "prod")):
             nbytes = n * np.dtype(dtype).itemsize
@@ -107,25 +112,12 @@ def allreduce_every_count(comm, pin: bool) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("p, pin", [(2, True), (3, False), (4, False)])
-def test_two_steps_give_the_bits_of_rank_order(p, pin):
-    """2 ranks pinned to one core, and 3 and 4 ranks on the machine's cores."""
-    if not pin and len(os.sched_getaffinity(0)) >= p:
-        pytest.skip(f"{p} ranks have a core each here")
-    for r, failures in enumerate(run_ranks(allreduce_every_count, p, pin, timeout=240)):
-        assert not failures, f"rank {r}: {failures[:6]}"
-
-
 def reduce_every_count(comm, pin: bool) -> list[str]:
     """Reduce at each count, dtype and op, to the first and the last rank,
     twice: the root's result in reduce's order, bit for bit; the others'
     buffers unchanged; the path each took."""
-    if pin:
-        _pin_to_one_core()
-    c = fresh("two-steps-reduce", timeout=30.0)
+    c, window, st = _communicator(pin, "two-steps-reduce")
     p, me, failures = c.size, c.rank, []
-    window = c.transport.window
-    _, st = window_state(window, p)
     for n in (REDUCE_TWO_STEPS_FROM // ITEM - 1, REDUCE_TWO_STEPS_FROM // ITEM + 3, 262144, 500001):
         for dtype, op in (("float32", "sum"), ("float64", "min")):
             nbytes = n * np.dtype(dtype).itemsize
@@ -149,11 +141,13 @@ def reduce_every_count(comm, pin: bool) -> list[str]:
     return failures
 
 
+@pytest.mark.parametrize("worker", [allreduce_every_count, reduce_every_count], ids=["allreduce", "reduce"])
 @pytest.mark.parametrize("p, pin", [(2, True), (3, False), (4, False)])
-def test_reduce_in_two_steps(p, pin):
+def test_two_steps_give_the_bits_of_the_paths_they_replace(worker, p, pin):
+    """2 ranks pinned to one core, and 3 and 4 ranks on the machine's cores."""
     if not pin and len(os.sched_getaffinity(0)) >= p:
         pytest.skip(f"{p} ranks have a core each here")
-    for r, failures in enumerate(run_ranks(reduce_every_count, p, pin, timeout=240)):
+    for r, failures in enumerate(run_ranks(worker, p, pin, timeout=240)):
         assert not failures, f"rank {r}: {failures[:6]}"
 
 
