@@ -75,15 +75,25 @@ class _Bench:
         return self._pids
 
     def wait(self, deadline_s: float) -> tuple[int, str, str]:
+        """The bench's status, stdout and stderr once it ends; an assertion
+        naming what it printed when it has not ended within ``deadline_s``."""
         try:
             self.proc.wait(timeout=deadline_s)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(f"the bench did not end within {deadline_s} s; its stderr ended with: "
+                                 + "".join(self.err)[-2000:]) from None
         for t in self._threads:
             t.join(timeout=10)
         return self.proc.returncode, "".join(self.out), "".join(self.err)
+
+    def close(self) -> None:
+        """Kill the bench if it still runs (its own cleanup then does not run)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for t in self._threads:
+            t.join(timeout=10)
 
 
 def test_load_specs():
@@ -99,7 +109,7 @@ def test_the_load_runs_through_the_sweep_and_is_gone_after(tmp_path):
                     "--background-load", "2:bursty", "--json", "r.json"], tmp_path)
     try:
         pids = bench.pids(60)
-        assert len(pids) == 2, "".join(bench.err)
+        assert len(pids) == 2, "no load pids within 60 s; stderr: " + "".join(bench.err)
         # started before the sweep (on a busy machine a new process may not show its command line at once:
         # a wait for that, with a deadline; one that died stays not running and fails here)
         end = time.monotonic() + 10
@@ -108,8 +118,9 @@ def test_the_load_runs_through_the_sweep_and_is_gone_after(tmp_path):
         assert all(_running(p) for p in pids), [(p, _state(p)) for p in pids]
         with open(f"/proc/{pids[0]}/cmdline", "rb") as f:
             assert b"bursty" in f.read()
-    finally:
         status, out, err = bench.wait(180)
+    finally:
+        bench.close()
     assert status == 0, out[-2000:] + err[-2000:]
     assert "2 of 2 still running at the end of the sweeps" in err  # none died during the sweep
     assert [p for p in pids if _state(p) is not None] == []  # reaped, not even a zombie
@@ -131,10 +142,11 @@ def test_ctrl_c_stops_the_load(tmp_path):
     bench = _endless_bench("2:busy", tmp_path)
     try:
         pids = bench.pids(60)
-        assert len(pids) == 2, "".join(bench.err)
+        assert len(pids) == 2, "no load pids within 60 s; stderr: " + "".join(bench.err)
         bench.proc.send_signal(signal.SIGINT)
-    finally:
         status, out, err = bench.wait(60)
+    finally:
+        bench.close()
     assert status == 130, err[-2000:]
     assert [p for p in pids if _state(p) is not None] == []
 
@@ -143,10 +155,11 @@ def test_a_killed_bench_leaves_no_load_behind(tmp_path):
     bench = _endless_bench("2:bursty", tmp_path)
     try:
         pids = bench.pids(60)
-        assert len(pids) == 2, "".join(bench.err)
+        assert len(pids) == 2, "no load pids within 60 s; stderr: " + "".join(bench.err)
         bench.proc.kill()  # SIGKILL: no code of the bench runs
-    finally:
         bench.wait(30)
+    finally:
+        bench.close()
     assert _wait_gone(pids, 30) == []  # the kernel's parent-death signal
 
 

@@ -28,8 +28,8 @@ from .direct import SCRATCH_PEER_FIRST, direct, window_direct_from
 from .pieces import blocks, displs, piece_elems, striped
 from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce
-from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, window_state
-from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, two_steps
+from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, two_step_call, window_state
+from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, ALLREDUCE_TWO_STEPS_FROM
 
 __all__ = ["allreduce"]
 
@@ -42,7 +42,7 @@ def _prepare(transport, buf: np.ndarray, op: Op):
     p, rank = transport.size, transport.rank
     nbytes, dtype = buf.nbytes, buf.dtype
     window, st = window_state(transport.window, p)
-    one_fence, two = single_fence(nbytes, p, st), _takes_two_steps(window, st, buf)
+    one_fence, two = single_fence(nbytes, p, st), two_step_call(window, st, buf, ALLREDUCE_TWO_STEPS_FROM)
     if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two):
         return None
     peers = [r for r in range(p) if r != rank]
@@ -69,13 +69,6 @@ def _prepare(transport, buf: np.ndarray, op: Op):
             ufunc(buf, v, out=buf)
 
     return run
-
-
-def _takes_two_steps(window, st: WindowState, buf: np.ndarray) -> bool:
-    """Whether ``buf`` takes the compiled call of two steps (where the window
-    has compiled calls and a kernel for its dtype and op): see
-    :func:`~.tuning.two_steps`; the whole vector must fit a half."""
-    return two_steps(buf.nbytes, window.size, window.cores) and buf.size >= window.size and buf.nbytes <= st.half
 
 
 def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int]):
@@ -108,7 +101,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         if not run_prepared(ctx, _prepare, key, buf, op):
             _small(ctx, window, st, buf, op)
         return
-    if _takes_two_steps(window, st, buf) and run_prepared(ctx, _prepare, key, buf, op):
+    if two_step_call(window, st, buf, ALLREDUCE_TWO_STEPS_FROM) and run_prepared(ctx, _prepare, key, buf, op):
         return
     if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op):
         _pieces(ctx, window, st, buf, op)

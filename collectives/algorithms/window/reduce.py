@@ -18,8 +18,8 @@ from ...tracing import COPYING
 from .pieces import blocks, displs, striped_cached
 from .compiled_calls import arr, first, compile_call, other_half, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce as reduce_blocks
-from .state import budget, region, single_fence, state_of, window_state
-from .tuning import REDUCE_TWO_STEPS_FROM, reduce_one_fence_limit, two_steps
+from .state import budget, region, single_fence, state_of, two_step_call, window_state
+from .tuning import REDUCE_TWO_STEPS_FROM, reduce_one_fence_limit
 
 __all__ = ["reduce"]
 
@@ -29,7 +29,7 @@ def _prepare(transport, buf: np.ndarray, root: int, op: Op):
     reduces; or, where ranks share cores, of two steps (:func:`_two_steps`)."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
-    two = _takes_two_steps(window, st, buf)
+    two = two_step_call(window, st, buf, REDUCE_TWO_STEPS_FROM)
     if p == 1 or buf.size == 0 or buf.dtype in LOW or not (two or _one_fence(buf.nbytes, p, window, st)):
         return None
     if reduction(arr(0), [], 0, buf.dtype, op) is None:  # every rank declines alike, not the root alone
@@ -41,14 +41,6 @@ def _prepare(transport, buf: np.ndarray, root: int, op: Op):
         reduced = reduction(arr(0), [arr(0)] + [slot(st, r) for r in peers], buf.size, buf.dtype, op)
         return prepared_from(compile_call(window, 1, [], [], reduced, peers), first)
     return prepared_from(compile_call(window, 1, [(arr(0), slot(st, me), buf.nbytes)], [], None, []), first)
-
-
-def _takes_two_steps(window, st, buf: np.ndarray) -> bool:
-    """Whether ``buf`` takes the compiled call of two steps: where ranks
-    share cores, from :data:`~.tuning.REDUCE_TWO_STEPS_FROM` up to a half
-    (see :func:`~.tuning.two_steps`)."""
-    return (two_steps(buf.nbytes, window.size, window.cores, REDUCE_TWO_STEPS_FROM)
-            and buf.size >= window.size and buf.nbytes <= st.half)
 
 
 def _two_steps(window, st, me: int, buf: np.ndarray, root: int, op: Op):

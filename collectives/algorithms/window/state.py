@@ -16,10 +16,10 @@ import weakref
 import numpy as np
 
 from ...prepared import BoundedCache
-from .tuning import PIECE_BYTES, one_fence_limit
+from .tuning import PIECE_BYTES, one_fence_limit, two_steps
 
 __all__ = ["META_BYTES", "DATA_OFFSET", "PAGE", "WindowState", "state_of", "window_state", "single_fence",
-           "budget", "region"]
+           "two_step_call", "budget", "region"]
 
 #: Bytes at the start of each region for the direct paths' metadata.
 META_BYTES = 4096
@@ -84,6 +84,14 @@ def single_fence(nbytes: int, p: int, st: WindowState, limit: int | None = None)
     """Whether ``nbytes`` take the one-fence path (every rank's copy in the
     window): up to ``limit`` (default :func:`~.tuning.one_fence_limit`) and a half."""
     return nbytes <= min(one_fence_limit(p) if limit is None else limit, st.half)
+
+
+def two_step_call(window, st: WindowState, buf: np.ndarray, from_bytes: int) -> bool:
+    """Whether ``buf`` takes a compiled call of two steps (see
+    :func:`~.tuning.two_steps`): ranks share cores, ``buf`` has at least
+    ``from_bytes`` bytes and an element for every rank, and fits a half."""
+    return (two_steps(buf.nbytes, window.size, window.cores, from_bytes)
+            and buf.size >= window.size and buf.nbytes <= st.half)
 
 
 def budget(st: WindowState) -> int:
