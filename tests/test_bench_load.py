@@ -51,8 +51,9 @@ class _Bench:
     waits until its stderr names the load's pids."""
 
     def __init__(self, args: list[str], cwd) -> None:
+        env = dict(os.environ, PYTHONFAULTHANDLER="1")  # SIGABRT prints every thread's stack (see wait)
         self.proc = subprocess.Popen(BENCH + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env=env)
         self.out: list[str] = []
         self.err: list[str] = []
         self._pids: list[int] = []
@@ -80,9 +81,14 @@ class _Bench:
         try:
             self.proc.wait(timeout=deadline_s)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)  # its stacks, where it is stuck, into its stderr
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
             self.close()
             raise AssertionError(f"the bench did not end within {deadline_s} s; its stderr ended with: "
-                                 + "".join(self.err)[-2000:]) from None
+                                 + "".join(self.err)[-6000:]) from None
         for t in self._threads:
             t.join(timeout=10)
         return self.proc.returncode, "".join(self.out), "".join(self.err)
