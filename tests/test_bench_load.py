@@ -50,10 +50,12 @@ class _Bench:
     """The bench in a child process; threads drain its stdout and stderr, and ``pids(deadline)``
     waits until its stderr names the load's pids."""
 
-    def __init__(self, args: list[str], cwd) -> None:
+    def __init__(self, args: list[str], cwd, sigint_ignored: bool = False) -> None:
         env = dict(os.environ, PYTHONFAULTHANDLER="1")  # SIGABRT prints every thread's stack (see wait)
-        self.proc = subprocess.Popen(BENCH + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+        # SIGINT ignored from the start, as in a background job of a shell without job control
+        first = ["bash", "-c", 'trap "" INT; exec "$@"', "bash"] if sigint_ignored else []
+        self.proc = subprocess.Popen(first + BENCH + args, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
         self.out: list[str] = []
         self.err: list[str] = []
         self._pids: list[int] = []
@@ -138,14 +140,17 @@ def test_the_load_runs_through_the_sweep_and_is_gone_after(tmp_path):
     assert all("time_us_p99" in r for r in doc["results"])
 
 
-def _endless_bench(load: str, cwd) -> _Bench:
+def _endless_bench(load: str, cwd, sigint_ignored: bool = False) -> _Bench:
     """A bench that would run for hours under ``--background-load load``, started."""
     return _Bench(["allreduce", "-n", "2", "--sizes", "8", "--iters", "100000000", "--warmup", "1",
-                   "--background-load", load], cwd)
+                   "--background-load", load], cwd, sigint_ignored)
 
 
-def test_ctrl_c_stops_the_load(tmp_path):
-    bench = _endless_bench("2:busy", tmp_path)
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-default", "sigint-ignored"])
+def test_ctrl_c_stops_the_load(tmp_path, sigint_ignored):
+    """Ctrl-C as soon as the bench names its load; also where the bench
+    started with SIGINT ignored (a CI job or a script's background job)."""
+    bench = _endless_bench("2:busy", tmp_path, sigint_ignored)
     try:
         pids = bench.pids(60)
         assert len(pids) == 2, "no load pids within 60 s; stderr: " + "".join(bench.err)
@@ -155,6 +160,17 @@ def test_ctrl_c_stops_the_load(tmp_path):
         bench.close()
     assert status == 130, err[-2000:]
     assert [p for p in pids if _state(p) is not None] == []
+
+
+def test_a_bench_started_with_sigint_ignored_takes_ctrl_c_before_its_ranks_start():
+    """The bench stops on Ctrl-C from its start, not only once the launcher
+    runs its ranks: a Ctrl-C between the two was lost, and the bench ran on."""
+    probe = ("import signal; from collectives.bench.cli import _ctrl_c_stops_the_bench; "
+             "before = signal.getsignal(signal.SIGINT); _ctrl_c_stops_the_bench(); "
+             "print(before is signal.SIG_IGN, signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    res = subprocess.run(["bash", "-c", 'trap "" INT; exec "$@"', "bash", sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["True", "True"], res.stdout + res.stderr
 
 
 def test_a_killed_bench_leaves_no_load_behind(tmp_path):
