@@ -946,7 +946,6 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     for (int i = 0; i < pl->nbefore; i++) pl->writes_window |= pl->before[i].dst.idx < 0;
     if (then != Py_None) {
         PyObject *before2, *after2;
-        pl->wait2 = 1;
         if (!PyArg_ParseTuple(then, "OO|p", &before2, &after2, &pl->wait2) ||
             parse_copies(before2, &pl->before2, &pl->nbefore2, narrays, pl->need, pl->writes) < 0 ||
             parse_copies(after2, &pl->after2, &pl->nafter2, narrays, pl->need, pl->writes) < 0) {
