@@ -144,9 +144,16 @@ class PreparedCalls(BoundedCache):
         entry = None
         if (plan.finalize is None and not staged and plan.refusal is None and not plan.empty
                 and not (plan.collective in ROOTED and not plan.algo.needs)):  # those start with a check
-            func = plan.algo.func
-            if plan.algo.prepare is not None:
-                func = plan.algo.prepare(transport, *plan.args) or func
+            algo, made = plan.algo, None
+            if isinstance(as_is, CopyIn) and algo.copies_in:  # the copy in done by its own call
+                made = algo.prepare(transport, *plan.args, copy_in=as_is)
+                if getattr(made, "on_arrays", None) is None:
+                    made = None
+                else:
+                    as_is = True  # its on_arrays take the call's arrays as they are
+            if made is None and algo.prepare is not None:
+                made = algo.prepare(transport, *plan.args)
+            func = made or algo.func
             ctx = CallContext(transport, 0, 0.0, segment_bytes, scratch)
             direct = getattr(func, "on_arrays", None) if as_is else None
             owner = getattr(direct[0], "__self__", None) if direct is not None else None

@@ -59,6 +59,13 @@ class Algorithm:
             may carry ``on_arrays = (go, settle)``: the same work from the
             call's arrays alone (``go(arrays)``, then, when it returned
             something to wait for, ``settle(arrays, late, deadline)``).
+        copies_in: whether ``prepare`` also takes ``copy_in`` (a
+            :class:`~collectives.prepared.CopyIn`: the call's second array
+            is first copied into its first, as out-of-place allreduce does).
+            It then returns a prepared call whose ``on_arrays`` take the
+            call's two arrays and do that copy as part of their own work
+            (reading the second array where they would have read the copy),
+            or None where it has none.
     """
 
     collective: str
@@ -67,6 +74,7 @@ class Algorithm:
     needs: frozenset[str] = frozenset()
     description: str = ""
     prepare: Callable | None = field(default=None, compare=False)
+    copies_in: bool = False
 
 
 _ALGORITHMS: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
@@ -75,9 +83,10 @@ _load_lock = threading.RLock()
 
 
 def register(collective: str, name: str, needs: tuple[str, ...] = (),
-             description: str = "", prepare: Callable | None = None) -> Callable[[Callable], Callable]:
+             description: str = "", prepare: Callable | None = None,
+             copies_in: bool = False) -> Callable[[Callable], Callable]:
     """Decorator: register ``func`` as algorithm ``name`` of ``collective``
-    (``prepare``: its prepared call, see :class:`Algorithm`)."""
+    (``prepare`` and ``copies_in``: its prepared call, see :class:`Algorithm`)."""
     if collective not in _ALGORITHMS:
         raise ValueError(f"unknown collective {collective!r}")
 
@@ -90,7 +99,7 @@ def register(collective: str, name: str, needs: tuple[str, ...] = (),
                              "choose another name")
         doc = description or (func.__doc__ or "").strip().split("\n")[0]
         _ALGORITHMS[collective][name] = Algorithm(collective, name, func, frozenset(needs), doc,
-                                                   prepare)
+                                                   prepare, copies_in)
         return func
 
     return deco

@@ -12,6 +12,7 @@ pinning every rank to one core before its communicator is made."""
 from __future__ import annotations
 
 import os
+from time import monotonic
 
 import numpy as np
 import pytest
@@ -108,7 +109,38 @@ def allreduce_every_count(comm, pin: bool) -> list[str]:
             expect = 2 if two_steps(nbytes, p, window.cores) else 1
             if steps not in (None, expect) or (expect == 2 and steps is None):
                 failures.append(f"{dtype} {op} n={n}: {steps} steps, the rule says {expect}")
+            failures += _out_of_place(c, n, dtype, op, want, compiled_call=steps is not None)
     c.close()
+    return failures
+
+
+def _out_of_place(c, n: int, dtype: str, op: str, want: np.ndarray, compiled_call: bool) -> list[str]:
+    """Out of place, three times (the first on the full path, the second
+    prepared, the third from C): ``out`` gets the bits of the call in place,
+    ``buf`` keeps its values, and the prepared call reads ``buf`` itself
+    (no copy into ``out`` first) where the call in place is compiled. Odd
+    ranks call in place meanwhile: the same signature."""
+    failures, me = [], c.rank
+    for rep in range(3):
+        x = _inputs(me, n, dtype, salt=1) if dtype != "int32" else (np.arange(n) % 3 + me).astype(dtype)
+        mine = x.copy()
+        if me % 2:
+            c.allreduce(x, op=op)
+            got = x
+        else:
+            got = np.full(n, 7, dtype)
+            hits = c._fast.hits
+            c.allreduce(x, op=op, out=got)
+            if x.tobytes() != mine.tobytes():
+                failures.append(f"out of place {dtype} {op} n={n} #{rep}: buf changed")
+            if rep == 2 and compiled_call and c._fast.hits != hits + 1:
+                failures.append(f"out of place {dtype} {op} n={n} #{rep}: not a call from C")
+        if got.tobytes() != want.tobytes():
+            failures.append(f"out of place {dtype} {op} n={n} #{rep}: differs first at "
+                            f"{int(np.flatnonzero(got != want)[0])}")
+    entry = c._prepared.get(("allreduce", "auto", None, op, np.dtype(dtype), n, np.dtype(dtype), n))
+    if me % 2 == 0 and compiled_call and (entry is None or entry.copy_in is not None or entry.direct is None):
+        failures.append(f"out of place {dtype} {op} n={n}: the prepared call copies into out first")
     return failures
 
 
@@ -165,6 +197,44 @@ def test_mismatched_calls_of_two_steps_are_caught_on_every_rank(collective, coun
     call, naming the field, and no guard region is touched."""
     outcomes = run_ranks(pinned_mismatches, 2, collective, count, timeout=120)
     _check_mismatches(outcomes, senders_may_finish=False)
+
+
+def out_of_place_mismatch(comm, count: int, field: str):
+    """Rank 0 runs its kept out-of-place call from C (it reads ``buf``
+    itself); rank 1 changes ``field``: both raise MismatchedCollective naming
+    it, and rank 0's ``buf`` keeps its values."""
+    _pin_to_one_core()
+    c = fresh(f"oop-{field}", timeout=30.0)
+    x, out = np.arange(count, dtype=np.float32), np.zeros(count, np.float32)
+    for _ in range(3):
+        c.allreduce(x, out=out)
+    odd = {"count": np.arange(count + 1, dtype=np.float32), "dtype": np.arange(count, dtype=np.float64)}[field]
+    mine, hits = (x, out) if c.rank == 0 else (odd, np.zeros_like(odd)), c._fast.hits
+    t0 = monotonic()
+    try:
+        c.allreduce(mine[0], out=mine[1])
+        outcome, message = "ok", ""
+    except Exception as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    took = monotonic() - t0
+    kept = np.array_equal(x, np.arange(count, dtype=np.float32))
+    c.close()
+    return outcome, message, took, kept, c._fast.hits - hits
+
+
+@pytest.mark.parametrize("field", ["count", "dtype"])
+@pytest.mark.parametrize("count", [ALLREDUCE_TWO_STEPS_FROM // ITEM - 1, 262144])
+def test_a_mismatch_against_an_out_of_place_call_from_c_is_caught_on_every_rank(count, field):
+    """One step and two: the call that reads ``buf`` itself checks every
+    signature before it reads a peer."""
+    words = {"count": f"x {count + 1}", "dtype": "float64"}[field]
+    for r, (outcome, message, took, kept, from_c) in enumerate(run_ranks(out_of_place_mismatch, 2, count, field,
+                                                                    timeout=60)):
+        assert outcome == "MismatchedCollective", f"rank {r}: {outcome} {message}"
+        assert words in message and "allreduce #4" in message, f"rank {r}: {message}"
+        assert took < 5.0, f"rank {r}: took {took:.2f} s"
+        assert kept, f"rank {r}: buf changed"
+        assert r != 0 or from_c == 1, "rank 0's call did not run from C"
 
 
 def test_the_rule_takes_two_steps_only_where_ranks_share_cores():

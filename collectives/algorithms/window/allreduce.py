@@ -22,11 +22,12 @@ import numpy as np
 
 from ... import compiled
 from ...ops import Op
+from ...prepared import CopyIn
 from ...registry import register
 from ...tracing import COPYING
 from .direct import SCRATCH_PEER_FIRST, direct, window_direct_from
 from .pieces import blocks, displs, piece_elems, striped
-from .compiled_calls import arr, first, compile_call, prepared_from, reduction, run_prepared, slot
+from .compiled_calls import arr, first, first_two, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce
 from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, two_step_call, window_state
 from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, ALLREDUCE_TWO_STEPS_FROM
@@ -34,26 +35,31 @@ from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, ALLREDUCE_TWO_STEPS_
 __all__ = ["allreduce"]
 
 
-def _prepare(transport, buf: np.ndarray, op: Op):
+def _prepare(transport, buf: np.ndarray, op: Op, copy_in: CopyIn | None = None):
     """Prepared call of the one-fence path: one compiled call (copy in, fence,
     reduce every slot in rank order), or, without compiled calls, both
     halves' views made once, so a call is one copy in, one fence and p - 1
-    ufunc calls."""
+    ufunc calls. With ``copy_in`` (out of place: ``out`` first takes
+    ``buf``), the compiled call on ``(out, buf)`` that copies ``buf`` into
+    the window itself, or None."""
     p, rank = transport.size, transport.rank
     nbytes, dtype = buf.nbytes, buf.dtype
     window, st = window_state(transport.window, p)
     one_fence, two = single_fence(nbytes, p, st), two_step_call(window, st, buf, ALLREDUCE_TWO_STEPS_FROM)
     if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two):
         return None
+    if copy_in is not None and copy_in.at != 0:
+        return None
+    src = 0 if copy_in is None else 1  # the array the vector is read from
     peers = [r for r in range(p) if r != rank]
     if two:
-        made = _two_steps(window, st, rank, buf, op, peers)
+        made = _two_steps(window, st, rank, buf, op, peers, src)
     else:
         reduced = reduction(arr(0), [slot(st, r) for r in range(p)], buf.size, dtype, op)
-        made = compile_call(window, 1, [(arr(0), slot(st, rank), nbytes)], [], reduced, peers,
+        made = compile_call(window, src + 1, [(arr(src), slot(st, rank), nbytes)], [], reduced, peers,
                             ALLREDUCE_PIECED_FROM, ALLREDUCE_PIECE) if reduced else None
-    if made is not None or not one_fence:
-        return prepared_from(made, first)
+    if made is not None or not one_fence or copy_in is not None:
+        return prepared_from(made, first if copy_in is None else first_two)
     halves = []
     for off in (DATA_OFFSET, DATA_OFFSET + st.half):
         views = st.views(off, nbytes, dtype)
@@ -71,12 +77,13 @@ def _prepare(transport, buf: np.ndarray, op: Op):
     return run
 
 
-def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int]):
+def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int], src: int = 0):
     """The one-fence path's compiled call in two steps (see
-    :func:`~.tuning.two_steps`): copy in, post; reduce this rank's block
-    (1/p) from every region, in rank order, into its buffer; post it in the
-    other half; copy the others' reduced blocks out. Every element is
-    reduced as the one-step call reduces it, so the bits are the same."""
+    :func:`~.tuning.two_steps`): copy in (from the call's array ``src``),
+    post; reduce this rank's block (1/p) from every region, in rank order,
+    into its buffer; post it in the other half; copy the others' reduced
+    blocks out. Every element is reduced as the one-step call reduces it,
+    so the bits are the same."""
     item, p = buf.itemsize, len(peers) + 1
     counts = blocks(buf.size, p)
     starts = [s * item for s in displs(counts)]
@@ -86,10 +93,10 @@ def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peer
         return None
     then = ([(arr(0, mine), slot(st, rank), n)],
             [(slot(st, r), arr(0, starts[r]), counts[r] * item) for r in peers])
-    return compile_call(window, 1, [(arr(0), slot(st, rank), buf.nbytes)], [], reduced, peers, then=then)
+    return compile_call(window, src + 1, [(arr(src), slot(st, rank), buf.nbytes)], [], reduced, peers, then=then)
 
 
-@register("allreduce", "shared_window", needs=("window",), prepare=_prepare,
+@register("allreduce", "shared_window", needs=("window",), prepare=_prepare, copies_in=True,
           description="single-copy reduction through the shared window (1/p per rank)")
 def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
     p = ctx.size
