@@ -36,6 +36,7 @@ class Spec:
     count: int = 8  # elements per rank's block (gather/scatter/allgather/alltoall: per block)
     op: str = "sum"
     root: int = 0
+    out: bool = False  # allreduce out of place (into an array of its own)
 
     def with_(self, **changes: Any) -> "Spec":
         return Spec(**{**self.__dict__, **changes})
@@ -99,7 +100,11 @@ def call(comm, spec: Spec) -> dict:
     result: Any = None
     t0 = time.monotonic()
     try:
-        if c == "allreduce":
+        if c == "allreduce" and spec.out:
+            x, out = buf(n, r + 1), buf(n, 0)
+            comm.allreduce(x, spec.op, algorithm=spec.algorithm, out=out)
+            result = out if np.all(x == r + 1) else x  # its input must keep its values
+        elif c == "allreduce":
             x = buf(n, r + 1)
             comm.allreduce(x, spec.op, algorithm=spec.algorithm)
             result = x

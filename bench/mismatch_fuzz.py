@@ -4,9 +4,14 @@ write outside a buffer.
     python -m collectives.bench.mismatch_fuzz [-n 2] [--transport shm] [--trials 10000] [--seed 1]
 
 starts P local ranks. In each trial every rank draws a call (collective,
-algorithm, dtype, count, op, root) from the trial's seed; with probability
-one in four every rank makes rank 0's call, otherwise each its own. The
-call runs on a fresh communicator, on buffers with guard regions. Counted:
+algorithm, dtype, count, op, root; allreduce in place or out of place) from
+the trial's seed; with probability one in four every rank makes rank 0's
+call, otherwise each its own. The call runs on a fresh communicator, on
+buffers with guard regions. With ``--kept K`` every rank first makes rank
+0's call K times (agreed calls, each checked), so that the trial's call
+meets a kept call (prepared, and from C where it is a compiled call); then
+each rank makes rank 0's call again with probability one half, else its
+own. Counted:
 
 * silent: every rank returned, but their calls differed, or a result is wrong;
 * outside: a guard region after some buffer was written;
@@ -14,7 +19,9 @@ call runs on a fresh communicator, on buffers with guard regions. Counted:
 * caught: the ranks' calls differed and every rank raised (MismatchedCollective
   or BadArgument); a rank that only sent over messages may have returned
   and raised at its next call instead (counted as late);
-* agreed: the same call everywhere, every rank correct.
+* agreed: the same call everywhere, every rank correct;
+* from_c: of the trials whose calls differed, those where some rank's call
+  ran from C (a kept compiled call; only with ``--kept``).
 
 Exits 1 if any trial was silent, wrote outside a buffer or hung.
 """
@@ -49,8 +56,9 @@ def draw(rng: random.Random, p: int, capabilities: frozenset[str]) -> Spec:
     algos = named_algorithms(collective, capabilities)
     if "shared_window" in algos:
         algos.append("shared_window")
-    return Spec(collective, rng.choice(algos), rng.choice(DTYPES), rng.choice(COUNTS), rng.choice(OPS),
+    spec = Spec(collective, rng.choice(algos), rng.choice(DTYPES), rng.choice(COUNTS), rng.choice(OPS),
                 rng.randrange(min(p, 2)))
+    return spec.with_(out=rng.random() < 0.5) if collective == "allreduce" else spec
 
 
 def canonical(spec: Spec) -> tuple:
@@ -61,32 +69,54 @@ def canonical(spec: Spec) -> tuple:
             spec.op if spec.collective in REDUCING else None, spec.root if spec.collective in ROOTED else None)
 
 
-def fuzz(comm, seed: int, first: int, trials: int, timeout: float = 5.0) -> list[dict]:
-    """Rank function: trials ``first`` .. ``first + trials - 1``; one record per trial."""
+def fuzz(comm, seed: int, first: int, trials: int, timeout: float = 5.0, kept: int = 0) -> list[dict]:
+    """Rank function: trials ``first`` .. ``first + trials - 1``; one record
+    per trial (``kept``: agreed calls first, see the module docstring)."""
     caps = frozenset(comm.transport.capabilities)
     records = []
     for t in range(first, first + trials):
         agree = random.Random(f"{seed}:{t}").random() < 0.25
         spec = draw(random.Random(f"{seed}:{t}:{0 if agree else comm.rank}"), comm.size, caps)
         c = fresh(f"f{t}", timeout)
-        got = call(c, spec)
-        nxt = call(c, Spec("barrier"))["outcome"] if got["outcome"] == "ok" else None
-        want = expected(spec, c.size, c.rank)
-        correct = got["outcome"] != "ok" or want is None or np.array_equal(got["result"], want)
-        records.append({"trial": t, "spec": canonical(spec), "outcome": got["outcome"], "next": nxt,
-                        "elapsed": got["elapsed"], "intact": got["intact"], "correct": bool(correct),
-                        "message": got["message"][:300]})
+        warm = []
+        if kept:
+            agreed = draw(random.Random(f"{seed}:{t}:0"), comm.size, caps)
+            warm = [_checked(c, agreed) for _ in range(kept)]
+            if random.Random(f"{seed}:{t}:{comm.rank}:kept").random() < 0.5:
+                spec = agreed
+        hits = c._fast.hits
+        got = _checked(c, spec)
+        got["from_c"] = c._fast.hits > hits  # the call ran from C, as a kept compiled call
+        got["next"] = call(c, Spec("barrier"))["outcome"] if got["outcome"] == "ok" else None
+        got.update(trial=t, spec=canonical(spec), warm=[(w["outcome"], w["intact"], w["correct"]) for w in warm])
+        records.append(got)
         c.close()
     return records
 
 
+def _checked(c, spec: Spec) -> dict:
+    """``spec``'s call on ``c``: its outcome, time, guards, and whether a result it returned is right."""
+    got = call(c, spec)
+    want = expected(spec, c.size, c.rank)
+    correct = got["outcome"] != "ok" or want is None or np.array_equal(got["result"], want)
+    return {"outcome": got["outcome"], "elapsed": got["elapsed"], "intact": got["intact"],
+            "correct": bool(correct), "message": got["message"][:300]}
+
+
 def tally(per_rank: Sequence[Sequence[dict]]) -> dict:
     """Counts over every trial (see the module docstring), and the bad trials."""
-    counts = {"trials": 0, "agreed": 0, "caught": 0, "late": 0, "silent": 0, "outside": 0, "hung": 0}
+    counts = {"trials": 0, "agreed": 0, "caught": 0, "late": 0, "silent": 0, "outside": 0, "hung": 0,
+              "from_c": 0}
     bad = []
     for trial in zip(*per_rank):
         counts["trials"] += 1
+        warm = _warm_fault(trial)
+        if warm is not None:
+            counts[warm] += 1
+            bad.append((f"a kept call: {warm}", trial))
+            continue
         same = len({tuple(r["spec"]) for r in trial}) == 1
+        counts["from_c"] += not same and any(r.get("from_c") for r in trial)
         outcomes = [r["outcome"] for r in trial]
         if not all(r["intact"] for r in trial):
             counts["outside"] += 1
@@ -112,24 +142,41 @@ def tally(per_rank: Sequence[Sequence[dict]]) -> dict:
     return {"counts": counts, "bad": bad}
 
 
+def _warm_fault(trial: Sequence[dict]) -> str | None:
+    """What went wrong in a trial's agreed calls before its own (see
+    ``kept``): ``hung``, ``outside`` (a guard written), ``silent`` (a wrong
+    result, or ranks whose outcomes differ), or None."""
+    warm = [[tuple(w) for w in r.get("warm", [])] for r in trial]
+    calls = [c for w in warm for c in w]
+    if any(outcome == "CollectiveTimeout" for outcome, _, _ in calls):
+        return "hung"
+    if not all(ok for _, ok, _ in calls):
+        return "outside"
+    if not all(right for _, _, right in calls) or len({tuple(w) for w in warm}) > 1:
+        return "silent"
+    return None
+
+
 def rank_main(ns) -> int:
     import collectives
 
     comm = collectives.init(timeout=60)
     t0 = time.monotonic()
-    records = fuzz(comm, ns.seed, 0, ns.trials)
+    records = fuzz(comm, ns.seed, 0, ns.trials, kept=ns.kept)
     gathered = _gather_json(comm, records)
     if comm.rank == 0:
         result = tally(gathered)
         c = result["counts"]
         print(f"{c['trials']} trials, {comm.size} ranks on {comm.transport.name}, seed {ns.seed}, "
+              f"{ns.kept} kept calls first, "
               f"{time.monotonic() - t0:.0f} s: agreed {c['agreed']}, caught {c['caught']}, late {c['late']}, "
-              f"silent {c['silent']}, outside {c['outside']}, hung {c['hung']}")
+              f"silent {c['silent']}, outside {c['outside']}, hung {c['hung']}; differing calls from C {c['from_c']}")
         for why, trial in result["bad"][:20]:
             print(f"  {why}: " + " | ".join(f"{r['spec']} -> {r['outcome']} {r['message'][:120]}" for r in trial))
         if ns.out:
             with open(ns.out, "w") as f:
-                json.dump({"counts": c, "seed": ns.seed, "ranks": comm.size, "transport": comm.transport.name}, f)
+                json.dump({"counts": c, "seed": ns.seed, "kept": ns.kept, "ranks": comm.size,
+                           "transport": comm.transport.name}, f)
         status = 1 if c["silent"] or c["outside"] or c["hung"] else 0
     else:
         status = 0
@@ -158,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--trials", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kept", type=int, default=0, help="agreed calls before each trial's call (kept calls)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -167,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from collectives.launcher import launch
 
     cmd = [sys.executable, "-m", "collectives.bench.mismatch_fuzz", "--rank-main", "--trials", str(ns.trials),
-           "--seed", str(ns.seed)] + (["--out", ns.out] if ns.out else [])
+           "--seed", str(ns.seed), "--kept", str(ns.kept)] + (["--out", ns.out] if ns.out else [])
     return launch(cmd, ns.nprocs, transport=ns.transport, prefix=False, timeout=ns.timeout)
 
 

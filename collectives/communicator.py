@@ -180,6 +180,8 @@ class Communicator(CallExecution, Survival):
                     log.warning("rank %d: cannot write the timeline: %s", self.rank, err)
         finally:
             self._queue.close()
+            self._prepared.clear()  # its calls hold views of the transport's memory
+            self._scratch.clear()
             self.transport.close()
             _live.discard(self)
 

@@ -161,12 +161,17 @@ class SharedWindow(abc.ABC):
             each rank taken to have one of its own); algorithms scale
             their switch points with the ranks per core.
         size: the ranks that share the window (one region each).
+        kept: a dict the window algorithms keep what they make for this
+            window in (:mod:`collectives.algorithms.window.state`: views
+            of its regions, compiled calls); a window empties it when it
+            is released, so that none of it outlives the window's memory.
     """
 
     features: frozenset[str] = frozenset()
     capacity: int
     cores: int = 0
     size: int = 1
+    kept: dict
 
     # ------------------------------------------------------------- regions
 

@@ -463,3 +463,54 @@ def test_peer_checks_from_several_threads_at_once():
         if child.poll() is None:
             child.kill()
             child.wait(timeout=10)
+
+
+def _shared_mappings_of(job: str) -> list[str]:
+    """This process's shared mappings of ``job``'s segment files."""
+    names = {os.path.basename(segment_path(job, r)) for r in range(64)}
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f
+                if " rw-s " in line and os.path.basename(line.split()[-2 if line.rstrip().endswith("(deleted)")
+                                                                         else -1]) in names]
+
+
+def closed_communicators_unmap(comm, rounds: int) -> list[str]:
+    """Communicators made and closed in turn, each after calls that leave
+    what the window algorithms keep (views, compiled calls, prepared calls,
+    calls from C, two steps, pieces, a nonblocking call): once closed, none
+    of its memory stays mapped, without waiting for the garbage collector."""
+    import gc
+
+    from collectives.bench.faults import fresh
+
+    gc.disable()
+    bad = []
+    try:
+        for t in range(rounds):
+            c = fresh(f"unmap{t}", 30.0)
+            job = c.transport._job
+            for n in (8, 5_000, 100_000, 700_000):
+                x = np.ones(n, np.float32)
+                for _ in range(3):
+                    c.allreduce(x)
+                    c.allreduce(x, out=np.empty_like(x))
+                    c.bcast(x, 0)
+                    c.reduce(x, c.size - 1)
+                    c.allgather(x[:n // 4], np.empty(n // 4 * c.size, np.float32))
+                    c.alltoall(np.ones(n // 4 * c.size, np.float32), np.empty(n // 4 * c.size, np.float32))
+                c.iallreduce(x).wait()
+            if not _shared_mappings_of(job):
+                bad.append(f"round {t}: no mapping of its own segments seen while it was open")
+            c.close()
+            left = _shared_mappings_of(job)
+            if left:
+                bad.append(f"round {t}: {len(left)} mappings left after close: {left[:2]}")
+    finally:
+        gc.enable()
+    return bad
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_closed_communicator_leaves_nothing_mapped(p):
+    for r, bad in enumerate(run_ranks(closed_communicators_unmap, p, 4, timeout=120)):
+        assert not bad, f"rank {r}: {bad[:3]}"

@@ -72,6 +72,7 @@ class ShmWindow(SharedWindow):
         self._armed_turn = 0
         self._records = t._records
         self._compiled = None
+        self.kept: dict = {}
         ext = compiled.enabled()
         if ext is not None and all(s.q[Q_COMPILED] == 1 for s in t._segs):
             # the same fence in C, with a bounded spin or yield; and plans
@@ -308,6 +309,8 @@ class ShmWindow(SharedWindow):
             raise
 
     def release(self) -> None:
+        """Drop everything that refers to the mapped memory (the algorithms' state first)."""
+        self.kept.clear()
         if self._adoptions is not None:
             self._adoptions.close()
             self._adoptions = None

@@ -11,8 +11,6 @@ uses half ``(k - 1) % 2``.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from ...prepared import BoundedCache
@@ -31,9 +29,6 @@ META_BYTES = 4096
 #: page. Half a page off, no common alignment of user buffers comes near.
 DATA_OFFSET = META_BYTES + 2048
 PAGE = 4096
-
-_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
 
 class WindowState:
     """Per-window bookkeeping shared by the algorithms: the halves, every
@@ -73,10 +68,11 @@ def state_of(ctx) -> tuple[object, WindowState]:
 
 
 def window_state(window, size: int) -> tuple[object, WindowState]:
-    """(``window``, its :class:`WindowState`, made on first use)."""
-    st = _state.get(window)
+    """(``window``, its :class:`WindowState`, made on first use and kept
+    in the window's ``kept``, which the window empties when released)."""
+    st = window.kept.get(WindowState)
     if st is None:
-        st = _state[window] = WindowState(window, size)
+        st = window.kept[WindowState] = WindowState(window, size)
     return window, st
 
 
