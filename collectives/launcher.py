@@ -5,9 +5,10 @@ Each rank gets the environment :func:`collectives.init` reads (and torch's
 RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT). Output is streamed with a rank
 prefix; one rank's failure stops the others (or not, ``--on-failure
 continue``) and becomes the launcher's exit status. No rank outlives the
-launcher: each runs in a session of its own, gets SIGKILL from the kernel
-when the launcher dies (``PR_SET_PDEATHSIG``), and a watchdog process stops
-what the ranks started. Ranks are bound to cores when they outnumber them.
+launcher: each runs in a process group of its own (in the launcher's
+session), gets SIGKILL from the kernel when the launcher dies
+(``PR_SET_PDEATHSIG``), and a watchdog process stops what the ranks
+started. Ranks are bound to cores when they outnumber them.
 The statuses, the guarantees and what they do not cover: docs/launching.md.
 
 This module imports only the standard library: it is also the watchdog's
@@ -258,13 +259,22 @@ def _spawn(command: Sequence[str], nprocs: int, envs: Sequence[dict[str, str]],
            procs: list[subprocess.Popen]) -> None:
     """Start the ranks, appending each to ``procs`` as soon as it exists."""
     setup = _die_with(os.getpid(), _prctl())
+    stdin = subprocess.DEVNULL if _terminal(sys.stdin) else None  # a background group reading it would stop
     for r in range(nprocs):
-        p = subprocess.Popen(list(command), env=envs[r], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup)
+        p = subprocess.Popen(list(command), env=envs[r], stdin=stdin, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, process_group=0, preexec_fn=setup)
         procs.append(p)
         watchdog.watch(p.pid)
         if cpus is not None:
             _bind(p, cpus[r])
+
+
+def _terminal(stream: IO | None) -> bool:
+    """Whether ``stream`` is a terminal."""
+    try:
+        return stream is not None and os.isatty(stream.fileno())
+    except (ValueError, OSError):
+        return False
 
 
 def _start_pumps(procs: Sequence[subprocess.Popen], prefix: bool, labels: Sequence[int]) -> list[threading.Thread]:
@@ -394,8 +404,8 @@ def run_processes(command: Sequence[str], envs: Sequence[dict[str, str]], labels
 
 def _record_stop_signals() -> tuple[list[int], Callable[[], None]]:
     """While ranks run, a stop signal (:data:`STOP_SIGNALS`) is appended to the
-    returned list instead of acting (the ranks sit in sessions of their own,
-    so the launcher must stop them itself). Returns the list and the function
+    returned list instead of acting (the ranks sit in process groups of their
+    own, so the launcher must stop them itself). Returns the list and the function
     that restores the old handlers; off the main thread, where handlers
     cannot be set, the list stays empty."""
     received: list[int] = []

@@ -381,3 +381,39 @@ def test_a_reader_that_stops_early_neither_hangs_the_job_nor_prints_a_traceback(
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- sessions, groups and standard input -------------------------------------------
+
+def test_ranks_share_the_launchers_session_each_in_a_group_of_its_own(tmp_path):
+    """One session for the job (the kernel's autogroup then holds every rank,
+    so a rank that yields hands its core to another), a process group per
+    rank (signals meant for the terminal reach the launcher alone)."""
+    script = tmp_path / "ids.py"
+    script.write_text("import os\nprint('ids', os.getpid(), os.getsid(0), os.getpgid(0), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "3", str(script)],
+                          capture_output=True, text=True, timeout=60, start_new_session=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ids = [tuple(int(v) for v in line.split("ids ")[1].split()) for line in proc.stdout.splitlines() if "ids " in line]
+    assert len(ids) == 3, proc.stdout
+    assert len({sid for _, sid, _ in ids}) == 1, ids
+    assert ids[0][1] not in [pid for pid, _, _ in ids]  # the launcher's session, not a rank's
+    assert all(pgid == pid for pid, _, pgid in ids), ids
+
+
+def test_a_rank_reads_end_of_file_where_the_launchers_input_is_a_terminal(tmp_path):
+    """A rank's group is not the terminal's foreground group: reading the
+    terminal would stop it, so a terminal is replaced by /dev/null."""
+    import pty
+
+    script = tmp_path / "reads.py"
+    script.write_text("import sys\nprint('read', repr(sys.stdin.readline()), flush=True)\n")
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "2", str(script)],
+                              stdin=follower, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("read ''") == 2, proc.stdout
