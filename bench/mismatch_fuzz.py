@@ -1,7 +1,7 @@
 """A seeded, randomized campaign of mismatched calls: no silent result, no
 write outside a buffer.
 
-    python -m collectives.bench.mismatch_fuzz [-n 2] [--transport shm] [--trials 10000] [--seed 1]
+    python -m collectives.bench.mismatch_fuzz [-n 2] [--transport shm] [--trials 10000] [--seed 1] [--kept 3]
 
 starts P local ranks. In each trial every rank draws a call (collective,
 algorithm, dtype, count, op, root; allreduce in place or out of place) from
