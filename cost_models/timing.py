@@ -120,13 +120,16 @@ def slowest_best_each(comm, calls: dict, repeats: int) -> dict:
 
 
 def timed_rounds(comm, calls: dict, repeats: int) -> dict:
-    """``repeats`` times of every call in ``calls`` (name to function), each
-    from a common start to the slowest rank's finish, after one warm-up
-    each, in rounds: each round times every call once, so that a slow spell
-    of the machine falls on all of them rather than on whichever ran then.
+    """``repeats`` times of every call in ``calls`` (name to function),
+    each from a common start to the slowest rank's finish, in rounds: each
+    round times every call once, so that a slow spell of the machine falls
+    on all of them rather than on whichever ran then. Each timed call
+    follows an untimed one of its own, so that it finds the caches as a run
+    of its own calls leaves them (a program calls one algorithm over and
+    over), not as another algorithm's call left them: a window's segments,
+    evicted by a ring's buffers, made a 4 MiB allreduce through the window
+    look twice as slow as it runs in a loop.
     Returns name to the list of seconds, in the order taken. Collective."""
-    for call in calls.values():
-        call()
     timer = _Timer(comm)
     times: dict = {name: [] for name in calls}
     tries = 0
@@ -134,6 +137,7 @@ def timed_rounds(comm, calls: dict, repeats: int) -> dict:
         tries += 1
         for name, call in calls.items():
             if len(times[name]) < repeats:
+                call()
                 t = timer.once(call, last_chance=tries >= 4 * repeats)
                 if t is not None:
                     times[name].append(t)
