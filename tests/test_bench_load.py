@@ -210,8 +210,11 @@ def test_jax_compare_prints_both_and_the_ratio(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "# wrong results: 0" in res.stdout
     lines = [ln.split() for ln in res.stdout.splitlines() if ln and not ln.startswith("#")]
-    assert [ln[0] for ln in lines] == ["8", "4096"]
+    assert [ln[:2] for ln in lines] == [["computed", "8"], ["computed", "4096"], ["argument", "8"],
+                                        ["argument", "4096"]]
     assert all(float(ln[-1]) > 0 for ln in lines)  # the ratio column
     assert "mpi4jax: mpi4jax" in res.stdout and "allreduce_tree_in_jit" in res.stdout
     data = json.loads((tmp_path / "j.json").read_text())
     assert {r["side"] for r in data["rounds"]} == {"ours", "mpi4jax"}
+    assert {(row["operand"], row["size"]) for r in data["rounds"] for row in r["rows"]} == {
+        (kind, size) for kind in ("computed", "argument") for size in (8, 4096)}
