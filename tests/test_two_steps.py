@@ -21,7 +21,8 @@ from collectives import compiled, get_op
 from collectives.algorithms.window.state import window_state
 from collectives.algorithms.window.pieces import blocks
 from collectives.algorithms.window.tuning import (ALLREDUCE_TWO_STEPS_FROM, REDUCE_TWO_STEPS_FROM,
-                                                  reduce_one_fence_limit, two_steps)
+                                                  allreduce_two_steps, reduce_one_fence_limit, reduce_two_steps,
+                                                  two_steps)
 from collectives.bench.faults import fresh
 from harness import run_ranks
 from test_fault_injection import _check_mismatches, mismatch_every_field
@@ -108,7 +109,7 @@ def allreduce_every_count(comm, pin: bool) -> list[str]:
                     bad = int(np.flatnonzero(x != want)[0]) if x.shape == want.shape else -1
                     failures.append(f"{dtype} {op} n={n} #{rep}: differs first at {bad}")
             steps = _steps_of(c, ("allreduce", x.dtype, x.size, op))
-            expect = 2 if two_steps(nbytes, p, window.cores) else 1
+            expect = 2 if allreduce_two_steps(nbytes, p, window.cores) else 1
             if steps not in (None, expect) or (expect == 2 and steps is None):
                 failures.append(f"{dtype} {op} n={n}: {steps} steps, the rule says {expect}")
             failures += _out_of_place(c, n, dtype, op, want, compiled_call=steps is not None)
@@ -157,7 +158,7 @@ def reduce_every_count(comm, pin: bool) -> list[str]:
             nbytes = n * np.dtype(dtype).itemsize
             if nbytes > st.half:
                 continue
-            expect = 2 if two_steps(nbytes, p, window.cores, REDUCE_TWO_STEPS_FROM) else 1
+            expect = 2 if reduce_two_steps(nbytes, p, window.cores) else 1
             whole = expect == 1 and nbytes <= reduce_one_fence_limit(p, window.cores)  # the root reduces alone
             for root in (0, p - 1):
                 for rep in range(2):
@@ -176,28 +177,37 @@ def reduce_every_count(comm, pin: bool) -> list[str]:
 
 
 @pytest.mark.parametrize("worker", [allreduce_every_count, reduce_every_count], ids=["allreduce", "reduce"])
-@pytest.mark.parametrize("p, pin", [(2, True), (3, False), (4, False)])
+@pytest.mark.parametrize("p, pin", [(2, True), (2, False), (3, False), (4, False)])
 def test_two_steps_give_the_bits_of_the_paths_they_replace(worker, p, pin):
-    """2 ranks pinned to one core, and 3 and 4 ranks on the machine's cores."""
-    if not pin and len(os.sched_getaffinity(0)) >= p:
+    """2 ranks pinned to one core, and 2, 3 and 4 ranks on the machine's
+    cores (2 ranks with a core each: allreduce takes two steps, reduce keeps
+    the root reducing alone)."""
+    rule = allreduce_two_steps if worker is allreduce_every_count else reduce_two_steps
+    cores = len(os.sched_getaffinity(0))
+    if not pin and p != 2 and not rule(1 << 20, p, cores):
         pytest.skip(f"{p} ranks have a core each here")
     for r, failures in enumerate(run_ranks(worker, p, pin, timeout=240)):
         assert not failures, f"rank {r}: {failures[:6]}"
 
 
-def pinned_mismatches(comm, collective: str, count: int):
-    _pin_to_one_core()
+def pinned_mismatches(comm, collective: str, count: int, pin: bool = True):
+    if pin:
+        _pin_to_one_core()
     return mismatch_every_field(comm, collective, count, "auto")
 
 
-@pytest.mark.parametrize("collective, count", [("allreduce", ALLREDUCE_TWO_STEPS_FROM // ITEM),
-                                               ("allreduce", 262144), ("reduce", REDUCE_TWO_STEPS_FROM // ITEM),
-                                               ("reduce", 262144)])
-def test_mismatched_calls_of_two_steps_are_caught_on_every_rank(collective, count):
-    """2 ranks on one core; rank 1 changes one field at a time (dtype, count,
-    collective, op, root): every rank raises MismatchedCollective in that
-    call, naming the field, and no guard region is touched."""
-    outcomes = run_ranks(pinned_mismatches, 2, collective, count, timeout=120)
+@pytest.mark.parametrize("collective, count, pin", [("allreduce", ALLREDUCE_TWO_STEPS_FROM // ITEM, True),
+                                                    ("allreduce", 262144, True),
+                                                    ("reduce", REDUCE_TWO_STEPS_FROM // ITEM, True),
+                                                    ("reduce", 262144, True),
+                                                    ("allreduce", ALLREDUCE_TWO_STEPS_FROM // ITEM, False),
+                                                    ("allreduce", 262144, False)])
+def test_mismatched_calls_of_two_steps_are_caught_on_every_rank(collective, count, pin):
+    """2 ranks on one core (and, for allreduce, each on its own); rank 1
+    changes one field at a time (dtype, count, collective, op, root): every
+    rank raises MismatchedCollective in that call, naming the field, and no
+    guard region is touched."""
+    outcomes = run_ranks(pinned_mismatches, 2, collective, count, pin, timeout=120)
     _check_mismatches(outcomes, senders_may_finish=False)
 
 
@@ -243,3 +253,13 @@ def test_the_rule_takes_two_steps_only_where_ranks_share_cores():
     assert two_steps(ALLREDUCE_TWO_STEPS_FROM, 3, 2) and two_steps(1 << 20, 4, 2)
     assert not two_steps(ALLREDUCE_TWO_STEPS_FROM - 1, 4, 2)
     assert not two_steps(1 << 20, 2, 2) and not two_steps(1 << 20, 8, 0)
+
+
+def test_allreduce_takes_two_steps_at_two_ranks_too_and_reduce_does_not():
+    for cores in (0, 2, 8):
+        assert allreduce_two_steps(ALLREDUCE_TWO_STEPS_FROM, 2, cores)
+        assert not allreduce_two_steps(ALLREDUCE_TWO_STEPS_FROM - 1, 2, cores)
+        assert not reduce_two_steps(1 << 20, 2, cores)
+    assert allreduce_two_steps(1 << 20, 4, 2) and reduce_two_steps(REDUCE_TWO_STEPS_FROM, 3, 2)
+    assert not allreduce_two_steps(1 << 20, 8, 0) and not allreduce_two_steps(1 << 20, 3, 4)
+    assert not reduce_two_steps(REDUCE_TWO_STEPS_FROM - 1, 3, 2)

@@ -1,7 +1,7 @@
 """allreduce through the shared window.
 
-* where ranks share cores, from 16 KiB to a half of the window (taken as
-  PIECE_BYTES): one call of two steps, copy in, F, reduce this rank's 1/p
+* where ranks share cores, and at 2 ranks, from 16 KiB to a half of the
+  window (taken as PIECE_BYTES): one call of two steps, copy in, F, reduce this rank's 1/p
   from p sources, copy it into the other half, F, copy the others' out:
   T = copy(n) + 2F + (p-1)/p n gamma + copy(n/p) + copy((p-1)/p n).
 * n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma (every rank
@@ -19,15 +19,15 @@
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from collectives.algorithms.window.tuning import PIECE_BYTES, two_steps
+from collectives.algorithms.window.tuning import PIECE_BYTES, allreduce_two_steps
 
 from .common import direct, one_fence, pieces
 
 
 @cost_model("allreduce", "shared_window")
 def allreduce(p: int, n: int, P: Params) -> float:
-    """copy(n) + F + (p-1) n gamma small; two steps on shared cores; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
-    if n < PIECE_BYTES and two_steps(n, p, P.cores):
+    """copy(n) + F + (p-1) n gamma small; two steps on shared cores or at 2 ranks; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
+    if n < PIECE_BYTES and allreduce_two_steps(n, p, P.cores):
         share = (p - 1) / p * n
         return P.copy(n) + 2 * P.fence + share * P.gamma + P.copy(n / p) + P.copy(share)
     small = one_fence(p, n, P)

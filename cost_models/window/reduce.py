@@ -9,7 +9,7 @@ call of two steps: 2F + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from collectives.algorithms.window.tuning import PIECE_BYTES, REDUCE_TWO_STEPS_FROM, reduce_one_fence_limit, two_steps
+from collectives.algorithms.window.tuning import PIECE_BYTES, reduce_one_fence_limit, reduce_two_steps
 
 from .common import one_fence, pieces
 
@@ -18,7 +18,7 @@ from .common import one_fence, pieces
 def reduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; 2F per piece (or two steps on shared cores) + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
     share = (p - 1) / p * n
-    if n < PIECE_BYTES and two_steps(n, p, P.cores, REDUCE_TWO_STEPS_FROM):
+    if n < PIECE_BYTES and reduce_two_steps(n, p, P.cores):
         return 2 * P.fence + 2 * P.copy(share) + share * P.gamma
     small = one_fence(p, n, P, reduce_one_fence_limit(p, P.cores))
     if small is not None:

@@ -3,9 +3,9 @@
 Small vectors take a single-fence path: every rank copies its vector into
 its half, fences, and reduces all of them itself, in rank order, so every
 rank gets the same bits (one compiled call where the window has them).
-Where ranks share cores, from 16 KiB up to a half, that call takes two
-steps instead: each rank reduces 1/p in the same order, then copies the
-others' reduced blocks (:func:`~.tuning.two_steps`).
+Where ranks share cores, and at 2 ranks, from 16 KiB up to a half, that
+call takes two steps instead: each rank reduces 1/p in the same order,
+then copies the others' reduced blocks (:func:`~.tuning.allreduce_two_steps`).
 Larger ones go in pieces that fit a half: copy in, fence, each rank reduces
 1/p of the piece straight from every region, fence, everyone copies the
 reduced blocks out. From :data:`~.tuning.DIRECT_FROM` on, where every
@@ -30,7 +30,7 @@ from .pieces import blocks, displs, piece_elems, striped
 from .compiled_calls import arr, first, first_two, compile_call, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce
 from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, two_step_call, window_state
-from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, ALLREDUCE_TWO_STEPS_FROM
+from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, allreduce_two_steps
 
 __all__ = ["allreduce"]
 
@@ -45,7 +45,7 @@ def _prepare(transport, buf: np.ndarray, op: Op, copy_in: CopyIn | None = None):
     p, rank = transport.size, transport.rank
     nbytes, dtype = buf.nbytes, buf.dtype
     window, st = window_state(transport.window, p)
-    one_fence, two = single_fence(nbytes, p, st), two_step_call(window, st, buf, ALLREDUCE_TWO_STEPS_FROM)
+    one_fence, two = single_fence(nbytes, p, st), two_step_call(window, st, buf, allreduce_two_steps)
     if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two):
         return None
     if copy_in is not None and copy_in.at != 0:
@@ -108,7 +108,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         if not run_prepared(ctx, _prepare, key, buf, op):
             _small(ctx, window, st, buf, op)
         return
-    if two_step_call(window, st, buf, ALLREDUCE_TWO_STEPS_FROM) and run_prepared(ctx, _prepare, key, buf, op):
+    if two_step_call(window, st, buf, allreduce_two_steps) and run_prepared(ctx, _prepare, key, buf, op):
         return
     if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op):
         _pieces(ctx, window, st, buf, op)

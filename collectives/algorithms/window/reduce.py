@@ -19,7 +19,7 @@ from .pieces import blocks, displs, striped_cached
 from .compiled_calls import arr, first, compile_call, other_half, prepared_from, reduction, run_prepared, slot
 from .reduction import LOW, reduce as reduce_blocks
 from .state import budget, region, single_fence, state_of, two_step_call, window_state
-from .tuning import REDUCE_TWO_STEPS_FROM, reduce_one_fence_limit
+from .tuning import reduce_one_fence_limit, reduce_two_steps
 
 __all__ = ["reduce"]
 
@@ -29,7 +29,7 @@ def _prepare(transport, buf: np.ndarray, root: int, op: Op):
     reduces; or, where ranks share cores, of two steps (:func:`_two_steps`)."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
-    two = two_step_call(window, st, buf, REDUCE_TWO_STEPS_FROM)
+    two = two_step_call(window, st, buf, reduce_two_steps)
     if p == 1 or buf.size == 0 or buf.dtype in LOW or not (two or _one_fence(buf.nbytes, p, window, st)):
         return None
     if reduction(arr(0), [], 0, buf.dtype, op) is None:  # every rank declines alike, not the root alone

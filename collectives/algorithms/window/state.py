@@ -11,10 +11,12 @@ uses half ``(k - 1) % 2``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ...prepared import BoundedCache
-from .tuning import PIECE_BYTES, one_fence_limit, two_steps
+from .tuning import PIECE_BYTES, one_fence_limit
 
 __all__ = ["META_BYTES", "DATA_OFFSET", "PAGE", "WindowState", "state_of", "window_state", "single_fence",
            "two_step_call", "budget", "region"]
@@ -82,11 +84,12 @@ def single_fence(nbytes: int, p: int, st: WindowState, limit: int | None = None)
     return nbytes <= min(one_fence_limit(p) if limit is None else limit, st.half)
 
 
-def two_step_call(window, st: WindowState, buf: np.ndarray, from_bytes: int) -> bool:
-    """Whether ``buf`` takes a compiled call of two steps (see
-    :func:`~.tuning.two_steps`): ranks share cores, ``buf`` has at least
-    ``from_bytes`` bytes and an element for every rank, and fits a half."""
-    return (two_steps(buf.nbytes, window.size, window.cores, from_bytes)
+def two_step_call(window, st: WindowState, buf: np.ndarray, rule: Callable[[int, int, int], bool]) -> bool:
+    """Whether ``buf`` takes a compiled call of two steps: the collective's
+    ``rule(nbytes, p, cores)`` says so (:func:`~.tuning.allreduce_two_steps`,
+    :func:`~.tuning.reduce_two_steps`), ``buf`` has an element for every
+    rank, and it fits a half."""
+    return (rule(buf.nbytes, window.size, window.cores)
             and buf.size >= window.size and buf.nbytes <= st.half)
 
 

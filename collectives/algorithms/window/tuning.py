@@ -11,7 +11,7 @@ from ... import config
 
 
 __all__ = ["SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
-           "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM", "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps", "wants_huge_pages"]
+           "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM", "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps", "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages"]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
 SMALL_TOTAL_BYTES = 1 << 20      # bytes: ... and up to this divided by p (each rank reads p * n bytes)
@@ -96,6 +96,30 @@ def two_steps(nbytes: int, p: int, cores: int, from_bytes: int = ALLREDUCE_TWO_S
     ranks: 128 KiB 23-41 -> 15-25 us; at 64 KiB within noise, below it no
     gain."""
     return bool(cores) and p > cores and nbytes >= from_bytes
+
+
+def allreduce_two_steps(nbytes: int, p: int, cores: int) -> bool:
+    """Whether allreduce of ``nbytes`` takes the compiled call of two steps
+    (when its vector fits a half): where ranks share cores
+    (:func:`two_steps`), and at 2 ranks from
+    :data:`ALLREDUCE_TWO_STEPS_FROM` on even on cores of their own: each
+    rank then reads and reduces half the vector rather than all of it, for
+    one more fence. 2 ranks on 2 cores, the one-fence call against two
+    steps: 16 KiB 1.70-1.96 -> 1.08-1.18 us, 32 KiB 3.0-3.2 -> 1.6-1.8, 64
+    KiB 4.2-4.5 -> 3.0-3.3, 256 KiB 13.3-13.9 -> 10.5-10.9, 1 MiB 69-71 ->
+    51-52 (out of place 93-96 -> 54-55), 2 MiB 121-133 -> 110-113; at 8
+    KiB no change. More ranks than 2, each on its own core, were not
+    measured (this machine has 2 cores)."""
+    return two_steps(nbytes, p, cores) or (p == 2 and nbytes >= ALLREDUCE_TWO_STEPS_FROM)
+
+
+def reduce_two_steps(nbytes: int, p: int, cores: int) -> bool:
+    """Whether reduce of ``nbytes`` takes the compiled call of two steps
+    (when its vector fits a half): where ranks share cores, from
+    :data:`REDUCE_TWO_STEPS_FROM` on (:func:`two_steps`). At 2 ranks on
+    cores of their own the root reducing alone was as fast or faster (64
+    KiB to 512 KiB)."""
+    return two_steps(nbytes, p, cores, REDUCE_TWO_STEPS_FROM)
 
 
 def compiled_piece(largest: int, p: int, cores: int, pieced_from: int = PIECED_FROM, piece: int = PIECE) -> int:
