@@ -24,9 +24,9 @@ maximum over ranks, then the median), checks the result, and its job
 writes the rows. ``--rounds R`` runs the two jobs R times, alternating
 which goes first; the table gives per operand and size each side's median
 over rounds [min-max] and the ratio ours / mpi4jax (below 1: ours is
-faster). mpi4jax is optional (``pip
-install mpi4jax``, or the ``jax-compare`` extra); without it only our side
-runs and the reason is said.
+faster). mpi4jax is optional (``pip install mpi4jax``, or the
+``mpi4jax`` extra); without it only our side runs and the reason is
+said.
 
 ::
 
@@ -132,6 +132,7 @@ def _rank_main(side: str, sizes: list[int], operands: list[str], iters: int, out
         what = f"mpi4jax {mpi4jax.__version__}, {mpi_name(MPI.Get_library_version())}"
     rows = []
     clock = time.perf_counter
+
     def jitted(operand: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return jax.jit(lambda x: call(operand(x)))
 
@@ -153,8 +154,8 @@ def _rank_main(side: str, sizes: list[int], operands: list[str], iters: int, out
         times = reduce_max(times)
         wrong = np.array([float(np.count_nonzero(np.asarray(fn(x)) != want))])
         wrong = reduce_max(wrong)
-        rows.append({"side": side, "operand": kind, "size": count * 4, "iters": n_iter, "time_us": float(np.median(times)) * 1e6,
-                     "time_us_p99": float(np.percentile(times, 99)) * 1e6,
+        rows.append({"side": side, "operand": kind, "size": count * 4, "iters": n_iter,
+                     "time_us": float(np.median(times)) * 1e6, "time_us_p99": float(np.percentile(times, 99)) * 1e6,
                      "time_us_min": float(times.min()) * 1e6, "wrong": int(wrong[0])})
         if rank == 0 and sys.stderr.isatty():
             print(f"\r  {side} {kind} {count * 4} B: {rows[-1]['time_us']:.2f} us".ljust(60), end="", file=sys.stderr,
