@@ -5,9 +5,8 @@ Each rank gets the environment :func:`collectives.init` reads (and torch's
 RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT). Output is streamed with a rank
 prefix; one rank's failure stops the others (or not, ``--on-failure
 continue``) and becomes the launcher's exit status. No rank outlives the
-launcher: each runs in a process group of its own (in a session of its
-own where every rank has a core, in the launcher's session where ranks
-outnumber the cores), gets SIGKILL from the kernel when the launcher dies
+launcher: each runs in a process group of its own (in the launcher's
+session), gets SIGKILL from the kernel when the launcher dies
 (``PR_SET_PDEATHSIG``), and a watchdog process stops what the ranks
 started. Ranks are bound to cores when they outnumber them.
 The statuses, the guarantees and what they do not cover: docs/launching.md.
@@ -261,32 +260,13 @@ def _spawn(command: Sequence[str], nprocs: int, envs: Sequence[dict[str, str]],
     """Start the ranks, appending each to ``procs`` as soon as it exists."""
     setup = _die_with(os.getpid(), _prctl())
     stdin = subprocess.DEVNULL if _terminal(sys.stdin) else None  # a background group reading it would stop
-    grouping = {"start_new_session": True} if _own_sessions(nprocs) else {"process_group": 0}
     for r in range(nprocs):
         p = subprocess.Popen(list(command), env=envs[r], stdin=stdin, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, preexec_fn=setup, **grouping)
+                             stderr=subprocess.STDOUT, process_group=0, preexec_fn=setup)
         procs.append(p)
         watchdog.watch(p.pid)
         if cpus is not None:
             _bind(p, cpus[r])
-
-
-def _own_sessions(nprocs: int) -> bool:
-    """Whether each of ``nprocs`` local ranks gets a session of its own:
-    where every rank has a core. The kernel's autogroup scheduling (on in
-    most distributions) weighs a session's processes as one group against
-    other sessions: ranks in one session get one share between them
-    against a busy machine's other processes (2 ranks, 4 competing
-    processes: a p99 of 108 µs at 8 B in two runs of three, against
-    0.47-0.53 µs with a session each). Where ranks outnumber the cores
-    they stay in the launcher's session, so that a rank that yields its
-    core hands it to the rank it waits for (a session each: calls stuck at
-    2.8 ms; docs/launching.md)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return nprocs <= cores
 
 
 def _terminal(stream: IO | None) -> bool:
