@@ -468,10 +468,9 @@ def test_peer_checks_from_several_threads_at_once():
 def _shared_mappings_of(job: str) -> list[str]:
     """This process's shared mappings of ``job``'s segment files."""
     names = {os.path.basename(segment_path(job, r)) for r in range(64)}
-    with open("/proc/self/maps") as f:
+    with open("/proc/self/maps") as f:  # address perms offset dev inode path [(deleted)]
         return [line.strip() for line in f
-                if " rw-s " in line and os.path.basename(line.split()[-2 if line.rstrip().endswith("(deleted)")
-                                                                         else -1]) in names]
+                if " rw-s " in line and len(line.split()) > 5 and os.path.basename(line.split()[5]) in names]
 
 
 def closed_communicators_unmap(comm, rounds: int) -> list[str]:
