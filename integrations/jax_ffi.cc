@@ -62,6 +62,22 @@ static std::string fetch_error() {
   return text;
 }
 
+// The interpreter's lock, taken on the thread XLA runs the call on (often
+// one of its workers). PyGILState_Ensure alone makes a thread state for a
+// thread that has none and frees it at the matching release, on every call.
+// So the first call on a thread that does not hold the lock keeps one count
+// of its own: the state then lives as long as the thread, and later calls
+// only take and give back the lock.
+static PyGILState_STATE EnsureGil() {
+  static thread_local bool kept = false;
+  if (!kept && !PyGILState_Check()) {
+    kept = true;
+    PyGILState_Ensure();  // never released: it keeps this thread's state
+    PyEval_SaveThread();  // but not the lock
+  }
+  return PyGILState_Ensure();
+}
+
 static ffi::Error Call(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t key) {
   std::vector<std::pair<char *, size_t>> ins, outs;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -82,7 +98,7 @@ static ffi::Error Call(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, "an output differs in size from its input");
     if (ins[i].first != outs[i].first && ins[i].second > 0) std::memcpy(outs[i].first, ins[i].first, ins[i].second);
   }
-  PyGILState_STATE gil = PyGILState_Ensure();
+  PyGILState_STATE gil = EnsureGil();
   std::string error;
   if (g_dispatch == nullptr) {
     error = "collectives: no dispatch function is set";

@@ -156,22 +156,56 @@ def check_in_jit(jax, jnp, comm):
 
 def check_mismatch_in_jit(jax, jnp, comm):
     """One rank's in-jit allreduce has another size: every rank raises, and
-    the error names the rank, the collective and its number, and both sizes."""
+    the error names the rank, the collective and its number, and both sizes.
+    The value is computed in the function, so the call and its error are on
+    one of XLA's worker threads."""
     import time
 
     import collectives.integrations.jax as cj
 
-    n = 4 if comm.rank == 0 else 5
+    n = 4096 if comm.rank == 0 else 4097
     start = time.monotonic()
     try:
-        jax.block_until_ready(jax.jit(lambda x: cj.allreduce_tree_in_jit(x, comm, op="sum"))(jnp.ones(n)))
+        jax.block_until_ready(jax.jit(lambda x: cj.allreduce_tree_in_jit(x * 2.0, comm, op="sum"))(jnp.ones(n)))
     except Exception as exc:
         text = str(exc)
         took = time.monotonic() - start
-        named = all(w in text for w in ("MismatchedCollective", f"rank {comm.rank}", "allreduce #", "x 4", "x 5"))
+        named = all(w in text for w in ("MismatchedCollective", f"rank {comm.rank}", "allreduce #", "x 4096", "x 4097"))
         fails = [] if named else [f"mismatch: the error says {text[-600:]!r}"]
         return fails + ([f"mismatch: raised after {took:.1f} s"] if took > 10 else [])
     return ["mismatch: no rank raised"]
+
+
+def check_on_workers(jax, jnp, comm):
+    """A value the function computes is reduced on XLA's worker threads: many
+    calls there, each right, the interpreter's lock handed back every time
+    (the main thread goes on)."""
+    import threading
+
+    import collectives.integrations.jax as cj
+    from collectives.integrations import jax_ffi
+
+    r, p = comm.rank, comm.size
+    f = jax.jit(lambda x: cj.allreduce_tree_in_jit(x * 2.0, comm, op="sum"))
+    x = jnp.full((4096,), r + 1.0)
+    jax.block_until_ready(f(x))  # compiled: its host function is registered
+    threads = set()
+    for key, host in list(jax_ffi._hosts.items()):
+        def noting(outputs, host=host):
+            threads.add(threading.get_ident())
+            host(outputs)
+        jax_ffi._hosts[key] = noting
+    fails = []
+    for i in range(30):
+        y = jax.block_until_ready(f(x + i))
+        want = 2.0 * (p * (p + 1) / 2 + p * i)
+        if not bool(jnp.all(y == want)):
+            fails.append(f"on workers, call {i}: {y[:3]}, want {want}")
+            break
+    ffi = jax_ffi.available()[0] and os.environ.get("COLLECTIVES_JAX_FFI", "1") != "0"
+    if ffi and (not threads or threading.get_ident() in threads):
+        fails.append(f"the calls did not run on XLA's workers: {threads}")
+    return fails
 
 
 def main():
@@ -183,7 +217,7 @@ def main():
 
     comm = collectives.init(timeout=30)
     failures = []
-    for check in (check_training, check_dtypes, check_in_jit, check_mismatch_in_jit):
+    for check in (check_training, check_dtypes, check_in_jit, check_on_workers, check_mismatch_in_jit):
         try:
             failures += check(jax, jnp, comm)
         except Exception:
