@@ -128,8 +128,9 @@ def _run_parser() -> argparse.ArgumentParser:
                     help="when a rank fails: stop every rank (default), or let the others go on, e.g. to "
                          "shrink to the survivors (the job's status is then the first failure's)")
     ap.add_argument("--bind", choices=("auto", "core", "none"), default=None,
-                    help="bind rank i to core i (round robin): auto (default, COLLECTIVES_BIND) when the "
-                         "ranks outnumber the cores, core always, none never")
+                    help="auto (default, COLLECTIVES_BIND): each rank to a share of the cores of its own, or "
+                         "rank i to core i (round robin) when the ranks outnumber the cores; core: rank i to "
+                         "core i always; none: unbound")
     nodes = ap.add_argument_group("several nodes (one launcher per node)")
     nodes.add_argument("--nnodes", type=int, default=config.get("NNODES"),
                        help="number of nodes (default 1: COLLECTIVES_NNODES)")

@@ -8,7 +8,8 @@ continue``) and becomes the launcher's exit status. No rank outlives the
 launcher: each runs in a process group of its own (in the launcher's
 session), gets SIGKILL from the kernel when the launcher dies
 (``PR_SET_PDEATHSIG``), and a watchdog process stops what the ranks
-started. Ranks are bound to cores when they outnumber them.
+started. Ranks are bound: each to a share of the cores of its own, or to a
+core round robin where they outnumber the cores.
 The statuses, the guarantees and what they do not cover: docs/launching.md.
 
 This module imports only the standard library: it is also the watchdog's
@@ -29,7 +30,7 @@ import threading
 import time
 from typing import IO, Callable, Iterable, Sequence
 
-__all__ = ["launch", "run_processes", "rank_environment", "free_port", "rank_cpus", "shell_status"]
+__all__ = ["launch", "run_processes", "rank_environment", "free_port", "rank_cpus", "cpu_shares", "shell_status"]
 
 GRACE_SECONDS = 3.0
 BIND_CHOICES = ("auto", "core", "none")
@@ -111,8 +112,13 @@ def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock
 
 
 def rank_cpus(nprocs: int, bind: str | None = None) -> list[set[int]] | None:
-    """The cores each of ``nprocs`` ranks is bound to, or None (unbound); see
-    the module docstring for ``bind`` (default: ``COLLECTIVES_BIND`` or auto)."""
+    """The CPUs each of ``nprocs`` ranks is bound to, or None (unbound).
+
+    ``core``: rank i to the i-th CPU this process may use, round robin.
+    ``auto`` (the default, ``COLLECTIVES_BIND``): the same when the ranks
+    outnumber the CPUs; else, from 2 ranks, each rank gets a share of its
+    own (:func:`cpu_shares`); 1 rank is left unbound. ``none``: unbound.
+    """
     if bind is None:
         from collectives import config  # here: the watchdog runs this file with the standard library only
 
@@ -120,12 +126,55 @@ def rank_cpus(nprocs: int, bind: str | None = None) -> list[set[int]] | None:
     if bind not in BIND_CHOICES:
         raise ValueError(f"bind must be one of {', '.join(BIND_CHOICES)}, got {bind!r}")
     try:
-        cores = sorted(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return None
-    if bind == "none" or (bind == "auto" and nprocs <= len(cores)) or not cores:
+    if bind == "none" or not cpus or (bind == "auto" and nprocs < 2):
         return None
-    return [{cores[r % len(cores)]} for r in range(nprocs)]
+    if bind == "auto" and nprocs <= len(cpus):
+        return cpu_shares(cpus, nprocs)
+    return [{cpus[r % len(cpus)]} for r in range(nprocs)]
+
+
+def cpu_shares(cpus: Sequence[int], nprocs: int,
+               topology: str = "/sys/devices/system/cpu") -> list[set[int]]:
+    """``cpus`` split into ``nprocs`` disjoint shares, one per rank (needs
+    ``nprocs <= len(cpus)``): whole cores (a core's hardware threads stay
+    together, as ``topology`` lists them) in order of package and number,
+    as even as they divide; where there are fewer cores than ranks, single
+    CPUs."""
+    allowed = set(cpus)
+    cores: dict[tuple[int, int], set[int]] = {}
+    for cpu in cpus:
+        try:
+            with open(f"{topology}/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings = _cpu_list(f.read()) & allowed
+            with open(f"{topology}/cpu{cpu}/topology/physical_package_id") as f:
+                package = int(f.read())
+        except (OSError, ValueError):
+            siblings, package = {cpu}, 0
+        siblings.add(cpu)
+        cores.setdefault((package, min(siblings)), set()).update(siblings)
+    groups = [cores[k] for k in sorted(cores)]
+    if len(groups) < nprocs:
+        groups = [{cpu} for cpu in cpus]
+    per, extra = divmod(len(groups), nprocs)
+    shares, start = [], 0
+    for r in range(nprocs):
+        end = start + per + (1 if r < extra else 0)
+        shares.append(set().union(*groups[start:end]))
+        start = end
+    return shares
+
+
+def _cpu_list(text: str) -> set[int]:
+    """A kernel CPU list (``0-3,8,10-11``) as a set."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def _bind(proc: subprocess.Popen, cpus: set[int]) -> None:

@@ -47,14 +47,20 @@ def test_run_stops_every_rank_when_one_fails(tmp_path):
     assert time.monotonic() - t0 < 30
 
 
-def test_rank_cpus_binds_round_robin_when_ranks_outnumber_cores(monkeypatch):
-    from collectives.launcher import rank_cpus
+def test_rank_cpus_gives_each_rank_a_share_or_a_core_round_robin(monkeypatch):
+    from collectives.launcher import cpu_shares, rank_cpus
 
     cores = sorted(os.sched_getaffinity(0))
     n = len(cores)
-    assert rank_cpus(n, "auto") is None  # a core each: left to the kernel
+    assert rank_cpus(1, "auto") is None  # one rank: left to the kernel
+    if n >= 2:  # a share each: disjoint, every allowed CPU used
+        shares = rank_cpus(n, "auto")
+        assert shares == cpu_shares(cores, n) and len(shares) == n
+        assert sorted(c for share in shares for c in share) == cores
+        two = rank_cpus(2, "auto")
+        assert not two[0] & two[1] and two[0] | two[1] == set(cores)
     assert rank_cpus(n + 1, "none") is None
-    bound = rank_cpus(2 * n + 1, "auto")
+    bound = rank_cpus(2 * n + 1, "auto")  # more ranks than CPUs: one each, round robin
     assert bound == [{cores[r % n]} for r in range(2 * n + 1)]
     assert rank_cpus(1, "core") == [{cores[0]}]
     monkeypatch.setenv("COLLECTIVES_BIND", "core")
@@ -63,23 +69,59 @@ def test_rank_cpus_binds_round_robin_when_ranks_outnumber_cores(monkeypatch):
         rank_cpus(2, "sockets")
 
 
-def test_run_binds_ranks_that_share_cores(tmp_path):
-    n = len(os.sched_getaffinity(0)) + 1
-    res = _run(["-n", str(n)], """
+def _topology(root, siblings: dict[int, str], packages: dict[int, int]) -> str:
+    for cpu, text in siblings.items():
+        d = root / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+        (d / "physical_package_id").write_text(f"{packages[cpu]}\n")
+    return str(root)
+
+
+def test_cpu_shares_keep_a_cores_threads_together_and_packages_apart(tmp_path):
+    from collectives.launcher import cpu_shares
+
+    # 2 packages of 2 cores of 2 threads; the kernel numbers a core's threads n and n + 4
+    siblings = {c: f"{c % 4},{c % 4 + 4}" for c in range(8)}
+    packages = {c: (c % 4) // 2 for c in range(8)}
+    topo = _topology(tmp_path / "smt", siblings, packages)
+    cpus = list(range(8))
+    assert cpu_shares(cpus, 2, topo) == [{0, 1, 4, 5}, {2, 3, 6, 7}]
+    assert cpu_shares(cpus, 4, topo) == [{0, 4}, {1, 5}, {2, 6}, {3, 7}]
+    assert cpu_shares(cpus, 3, topo) == [{0, 1, 4, 5}, {2, 6}, {3, 7}]  # as even as whole cores allow
+    assert cpu_shares(cpus, 8, topo) == [{c} for c in cpus]  # fewer cores than ranks: a CPU each
+    assert cpu_shares([0, 1, 2, 3], 2, topo) == [{0, 1}, {2, 3}]  # only the CPUs allowed (threads 4-7 are not)
+    # a list in ranges, and CPUs the topology does not describe: a core each
+    topo2 = _topology(tmp_path / "ranges", {0: "0-1", 1: "0-1"}, {0: 0, 1: 0})
+    assert cpu_shares([0, 1, 2, 3], 2, topo2) == [{0, 1, 2}, {3}]  # three cores: the first rank gets two
+    assert cpu_shares([0, 1, 2, 3], 3, topo2) == [{0, 1}, {2}, {3}]
+
+
+def test_run_binds_each_rank_to_a_share_and_ranks_that_share_cores_round_robin(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    script = """
         import os, collectives
         comm = collectives.init()
         print("cpus", comm.rank, sorted(os.sched_getaffinity(0)), "shared", comm.transport.cores)
         comm.close()
-    """, tmp_path)
+    """
+    if len(cores) >= 2:  # a share each, and the ranks count every core among them (so they spin)
+        res = _run(["-n", "2"], script, tmp_path)
+        assert res.returncode == 0, res.stdout + res.stderr
+        from collectives.launcher import cpu_shares
+
+        for r, share in enumerate(cpu_shares(cores, 2)):
+            assert f"cpus {r} {sorted(share)} shared {len(cores)}" in res.stdout, res.stdout
+    n = len(cores) + 1
+    res = _run(["-n", str(n)], script, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    cores = sorted(os.sched_getaffinity(0))
     for r in range(n):  # one core each, but the shared-memory ranks know they share all of them
         assert f"cpus {r} [{cores[r % len(cores)]}] shared {len(cores)}" in res.stdout
-    res = _run(["-n", str(n), "--bind", "none"], """
+    res = _run(["-n", "2", "--bind", "none"], """
         import os
         print("cpus", os.environ["COLLECTIVES_RANK"], len(os.sched_getaffinity(0)))
     """, tmp_path)
-    assert f"cpus 0 {len(cores)}" in res.stdout
+    assert f"cpus 0 {len(cores)}" in res.stdout and f"cpus 1 {len(cores)}" in res.stdout
 
 
 def test_failing_rank_turns_into_errors_on_the_others(tmp_path):
