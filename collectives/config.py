@@ -64,9 +64,8 @@ def _settings() -> dict[str, Setting]:
                 "launch"),
         Setting("LOCAL", "bool", True, "every rank runs on this host (set by the launcher)", "launch"),
         Setting("TRANSPORT", "str", "auto", "the transport: auto, shm, zmq, mpi, rdma, sim", "launch"),
-        Setting("BIND", "str", "auto", "bind ranks to cores: auto (a share each, or one each round robin when they outnumber "
-                "the cores), core (one each), none",
-                "launch", ("auto", "core", "none")),
+        Setting("BIND", "str", "auto", "bind ranks to cores: auto (a share each, or one each round robin "
+                "when they outnumber the cores), core (one each), none", "launch", ("auto", "core", "none")),
         Setting("SOCKET_IFNAME", "str", None, "the network interface TCP listens on", "launch"),
         Setting("NNODES", "int", 1, "nodes of a `collectives run` job, one launcher each (--nnodes)", "launch"),
         Setting("NODE_RANK", "int", 0, "this node's index in a `collectives run` job over several nodes "

@@ -24,7 +24,10 @@ from ...window_contract import COMPILED_CALLS
 from .state import DATA_OFFSET, WindowState, state_of
 from .tuning import PIECE, PIECED_FROM, compiled_piece
 
-__all__ = ["arr", "slot", "other_half", "compile_call", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared"]
+__all__ = [
+    "arr", "slot", "other_half", "compile_call", "reduction", "first", "first_two", "no_arrays",
+    "prepared_from", "run_prepared",
+]
 
 
 def arr(index: int, byte_offset: int = 0) -> tuple[int, int, int]:
