@@ -146,13 +146,8 @@ def cpu_shares(cpus: Sequence[int], nprocs: int,
     allowed = set(cpus)
     cores: dict[tuple[int, int], set[int]] = {}
     for cpu in cpus:
-        try:
-            with open(f"{topology}/cpu{cpu}/topology/thread_siblings_list") as f:
-                siblings = _cpu_list(f.read()) & allowed
-            with open(f"{topology}/cpu{cpu}/topology/physical_package_id") as f:
-                package = int(f.read())
-        except (OSError, ValueError):
-            siblings, package = {cpu}, 0
+        siblings = _read(f"{topology}/cpu{cpu}/topology/thread_siblings_list", _cpu_list, set()) & allowed
+        package = _read(f"{topology}/cpu{cpu}/topology/physical_package_id", int, 0)
         siblings.add(cpu)
         cores.setdefault((package, min(siblings)), set()).update(siblings)
     groups = [cores[k] for k in sorted(cores)]
@@ -165,6 +160,15 @@ def cpu_shares(cpus: Sequence[int], nprocs: int,
         shares.append(set().union(*groups[start:end]))
         start = end
     return shares
+
+
+def _read(path: str, parse: Callable, default):
+    """``parse`` of the file's text, or ``default`` where it cannot be read or parsed."""
+    try:
+        with open(path) as f:
+            return parse(f.read())
+    except (OSError, ValueError):
+        return default
 
 
 def _cpu_list(text: str) -> set[int]:

@@ -74,7 +74,8 @@ def _topology(root, siblings: dict[int, str], packages: dict[int, int]) -> str:
         d = root / f"cpu{cpu}" / "topology"
         d.mkdir(parents=True)
         (d / "thread_siblings_list").write_text(text + "\n")
-        (d / "physical_package_id").write_text(f"{packages[cpu]}\n")
+        if cpu in packages:
+            (d / "physical_package_id").write_text(f"{packages[cpu]}\n")
     return str(root)
 
 
@@ -95,6 +96,9 @@ def test_cpu_shares_keep_a_cores_threads_together_and_packages_apart(tmp_path):
     topo2 = _topology(tmp_path / "ranges", {0: "0-1", 1: "0-1"}, {0: 0, 1: 0})
     assert cpu_shares([0, 1, 2, 3], 2, topo2) == [{0, 1, 2}, {3}]  # three cores: the first rank gets two
     assert cpu_shares([0, 1, 2, 3], 3, topo2) == [{0, 1}, {2}, {3}]
+    # no package numbers: the threads still go together
+    topo3 = _topology(tmp_path / "nopackage", {c: f"{c % 2},{c % 2 + 2}" for c in range(4)}, {})
+    assert cpu_shares([0, 1, 2, 3], 2, topo3) == [{0, 2}, {1, 3}]
 
 
 def test_run_binds_each_rank_to_a_share_and_ranks_that_share_cores_round_robin(tmp_path):
