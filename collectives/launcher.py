@@ -181,13 +181,6 @@ def _cpu_list(text: str) -> set[int]:
     return out
 
 
-def _bind(proc: subprocess.Popen, cpus: set[int]) -> None:
-    try:
-        os.sched_setaffinity(proc.pid, cpus)
-    except OSError:  # it exited already, or the kernel refuses: it runs unbound
-        pass
-
-
 # -- process groups ------------------------------------------------------------
 
 def _live_groups(pgids: Iterable[int]) -> set[int]:
@@ -264,11 +257,19 @@ def _prctl() -> Callable[..., int] | None:
     return prctl
 
 
-def _die_with(parent: int, prctl: Callable[..., int] | None) -> Callable[[], None]:
-    """The function a rank runs between fork and exec: SIGKILL the rank when
+def _rank_setup(parent: int, prctl: Callable[..., int] | None,
+                cpus: set[int] | None) -> Callable[[], None]:
+    """The function a rank runs between fork and exec: bind it to ``cpus``
+    (before any thread of the program exists, so every thread inherits
+    them; where the kernel refuses, it runs unbound), and SIGKILL it when
     the thread that started it, in the launcher ``parent``, ends (the
     launcher dies), or at once if the launcher died already."""
     def setup() -> None:
+        if cpus is not None:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError:
+                pass
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the launcher died before the death signal was set
@@ -311,15 +312,14 @@ def _spawn(command: Sequence[str], nprocs: int, envs: Sequence[dict[str, str]],
            cpus: list[set[int]] | None, watchdog: "_Watchdog",
            procs: list[subprocess.Popen]) -> None:
     """Start the ranks, appending each to ``procs`` as soon as it exists."""
-    setup = _die_with(os.getpid(), _prctl())
+    parent, prctl = os.getpid(), _prctl()
     stdin = subprocess.DEVNULL if _terminal(sys.stdin) else None  # a background group reading it would stop
     for r in range(nprocs):
+        setup = _rank_setup(parent, prctl, cpus[r] if cpus is not None else None)
         p = subprocess.Popen(list(command), env=envs[r], stdin=stdin, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, process_group=0, preexec_fn=setup)
         procs.append(p)
         watchdog.watch(p.pid)
-        if cpus is not None:
-            _bind(p, cpus[r])
 
 
 def _terminal(stream: IO | None) -> bool:

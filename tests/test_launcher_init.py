@@ -128,6 +128,33 @@ def test_run_binds_each_rank_to_a_share_and_ranks_that_share_cores_round_robin(t
     assert f"cpus 0 {len(cores)}" in res.stdout and f"cpus 1 {len(cores)}" in res.stdout
 
 
+def test_a_rank_is_bound_before_its_program_starts():
+    """The launcher binds each rank between fork and exec, so that even the
+    first instruction of its program (here grep reading its own status) runs
+    on the rank's cores; binding after the start raced with the program."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one CPU: ranks are left unbound")
+    from collectives.launcher import cpu_shares
+
+    want = {r: ",".join(map(str, sorted(share))) for r, share in enumerate(cpu_shares(cores, 2))}
+    for _ in range(5):
+        res = subprocess.run([sys.executable, "-m", "collectives.cli", "run", "-n", "2", "--timeout", "60",
+                              "grep", "Cpus_allowed_list", "/proc/self/status"],
+                             capture_output=True, text=True, timeout=90)
+        assert res.returncode == 0, res.stdout + res.stderr
+        for r in (0, 1):
+            line = next(ln for ln in res.stdout.splitlines() if ln.startswith(f"[rank {r}]"))
+            listed = line.split(":", 1)[1].strip()
+            got = sorted(c for part in listed.split(",") for c in _expand(part))
+            assert ",".join(map(str, got)) == want[r], (r, line)
+
+
+def _expand(part: str) -> range:
+    lo, _, hi = part.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
 def test_failing_rank_turns_into_errors_on_the_others(tmp_path):
     res = _run(["-n", "3"], """
         import numpy as np, collectives
