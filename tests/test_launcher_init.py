@@ -135,7 +135,7 @@ def test_a_rank_is_bound_before_its_program_starts():
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("one CPU: ranks are left unbound")
-    from collectives.launcher import cpu_shares
+    from collectives.launcher import _cpu_list, cpu_shares
 
     want = {r: ",".join(map(str, sorted(share))) for r, share in enumerate(cpu_shares(cores, 2))}
     for _ in range(5):
@@ -146,13 +146,8 @@ def test_a_rank_is_bound_before_its_program_starts():
         for r in (0, 1):
             line = next(ln for ln in res.stdout.splitlines() if ln.startswith(f"[rank {r}]"))
             listed = line.split(":", 1)[1].strip()
-            got = sorted(c for part in listed.split(",") for c in _expand(part))
+            got = sorted(_cpu_list(listed))
             assert ",".join(map(str, got)) == want[r], (r, line)
-
-
-def _expand(part: str) -> range:
-    lo, _, hi = part.partition("-")
-    return range(int(lo), int(hi or lo) + 1)
 
 
 def test_failing_rank_turns_into_errors_on_the_others(tmp_path):
