@@ -30,12 +30,12 @@ from typing import Sequence
 from collectives.arithmetic import show_bytes
 
 from .calibration_fits import fit_exchange, fit_overheads, fit_piecewise, fit_stretch
-from .calibration_measurements import (EXCHANGE_BYTES, SWEEP_BYTES, best_time, exchange, measure_copy_bandwidth,
-                                       measure_gamma, measure_probes, pingpong, rank_count_measurements,
-                                       window_fence)
+from .calibration_measurements import (EXCHANGE_BYTES, SWEEP_BYTES, LatencyLog, best_time, exchange,
+                                       measure_copy_bandwidth, measure_gamma, measure_probes, pingpong,
+                                       rank_count_measurements, window_fence)
 from .digests import anchor_digests
 from .model import Params
-from .profile import DEFAULTS, GENERIC, host_cores, profile_path, save_profile
+from .profile import DEFAULTS, GENERIC, host_cores, profile_path, save_profile, unsteady
 
 __all__ = ["main", "rank_main", "stretch_main", "add_stretch", "default_stretch_ranks"]
 
@@ -45,7 +45,8 @@ def rank_main(out: str | None, quick: bool) -> int:
     import collectives
 
     comm = collectives.init()
-    step = _progress(comm.rank, 5)
+    latency = LatencyLog(comm)
+    step = _progress(comm.rank, 5, latency)
     sizes = SWEEP_BYTES[:8] if quick else SWEEP_BYTES
     step(f"ping-pong, {show_bytes(sizes[0])} to {show_bytes(sizes[-1])} (alpha, beta)")
     times = pingpong(comm, sizes, quick) if comm.size > 1 else []
@@ -60,6 +61,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     probes = measure_probes(comm, 3 if quick else 20) if comm.size > 1 else []
     step("every algorithm at its anchor sizes")
     extra, anchors = rank_count_measurements(comm, quick) if comm.size > 1 else ([], [])
+    latency.probe("at the end")
     name, p, cores = comm.transport.name, comm.size, comm.transport.cores or host_cores()
     comm.close()
     if comm.rank != 0:
@@ -80,7 +82,8 @@ def rank_main(out: str | None, quick: bool) -> int:
     path = Path(out) if out else profile_path(name)
     data = {**params.as_dict(), "transport": name, "host": socket.gethostname(), "ranks": comm.size,
             "fit_error": fit["error"], "sweep": {"bytes": list(sizes), "seconds": times},
-            "probes": [list(t) for t in probes + extra], "anchor_digests": anchor_digests(params.anchors),
+            "probes": [list(t) for t in probes + extra], "latency_probes": latency.rows,
+            "anchor_digests": anchor_digests(params.anchors),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     data.pop("source", None)
     save_profile(path, data)
@@ -93,12 +96,14 @@ def rank_main(out: str | None, quick: bool) -> int:
 
 
 
-def _progress(rank: int, steps: int):
-    """``step(what)``: rank 0 says on stderr which of ``steps`` measurements starts."""
+def _progress(rank: int, steps: int, latency: LatencyLog):
+    """``step(what)``: rank 0 says on stderr which of ``steps`` measurements
+    starts, after a ``latency`` probe."""
     done = [0]
 
     def step(what: str) -> None:
         done[0] += 1
+        latency.probe(f"before step {done[0]} of {steps}")
         if rank == 0:
             print(f"calibrate: [{done[0]}/{steps}] {what}", file=sys.stderr, flush=True)
     return step
@@ -142,12 +147,15 @@ def stretch_main(out: str, quick: bool) -> int:
     import collectives
 
     comm = collectives.init()
+    latency = LatencyLog(comm)
+    latency.probe("at the start")
     probes = measure_probes(comm, 3 if quick else 10)
     extra, anchors = rank_count_measurements(comm, quick)
     probes += extra
+    latency.probe("at the end")
     comm.close()
     if comm.rank == 0:
-        Path(out).write_text(json.dumps({"probes": probes, "anchors": anchors}))
+        Path(out).write_text(json.dumps({"probes": probes, "anchors": anchors, "latency_probes": latency.rows}))
     return 0
 
 
@@ -171,6 +179,7 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
     params = Params.from_dict(data)
     table = {int(t[0]): tuple(t[1:]) for t in params.stretch}
     anchors = [t for t in data.get("anchors", ()) if int(t[2]) not in ranks]
+    latency = [t for t in data.get("latency_probes", ()) if int(t[0]) not in ranks]
     with tempfile.TemporaryDirectory() as tmp:
         for i, p in enumerate(ranks):
             print(f"calibrate: stretch job {i + 1} of {len(ranks)}, at {p} ranks", file=sys.stderr, flush=True)
@@ -183,9 +192,11 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
             probes = [tuple(t) for t in job["probes"]]
             table[p] = fit_stretch(probes, replace(params, stretch=(), anchors=()), p)
             anchors += job["anchors"]
+            latency += job.get("latency_probes", [])
     data["stretch"] = [[p, *table[p]] for p in sorted(table)]
     data["anchors"] = anchors
     data["anchor_digests"] = anchor_digests(anchors)  # measured by this code, as the main job's
+    data["latency_probes"] = latency
     save_profile(path, data)
     print("stretch (ranks: message latency x, message bytes x, fence x, local x): "
           + ", ".join(f"{p}: {a:.2f}, {b:.2f}, {f:.2f}, {c:.2f}" for p, (a, b, f, c) in sorted(table.items())))
@@ -243,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_stretch(path, ranks, lambda p, out: run_job(p, "--stretch-main", out))
     if status == 0 and path.is_file():
         print(reading(path, ns.transport, ns.nprocs))
+        note = unsteady(json.loads(path.read_text()))
+        if note:
+            print(f"calibrate: this profile was {note}", file=sys.stderr)
     return status
 
 

@@ -1,7 +1,7 @@
 """What the ranks of ``collectives calibrate`` measure.
 
-Ranks 0 and 1: the ping-pong sweep (:func:`pingpong`) and the exchange
-(:func:`exchange`); rank 0 alone: gamma per dtype and the copy bandwidth;
+Ranks 0 and 1: the ping-pong sweep (:func:`pingpong`), the exchange
+(:func:`exchange`) and the latency probe (:func:`latency_probe`); rank 0 alone: gamma per dtype and the copy bandwidth;
 every rank: the fence, the small collectives (:data:`PROBES`), and the
 anchors, every algorithm at :func:`anchor_sizes`
 (:func:`rank_count_measurements`). Each time is the best of a few tries;
@@ -23,7 +23,7 @@ from .timing import slowest_best, slowest_best_each
 __all__ = ["SWEEP_BYTES", "GAMMA_DTYPES", "PROBES", "PROBE_BYTES", "STRETCH_BYTES", "ANCHORED",
            "LARGE_ANCHOR_BYTES", "WINDOW_PROBES", "EXCHANGE_BYTES", "best_time", "measure_gamma",
            "measure_copy_bandwidth", "window_fence", "measure_probes", "anchor_sizes", "measure_anchors",
-           "window_probes", "pingpong", "exchange", "rank_count_measurements"]
+           "window_probes", "pingpong", "latency_probe", "LatencyLog", "exchange", "rank_count_measurements"]
 
 #: Message sizes of the ping-pong sweep (bytes).
 SWEEP_BYTES = [0, 8, 64, 512, 2048, 8192, 32768, 131072, 524288, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -185,6 +185,38 @@ def pingpong(comm, sizes: Sequence[int], quick: bool) -> list[float]:
 
         out.append(slowest_best(comm, round_trip, reps) / 2)
     return out
+
+
+def latency_probe(comm, round_trips: int = 10, repeats: int = 30) -> float:
+    """One 8-byte message's time between ranks 0 and 1 (half the best round
+    trip of ``round_trips`` in a row, over ``repeats`` tries; other ranks
+    skip): the calibration's check that the host stayed in one state."""
+    buf = np.zeros(8, np.uint8)
+
+    def round_trips_in_a_row() -> None:
+        for _ in range(round_trips):
+            if comm.rank == 0:
+                comm.send(buf, 1)
+                comm.recv(buf, 1)
+            elif comm.rank == 1:
+                comm.recv(buf, 0)
+                comm.send(buf, 0)
+
+    return slowest_best(comm, round_trips_in_a_row, repeats) / (2 * round_trips)
+
+
+class LatencyLog:
+    """A calibration job's latency probes (:func:`latency_probe`), each kept
+    as ``[ranks, when, seconds]`` for the profile's ``latency_probes``."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.rows: list[list] = []
+
+    def probe(self, when: str) -> None:
+        """Take one probe (every rank calls it; none at 1 rank)."""
+        if self.comm.size > 1:
+            self.rows.append([self.comm.size, when, latency_probe(self.comm)])
 
 
 #: Sizes of the exchange probe (a rank sends and receives at once), where the bytes dominate.

@@ -26,7 +26,7 @@ from collectives import config
 from .model import Params
 
 __all__ = ["DEFAULTS", "GENERIC", "profile_path", "find_profile", "read_profile", "load_profile", "save_profile",
-           "host_cores"]
+           "host_cores", "UNSTEADY_SPREAD", "unsteady"]
 
 #: Parameters used when a transport has no profile (seconds, bytes/s).
 #: shm: copy through a shared ring, a few microseconds per message;
@@ -40,6 +40,11 @@ DEFAULTS: dict[str, Params] = {
 }
 #: Parameters of a transport that has neither a profile nor an entry in :data:`DEFAULTS`.
 GENERIC = Params()
+#: A profile whose latency probes (``latency_probes``: the time of one
+#: 8-byte message, taken before each step of a calibration job and at its
+#: end) differ by more than this factor within one job was measured while
+#: the host changed state.
+UNSTEADY_SPREAD = 1.5
 
 
 def _cache_dir() -> Path:
@@ -97,8 +102,33 @@ def read_profile(file: Path, source: str) -> dict[str, Any] | None:
         shown = ", ".join(stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
         source += (f"; without the measured times of {len(stale)} algorithm(s) whose code changed since "
                    f"(or that carry no digest): {shown}; `collectives calibrate` measures them again")
+    note = unsteady(data)
+    if note:
+        source += f"; {note}"
     data["source"] = source
     return data
+
+
+def unsteady(data: dict[str, Any]) -> str:
+    """A word on a profile measured while the host changed state, else '':
+    within one calibration job (probes of other rank counts are not
+    compared, as more ranks share the cores), two ``latency_probes``
+    (each ``[ranks, when, seconds]``) differ by more than :data:`UNSTEADY_SPREAD`."""
+    jobs: dict[int, list[tuple[str, float]]] = {}
+    for t in data.get("latency_probes", ()):
+        if isinstance(t, (list, tuple)) and len(t) == 3 and float(t[2]) > 0:
+            jobs.setdefault(int(t[0]), []).append((str(t[1]), float(t[2])))
+    worst = None
+    for p, probes in sorted(jobs.items()):
+        low, high = min(probes, key=lambda t: t[1]), max(probes, key=lambda t: t[1])
+        if high[1] > UNSTEADY_SPREAD * low[1] and (worst is None or high[1] / low[1] > worst[0]):
+            worst = (high[1] / low[1], p, low, high)
+    if worst is None:
+        return ""
+    _, p, (low_at, low), (high_at, high) = worst
+    return (f"measured while the host changed state: in the {p}-rank job an 8-byte message took "
+            f"{low * 1e6:.2f} us {low_at} and {high * 1e6:.2f} us {high_at}; its times mix both states, "
+            f"so calibrate again when the host is steady")
 
 
 def save_profile(path: Path, data: dict[str, Any]) -> None:

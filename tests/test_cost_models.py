@@ -16,7 +16,7 @@ from collectives.cost_models.digests import anchor_digests
 from collectives.cost_models.calibration_fits import fit_line, fit_overheads, fit_piecewise
 from collectives.cost_models.calibration_measurements import PROBE_BYTES, PROBES
 from collectives.cost_models.explain import main as explain_main, parse_bytes
-from collectives.cost_models.profile import DEFAULTS, load_profile, profile_path
+from collectives.cost_models.profile import DEFAULTS, UNSTEADY_SPREAD, load_profile, profile_path, unsteady
 from collectives.cost_models.selector import TIE, WINDOW_TIE, ModelSelector
 from collectives.registry import all_algorithms, algorithms_for
 from collectives.selection import rule
@@ -224,9 +224,39 @@ def test_calibrate_on_shared_memory(tmp_path) -> None:
     # each anchored algorithm's code digest, which loading checks: every anchor is kept
     assert set(data["anchor_digests"]) == {f"{c}/{a}" for c, a in anchored}
     assert data["gamma_by_dtype"]["float32"] > 0 and data["mem_bandwidth"] > 0
+    # the 8-byte message timed before each of the main job's 5 steps and at its end, and at the
+    # start and end of each stretch job (the suite's load may make them differ: not checked here)
+    whens = [(p, when) for p, when, t in data["latency_probes"] if t > 0]
+    assert whens[:6] == [(2, f"before step {k} of 5") for k in range(1, 6)] + [(2, "at the end")]
+    stretched = {int(t[0]) for t in data["stretch"]} - {2}
+    assert sorted(whens[6:]) == sorted((p, w) for p in stretched for w in ("at the start", "at the end"))
     loaded = load_profile("shm", out)
     assert loaded.alpha == data["alpha"] and len(loaded.anchors) == len(data["anchors"])
-    assert loaded.source == str(out)
+    note = unsteady(data)
+    assert loaded.source == (f"{out}; {note}" if note else str(out))
+    assert (note != "") == ("this profile was measured while the host changed state" in proc.stderr)
+
+
+def test_a_profile_measured_while_the_host_changed_state_says_so(tmp_path, capsys) -> None:
+    """Latency probes that differ by more than UNSTEADY_SPREAD within one job
+    mark the profile (its source, which explain prints); across jobs of
+    different rank counts they are not compared."""
+    steady = [[2, "before step 1 of 5", 0.30e-6], [2, "at the end", 0.31e-6],
+              [8, "at the start", 2.0e-6], [8, "at the end", 2.1e-6]]
+    assert unsteady({"latency_probes": steady}) == ""
+    slow = 0.30e-6 * UNSTEADY_SPREAD * 1.2
+    moved = steady + [[3, "at the start", 0.40e-6], [3, "at the end", 0.40e-6 * UNSTEADY_SPREAD * 1.01],
+                      [2, "before step 4 of 5", slow]]
+    note = unsteady({"latency_probes": moved})
+    assert note.startswith("measured while the host changed state: in the 2-rank job")  # the worse of two jobs
+    assert "0.30 us before step 1 of 5" in note and f"{slow * 1e6:.2f} us before step 4 of 5" in note
+    assert "calibrate again" in note
+    assert unsteady({"latency_probes": [[2, "at the end", 0.3e-6]]}) == unsteady({}) == ""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**Params().as_dict(), "latency_probes": moved}))
+    assert load_profile("shm", path).source == f"{path}; {note}"
+    assert explain_main(["allreduce", "--bytes", "4M", "-n", "2", "--profile", str(path)]) == 0
+    assert note in capsys.readouterr().out
 
 
 # ----------------------------------------------------- timing and stretch
