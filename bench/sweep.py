@@ -19,8 +19,8 @@ import numpy as np
 
 from .peers import make_runner
 
-__all__ = ["BUS_FACTOR", "REDUCE_OPS", "CallBuffers", "bytes_of", "dtype_of", "iterations", "measure",
-           "run_sweep", "main"]
+__all__ = ["BUS_FACTOR", "REDUCE_OPS", "POINT_TO_POINT", "CallBuffers", "bytes_of", "dtype_of", "iterations",
+           "measure", "run_sweep", "main"]
 
 #: nccl-tests' bus bandwidth factors (busbw = algbw * factor(p)).
 BUS_FACTOR = {
@@ -33,7 +33,13 @@ BUS_FACTOR = {
     "bcast": lambda p: 1.0,
     "reduce": lambda p: 1.0,
     "barrier": lambda p: 0.0,
+    "pingpong": lambda p: 1.0,
 }
+#: What the bench times beside the collectives, never part of "all": ``pingpong``,
+#: OSU's latency test (ranks 0 and 1 send the message back and forth, the
+#: other ranks idle; each iteration is a round trip, reported as half of it,
+#: one way, as ``osu_latency`` reports).
+POINT_TO_POINT = ("pingpong",)
 REDUCING = ("allreduce", "reduce", "reduce_scatter")
 ROOTED = ("bcast", "reduce", "scatter", "gather")
 #: collectives with both an in-place and an out-of-place form
@@ -158,6 +164,13 @@ class CallBuffers:
     def _barrier(self) -> None:
         pass
 
+    def _pingpong(self) -> None:
+        if self.p < 2:
+            raise ValueError("pingpong needs at least 2 ranks")
+        self.bufs["send"], self.bufs["recv"] = self._empty(self.block), self._empty(self.block)
+        self._fill = [("send", self.everyone[self.r]), ("recv", np.zeros(self.block, self.dtype))]
+        self._check = ("recv", self.everyone[0]) if self.r < 2 else None  # what rank 0 sent, echoed
+
     def reset(self) -> None:
         for key, source in self._fill:
             self.bufs[key][:] = source
@@ -205,6 +218,8 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
     n_iter, n_warm = iterations(size, iters, warmup)
     case.reset()
     times = _time(runner, collective, algorithm, case.bufs, n_iter, n_warm)
+    if collective in POINT_TO_POINT:
+        times /= 2  # one way
     case.reset()
     runner.bind(collective, algorithm, case.bufs)()
     bad = runner.max_over_ranks(np.array([case.wrong()], dtype=np.float64))

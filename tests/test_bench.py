@@ -289,3 +289,32 @@ def test_compare_openmpi_runs_beside_mpich_and_gives_the_ratio_to_the_faster(ope
     assert f"openmpi = {mpis['openmpi']}" in out and f"mpich = {mpis['mpi']}" in out
     assert "openmpi(us)" in out and "mpich(us)" in out and "fasterMPI" in out
     assert "auto/fasterMPI" in out and "the faster MPI: worst" in out
+
+
+def test_pingpong_times_send_and_recv_one_way_beside_mpich_and_gloo(tmp_path):
+    """OSU's latency test: ranks 0 and 1 send the message back and forth (a third rank idles),
+    each library's blocking send and receive, the echo checked, half the round trip reported."""
+    res = _run(["pingpong", "-n", "3", "--sizes", "8,4K", "--iters", "5", "--warmup", "1", "--compare",
+                "mpi,gloo", "--json", "r.json"], tmp_path, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert validate(doc) == []
+    rows = doc["results"]
+    assert {(r["peer"], r["collective"], r["size"]) for r in rows} == {
+        (p, "pingpong", s) for p in ("ours", "mpi", "gloo") for s in (8, 4096)}
+    assert {r["algorithm"] for r in rows if r["peer"] == "ours"} == {"send_recv"}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
+    assert "# pingpong" in res.stdout and "gloo(us)" in res.stdout and "mpich(us)" in res.stdout
+
+
+def test_pingpong_is_named_alone_checks_the_echo_and_needs_two_ranks():
+    from collectives.bench.cli import _collectives
+
+    assert "pingpong" not in _collectives("all", 2) and _collectives("pingpong", 2) == ["pingpong"]
+    with pytest.raises(SystemExit, match="at least 2 ranks"):
+        _collectives("allreduce,pingpong", 1)
+    case = CallBuffers(_OneRankOfTwo(), "pingpong", 64, np.dtype(np.float32), "sum", 0, inplace=True)
+    case.reset()  # rank 0 before the echo came back
+    assert case.wrong() == 64
+    case.bufs["recv"][:] = case.bufs["send"]  # the echo of what it sent
+    assert case.wrong() == 0
