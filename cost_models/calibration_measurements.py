@@ -1,8 +1,8 @@
 """What the ranks of ``collectives calibrate`` measure.
 
-Ranks 0 and 1: the ping-pong sweep (:func:`pingpong`), the exchange
-(:func:`exchange`) and the latency probe (:func:`latency_probe`); rank 0 alone: gamma per dtype and the copy bandwidth;
-every rank: the fence, the small collectives (:data:`PROBES`), and the
+Ranks 0 and 1: the ping-pong sweep (:func:`pingpong`) and the exchange
+(:func:`exchange`); rank 0 alone: gamma per dtype and the copy bandwidth;
+every rank: the latency probe (:func:`latency_probe`), the fence, the small collectives (:data:`PROBES`), and the
 anchors, every algorithm at :func:`anchor_sizes`
 (:func:`rank_count_measurements`). Each time is the best of a few tries;
 those of more than one rank are timed from a common start, on the slowest
@@ -187,22 +187,18 @@ def pingpong(comm, sizes: Sequence[int], quick: bool) -> list[float]:
     return out
 
 
-def latency_probe(comm, round_trips: int = 10, repeats: int = 30) -> float:
-    """One 8-byte message's time between ranks 0 and 1 (half the best round
-    trip of ``round_trips`` in a row, over ``repeats`` tries; other ranks
-    skip): the calibration's check that the host stayed in one state."""
-    buf = np.zeros(8, np.uint8)
+def latency_probe(comm, calls: int = 20, repeats: int = 30) -> float:
+    """One 8-byte allreduce's time (``auto``'s; on shared memory the window's
+    compiled call, whose time follows a cache line's trip between cores):
+    the best of ``repeats`` tries of ``calls`` in a row on every rank, timed
+    on the slowest. The calibration's check that the host stayed in one state."""
+    x = np.zeros(2, np.float32)
 
-    def round_trips_in_a_row() -> None:
-        for _ in range(round_trips):
-            if comm.rank == 0:
-                comm.send(buf, 1)
-                comm.recv(buf, 1)
-            elif comm.rank == 1:
-                comm.recv(buf, 0)
-                comm.send(buf, 0)
+    def calls_in_a_row() -> None:
+        for _ in range(calls):
+            comm.allreduce(x)
 
-    return slowest_best(comm, round_trips_in_a_row, repeats) / (2 * round_trips)
+    return slowest_best(comm, calls_in_a_row, repeats) / calls
 
 
 class LatencyLog:

@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Params] = {
 #: Parameters of a transport that has neither a profile nor an entry in :data:`DEFAULTS`.
 GENERIC = Params()
 #: A profile whose latency probes (``latency_probes``: the time of one
-#: 8-byte message, taken before each step of a calibration job and at its
+#: 8-byte allreduce, taken before each step of a calibration job and at its
 #: end) differ by more than this factor within one job was measured while
 #: the host changed state.
 UNSTEADY_SPREAD = 1.5
@@ -126,7 +126,7 @@ def unsteady(data: dict[str, Any]) -> str:
     if worst is None:
         return ""
     _, p, (low_at, low), (high_at, high) = worst
-    return (f"measured while the host changed state: in the {p}-rank job an 8-byte message took "
+    return (f"measured while the host changed state: in the {p}-rank job an 8-byte allreduce took "
             f"{low * 1e6:.2f} us {low_at} and {high * 1e6:.2f} us {high_at}; its times mix both states, "
             f"so calibrate again when the host is steady")
 

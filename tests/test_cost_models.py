@@ -224,7 +224,7 @@ def test_calibrate_on_shared_memory(tmp_path) -> None:
     # each anchored algorithm's code digest, which loading checks: every anchor is kept
     assert set(data["anchor_digests"]) == {f"{c}/{a}" for c, a in anchored}
     assert data["gamma_by_dtype"]["float32"] > 0 and data["mem_bandwidth"] > 0
-    # the 8-byte message timed before each of the main job's 5 steps and at its end, and at the
+    # an 8-byte allreduce timed before each of the main job's 5 steps and at its end, and at the
     # start and end of each stretch job (the suite's load may make them differ: not checked here)
     whens = [(p, when) for p, when, t in data["latency_probes"] if t > 0]
     assert whens[:6] == [(2, f"before step {k} of 5") for k in range(1, 6)] + [(2, "at the end")]
