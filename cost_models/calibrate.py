@@ -159,13 +159,23 @@ def stretch_main(out: str, quick: bool) -> int:
     return 0
 
 
+#: The status of a job stopped at ``--timeout`` (the launcher's, and ``mpiexec`` run here).
+TIMED_OUT = 124
+
+
 def _ran(launch_job, p: int, out: str, tries: int) -> bool:
     """Run a stretch job until it succeeds, at most ``tries`` times (one
     failed start, such as a rendezvous that timed out, should not cost a
-    rank count its factors)."""
+    rank count its factors); a job stopped at ``--timeout`` is not run
+    again, since it would only run as long once more."""
     for attempt in range(tries):
-        if launch_job(p, out) == 0 and os.path.exists(out):
+        status = launch_job(p, out)
+        if status == 0 and os.path.exists(out):
             return True
+        if status == TIMED_OUT:
+            print(f"calibrate: the {p}-rank stretch job ran past --timeout and is not run again "
+                  "(a slow or busy host needs a longer --timeout)", file=sys.stderr)
+            return False
         if attempt + 1 < tries:
             print(f"calibrate: the {p}-rank stretch job failed; trying again", file=sys.stderr)
     return False
@@ -185,8 +195,7 @@ def add_stretch(path: Path, ranks: Sequence[int], launch_job) -> None:
             print(f"calibrate: stretch job {i + 1} of {len(ranks)}, at {p} ranks", file=sys.stderr, flush=True)
             out = os.path.join(tmp, f"probes-{p}.json")
             if not _ran(launch_job, p, out, tries=2):
-                print(f"calibrate: the {p}-rank stretch job failed twice; no factors for {p} ranks",
-                      file=sys.stderr)
+                print(f"calibrate: no factors for {p} ranks", file=sys.stderr)
                 continue
             job = json.loads(Path(out).read_text())
             probes = [tuple(t) for t in job["probes"]]
@@ -237,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 return subprocess.run(["mpiexec", "-n", str(p), *cmd], timeout=ns.timeout).returncode
             except subprocess.TimeoutExpired:
-                return 124
+                return TIMED_OUT
         from collectives.launcher import launch
 
         return launch(cmd, p, transport=ns.transport, prefix=False, timeout=ns.timeout)

@@ -447,8 +447,8 @@ def test_exchange_steps_cost_the_exchange_factor() -> None:
     assert Params.from_dict(doubled.as_dict()).exchange == 2.0
 
 
-def test_a_failed_stretch_job_is_tried_once_more(tmp_path):
-    from collectives.cost_models.calibrate import _ran
+def test_a_failed_stretch_job_is_tried_once_more_but_not_one_stopped_at_its_timeout(tmp_path):
+    from collectives.cost_models.calibrate import TIMED_OUT, _ran
 
     calls = []
 
@@ -463,6 +463,9 @@ def test_a_failed_stretch_job_is_tried_once_more(tmp_path):
     calls.clear()
     assert not _ran(lambda p, out: calls.append(p) or 1, 4, str(tmp_path / "none.json"), tries=2)
     assert calls == [4, 4]
+    calls.clear()  # a job stopped at --timeout would only take as long again: it is not run twice
+    assert not _ran(lambda p, out: calls.append(p) or TIMED_OUT, 5, str(tmp_path / "none.json"), tries=2)
+    assert calls == [5]
 
 
 def test_beyond_the_last_anchor_a_path_switch_is_not_a_trend() -> None:
