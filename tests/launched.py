@@ -11,17 +11,29 @@ import sys
 import traceback
 from typing import Any, Callable
 
-__all__ = ["clean_env", "results", "run_torch_checks"]
+__all__ = ["clean_env", "results", "run_torch_checks", "SUITE_SETTINGS", "suite_settings"]
 
 #: Variables of the test process's own launch that must not reach the ranks.
 _DROP = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
          "PMI_", "OMPI_")
 
 
+#: The suite's own settings (tests/conftest.py: calibration profiles and flight records in
+#: folders of this run, apart from the user's), which every rank the suite starts keeps,
+#: whatever else of the test process's environment it drops.
+SUITE_SETTINGS = ("COLLECTIVES_PROFILE", "COLLECTIVES_DEBUG_DIR")
+
+
+def suite_settings() -> dict[str, str]:
+    """The :data:`SUITE_SETTINGS` this process has."""
+    return {k: os.environ[k] for k in SUITE_SETTINGS if k in os.environ}
+
+
 def clean_env() -> dict[str, str]:
-    """This process's environment without any launcher's variables, one thread per rank."""
+    """This process's environment without any launcher's variables (the suite's own settings
+    kept), one thread per rank."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(suite_settings(), OMP_NUM_THREADS="1")
     return env
 
 

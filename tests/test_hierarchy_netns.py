@@ -27,6 +27,7 @@ import sys
 import time
 
 import pytest
+from launched import suite_settings
 
 from collectives.bench.netns import hosts as make_hosts, unavailable
 
@@ -78,6 +79,7 @@ def _environment(node: int, **extra: str) -> dict[str, str]:
            if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                          "NODE_RANK", "GROUP_RANK")}
+    env.update(suite_settings())  # the suite's own profiles and records
     env.update({"PYTHONUNBUFFERED": "1", "COLLECTIVES_HOST_ID": f"netns-host{node}"}, **extra)
     return env
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from launched import suite_settings
 
 from collectives.bench.netns import hosts as make_hosts, unavailable
 from collectives.launcher import free_port
@@ -125,6 +126,7 @@ def _environment(**extra: str) -> dict[str, str]:
            if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                          "NODE_RANK", "GROUP_RANK")}
+    env.update(suite_settings())  # the suite's own profiles and records
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

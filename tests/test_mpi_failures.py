@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+from launched import suite_settings
 
 from collectives.bench.faults import remove_left
 
@@ -65,6 +66,7 @@ class Run:
 def launch(tmp_path, p: int, *args: str) -> Run:
     """Run ``mpiexec -n p python mpi_failure_main.py OUTDIR *args`` within DEADLINE."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
+    env.update(suite_settings())  # the suite's own profiles and records
     cmd = [MPIEXEC, "-n", str(p), sys.executable, MAIN, str(tmp_path), *args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -266,6 +268,7 @@ def _launch_here(tmp_path, p: int, main: str, *args: str) -> subprocess.Popen:
     call = ", ".join(repr(a) for a in (str(tmp_path), *args))
     code = f"import sys; sys.path.insert(0, {HERE!r}); import test_mpi_failures as t; t.{main}({call})"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
+    env.update(suite_settings())  # the suite's own profiles and records
     return subprocess.Popen([MPIEXEC, "-n", str(p), sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 

@@ -42,6 +42,7 @@ import time
 
 import numpy as np
 import pytest
+from launched import suite_settings
 
 import collectives
 from collectives import CollectiveError, signature
@@ -467,6 +468,7 @@ def _start_rank(ns: str, rank: int, size: int, port: int, secret: str, extra: di
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(suite_settings())  # the suite's own profiles and records
     env.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": f"{SUBNET}.1",
                 "MASTER_PORT": str(port), "COLLECTIVES_SECRET": secret, "PYTHONUNBUFFERED": "1", **extra})
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, RANK_MAIN], env=env, text=True,
