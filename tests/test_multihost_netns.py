@@ -24,6 +24,7 @@ import sys
 import time
 
 import pytest
+from launched import suite_settings
 
 from collectives.bench.netns import Hosts, hosts as make_hosts, rank_environment, start_rank, stop, unavailable
 
@@ -52,7 +53,7 @@ def _start(hosts: Hosts, placement: list[int], extra_env: dict[str, str] | None 
     procs = []
     try:
         for rank, host in enumerate(placement):
-            env = {**rank_environment(rank, size, master, secret), **(extra_env or {})}
+            env = {**rank_environment(rank, size, master, secret), **suite_settings(), **(extra_env or {})}
             procs.append(start_rank(hosts, host, [sys.executable, RANK_MAIN], env))
     except BaseException:
         stop(procs)
