@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import BadArgument, TransportUnavailable
-from .ops import BFLOAT16, check_dtype
+from .ops import BFLOAT16, SUPPORTED_SET, check_dtype
 
 __all__ = ["as_array", "flat", "is_device_array", "element_count"]
 
@@ -124,6 +124,10 @@ def flat(buf: Any, *, writable: bool, what: str = "buffer", stages: list | None 
     host copy and a write-back callable is appended to ``stages``, to be
     called once the collective is done.
     """
+    if type(buf) is np.ndarray and buf.ndim == 1:  # the common case: as_array's checks, cheaper
+        flags = buf.flags
+        if flags.c_contiguous and (flags.writeable or not writable) and buf.dtype in SUPPORTED_SET:
+            return buf
     if stages is not None and is_device_array(buf):
         return _stage_device(buf, writable, what, stages)
     return as_array(buf, writable=writable, what=what).reshape(-1)

@@ -516,6 +516,8 @@ class Communicator(CallExecution, Survival):
     # -------------------------------------------------------- point to point
 
     def _p2p_tag(self, tag: int) -> int:
+        if type(tag) is int and 0 <= tag < TAG_SPACE:  # the common case, before the general checks
+            return tag << 1
         if not isinstance(tag, (int, np.integer)) or not 0 <= tag < TAG_SPACE:
             raise BadArgument(f"tag must be an integer in [0, {TAG_SPACE}), got {tag!r}")
         return 2 * int(tag)
@@ -537,9 +539,17 @@ class Communicator(CallExecution, Survival):
         return RequestHandle(req, buf, self.timeout if timeout is None else timeout)
 
     def send(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
-        """Send ``buf`` to ``dst`` with ``tag``."""
-        self.isend(buf, dst, tag, timeout=timeout).wait()
+        """Send ``buf`` to ``dst`` with ``tag``; returns once ``buf`` may be reused."""
+        self._check_open()
+        dst = self._planner.check_rank(dst, "dst")
+        arr = flat(buf, writable=False, what="buf")
+        self.transport.send(arr, dst, self._p2p_tag(tag), timeout=self.timeout if timeout is None else timeout)
 
     def recv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
-        """Receive into ``buf`` from ``src`` with ``tag``; returns ``buf``."""
-        return self.irecv(buf, src, tag, timeout=timeout).wait()
+        """Receive into ``buf`` from ``src`` with ``tag`` (exactly ``buf``'s
+        size); returns ``buf``."""
+        self._check_open()
+        src = self._planner.check_rank(src, "src")
+        arr = flat(buf, writable=True, what="buf")
+        self.transport.recv(arr, src, self._p2p_tag(tag), timeout=self.timeout if timeout is None else timeout)
+        return buf

@@ -12,12 +12,12 @@ buffers without the slow case of the C library's copy (see below).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["ext", "built", "enabled", "kernel_codes", "kernel_itemsize", "reduce_into", "copy"]
+__all__ = ["ext", "built", "enabled", "rings", "rings_enabled", "kernel_codes", "kernel_itemsize", "reduce_into",
+           "copy"]
 
 ext: Any = None
 try:
@@ -28,6 +28,13 @@ except ImportError:  # not built (no compiler at install time)
 #: True when the extension is built.
 built = ext is not None
 
+#: The rings' compiled whole-message path (``collectives._rings``), or None.
+rings: Any = None
+try:
+    from . import _rings as rings
+except ImportError:
+    rings = None
+
 
 def enabled() -> Any:
     """The extension module, or None when it is not built or is turned off
@@ -35,6 +42,14 @@ def enabled() -> Any:
     from . import config
 
     return ext if ext is not None and config.get("COMPILED") else None
+
+
+def rings_enabled() -> Any:
+    """The rings' compiled module (see ``_rings.c``), or None when it is not
+    built or the compiled path is turned off (``COLLECTIVES_COMPILED=0``)."""
+    from . import config
+
+    return rings if rings is not None and config.get("COMPILED") else None
 
 if ext is not None:
     _DTYPES = {np.dtype(t): getattr(ext, "DT_" + c) for t, c in (

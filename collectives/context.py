@@ -79,18 +79,16 @@ class CallContext:
                          req.wait, self.remaining())
 
     def send(self, arr: np.ndarray, peer: int) -> None:
-        req = self.transport.isend(arr, peer, self.tag, self.sig)
         if self.tracer is None:
-            req.wait(self.remaining())
+            self.transport.send(arr, peer, self.tag, self.sig, self.remaining())
         else:
-            self._traced("sending", req.wait, self.remaining())
+            self._traced("sending", self.transport.isend(arr, peer, self.tag, self.sig).wait, self.remaining())
 
     def recv(self, arr: np.ndarray, peer: int) -> None:
-        req = self.transport.irecv(arr, peer, self.tag, self.sig)
         if self.tracer is None:
-            req.wait(self.remaining())
+            self.transport.recv(arr, peer, self.tag, self.sig, self.remaining())
         else:
-            self._traced("receiving", req.wait, self.remaining())
+            self._traced("receiving", self.transport.irecv(arr, peer, self.tag, self.sig).wait, self.remaining())
 
     def sendrecv(self, sendarr: np.ndarray, dst: int, recvarr: np.ndarray, src: int) -> None:
         """Send to ``dst`` and receive from ``src`` at the same time (the send

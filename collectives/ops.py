@@ -22,7 +22,7 @@ try:  # bfloat16 is optional at import time, required by the dependencies
 except ImportError:  # pragma: no cover
     BFLOAT16 = None
 
-__all__ = ["Op", "OPS", "get_op", "check_dtype", "SUPPORTED_DTYPES", "BFLOAT16"]
+__all__ = ["Op", "OPS", "get_op", "check_dtype", "SUPPORTED_DTYPES", "SUPPORTED_SET", "BFLOAT16"]
 
 _LOW_PRECISION = {np.dtype(np.float16)} | ({BFLOAT16} if BFLOAT16 is not None else set())
 
@@ -148,8 +148,9 @@ def get_op(op: "str | Op") -> Op:
 
 def check_dtype(dtype: np.dtype) -> None:
     """Raise BadArgument if ``dtype`` cannot be communicated."""
-    if dtype not in _SUPPORTED_SET:
+    if dtype not in SUPPORTED_SET:
         raise BadArgument(f"unsupported dtype {dtype}; supported: "
                           + ", ".join(str(d) for d in SUPPORTED_DTYPES))
 
-_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+#: :data:`SUPPORTED_DTYPES` as a set, for membership tests.
+SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)

@@ -120,6 +120,8 @@ class Planner:
             return self.flat(buf, writable=False, what=what), str(exc)
 
     def check_rank(self, r: Any, what: str) -> int:
+        if type(r) is int and 0 <= r < self.size:  # the common case, before the general checks
+            return r
         if not isinstance(r, (int, np.integer)) or isinstance(r, bool) or not 0 <= r < self.size:
             raise BadArgument(f"{what} {r!r} out of range for {self.size} ranks")
         return int(r)

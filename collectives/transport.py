@@ -158,6 +158,16 @@ class Transport(abc.ABC):
         C-contiguous writable array ``buf`` (exactly ``buf.nbytes`` bytes); the
         request fails when the message's signature differs from ``sig``."""
 
+    def send(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
+        """Send and wait until ``buf`` may be reused (:meth:`isend`, then wait
+        up to ``timeout`` seconds); transports may override with a faster path."""
+        self.isend(buf, peer, tag, sig).wait(timeout)
+
+    def recv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
+        """Receive and wait for the message (:meth:`irecv`, then wait up to
+        ``timeout`` seconds); transports may override with a faster path."""
+        self.irecv(buf, peer, tag, sig).wait(timeout)
+
     def begin_call(self, seq: int, sig: Sig, refusal: str | None = None) -> None:
         """A collective call with signature ``sig`` (its sequence number
         included) starts on this rank: a transport that lets peers see what

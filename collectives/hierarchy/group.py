@@ -52,6 +52,12 @@ class GroupView(Transport):
     def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         return self._world.irecv(buf, self.members[peer], tag, sig)
 
+    def send(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
+        self._world.send(buf, self.members[peer], tag, sig, timeout)
+
+    def recv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
+        self._world.recv(buf, self.members[peer], tag, sig, timeout)
+
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:
         return self._world.irecv_reduce(out, mine, self.members[peer], tag, op, tmp, sig)

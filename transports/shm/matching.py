@@ -44,13 +44,12 @@ class Matching:
 
     def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         """Start sending ``buf``'s bytes to ``peer``; completes once they are in the ring."""
-        mv = bytes_view(buf)
         with self._lock:
             self._check_usable()
             queue = self._tx_queue[peer]
-            if not queue and self._send_whole(peer, tag, mv, sig):
+            if not queue and self._send_whole(peer, tag, buf, sig):
                 return COMPLETED
-            req = SendRequest(self, peer, tag, mv, sig)
+            req = SendRequest(self, peer, tag, bytes_view(buf), sig)
             queue.append(req)
             self._tx_busy.add(peer)
             if len(queue) == 1:
@@ -59,19 +58,11 @@ class Matching:
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
         """Start receiving exactly ``buf.nbytes`` bytes from ``peer`` with ``tag``."""
-        mv = bytes_view(buf)
         with self._lock:
             self._check_usable()
-            pos = self._ready_payload(peer, tag, len(mv), sig)
-            if pos >= 0:  # the common case of small messages: it is already here, in one piece
-                n, ring = len(mv), self._rx_data[peer]
-                first = min(n, self._ring_bytes - pos)
-                mv[:first] = ring[pos:pos + first]
-                if first < n:
-                    mv[first:] = ring[:n - first]
-                self._consume(peer, n)
+            if self._take_whole(peer, tag, buf, sig):  # the common case of small messages: already here
                 return COMPLETED
-            req = RecvRequest(self, peer, tag, mv, sig)
+            req = RecvRequest(self, peer, tag, bytes_view(buf), sig)
             early = self._unexpected[peer].get(tag)
             if early:
                 entry = early.popleft()
@@ -85,6 +76,16 @@ class Matching:
                 if self._rx_q[self._rx_head_i[peer]] != self._rx_tail[peer]:
                     self._pull(peer)
         return req
+
+    def recv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
+        """Receive (blocking): a whole message at the head of its ring is
+        taken at once, or after a short spin where each rank has a core of
+        its own (in C, the lock held); otherwise as :meth:`irecv` and wait."""
+        with self._lock:
+            self._check_usable()
+            if self._take_whole(peer, tag, buf, sig, self._recv_spin_ns):
+                return
+        self.irecv(buf, peer, tag, sig).wait(timeout)
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-import numpy as np
-
 from collectives import signature
 from collectives.errors import CollectiveTimeout
 from collectives.signature import NO_SIG
@@ -22,7 +20,7 @@ from collectives.transport import Request
 
 from .layout import align
 from .records import WAIT_MESSAGE
-from .rings import HEADER_BYTES
+from .rings import HEADER_BYTES, bytes_view
 
 __all__ = ["ShmRequest", "SendRequest", "RecvRequest", "Unexpected", "Incoming", "RequestWaits", "bytes_view"]
 
@@ -104,13 +102,6 @@ class Incoming:
         self.got = 0  # wire bytes consumed after the header
         self.dest = dest  # None: discard (a receive that failed)
         self.target = target  # RecvRequest, Unexpected or None
-
-
-def bytes_view(buf: np.ndarray) -> memoryview:
-    """The bytes of a C-contiguous array as a flat 'B' memoryview (zero-copy)."""
-    if buf.ndim != 1:
-        buf = buf.reshape(-1)
-    return memoryview(buf.view(np.uint8))
 
 
 class RequestWaits:

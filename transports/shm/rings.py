@@ -8,7 +8,9 @@ Messages are a :data:`HEADER` (tag, length, the call's signature) followed
 by the payload, padded to 16 bytes, streamed through the ring as space
 frees up, so large messages pipeline: the sender copies in while the
 receiver copies out. A whole small message that fits goes in (and comes
-out) in one piece (:meth:`Rings._send_whole`, :meth:`Rings._ready_payload`).
+out) in one piece (:meth:`Rings._send_whole`, :meth:`Rings._take_whole`),
+in C where the extension is built (``collectives/_rings.c``: the same
+header, checked the same way).
 """
 
 from __future__ import annotations
@@ -16,15 +18,24 @@ from __future__ import annotations
 import collections
 import struct
 
-from collectives import signature
+import numpy as np
+
+from collectives import compiled, signature
 from collectives.errors import BadArgument
 
 from .layout import Q_SLEEP, align
 
-__all__ = ["Rings", "HEADER", "HEADER_BYTES", "write_header", "read_header"]
+__all__ = ["Rings", "HEADER", "HEADER_BYTES", "write_header", "read_header", "bytes_view"]
 
 HEADER = struct.Struct("<qqQQQq")  # tag, payload length, the call's signature (3 words), padding
 HEADER_BYTES = HEADER.size
+
+
+def bytes_view(buf: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array as a flat 'B' memoryview (zero-copy)."""
+    if buf.ndim != 1:
+        buf = buf.reshape(-1)
+    return memoryview(buf.view(np.uint8))
 
 
 def write_header(ring: memoryview, pos: int, size: int, tag: int, nbytes: int, sig: signature.Sig) -> None:
@@ -88,6 +99,10 @@ class Rings:
         self._unexpected: list[dict[int, collections.deque]] = [{} for _ in range(p)]
         self._moved = 0
         self._ranks = range(p)
+        rings = compiled.rings_enabled()
+        self._put = rings.put if rings is not None else None
+        self._take = rings.take if rings is not None else None
+        self._recv_spin_ns = int(self._spin * 1e9)  # a blocking receive's wait in C (0 where cores are shared)
 
     def _push(self, dst: int) -> None:
         """Copy as much of the queued sends to ``dst`` into its ring as fits."""
@@ -205,8 +220,19 @@ class Rings:
         if self._closed:
             raise BadArgument("the shared-memory transport is closed")
 
-    def _send_whole(self, dst: int, tag: int, mv: memoryview, sig: signature.Sig) -> bool:
-        """Fast path: put a whole message into an idle ring if it fits now."""
+    def _send_whole(self, dst: int, tag: int, buf: np.ndarray, sig: signature.Sig) -> bool:
+        """Fast path: put a whole message (the bytes of the C-contiguous
+        ``buf``) into an idle ring if it fits now."""
+        if self._put is not None:
+            old = self._tx_head[dst]
+            head = self._put(self._tx_data[dst], self._tx_q[dst], self._tx_head_i, self._tx_tail_i, Q_SLEEP,
+                             old, tag, sig[0], sig[1], sig[2], buf)
+            if head < 0:
+                return False
+            self._tx_head[dst] = head
+            self._moved += head - old
+            return True
+        mv = bytes_view(buf)
         nbytes = len(mv)
         wire = HEADER_BYTES + ((nbytes + 15) & ~15)
         size = self._ring_bytes
@@ -231,6 +257,38 @@ class Rings:
         if q[Q_SLEEP]:
             self._wake(dst)
         self._moved += wire
+        return True
+
+    def _take_whole(self, src: int, tag: int, buf: np.ndarray, sig: signature.Sig, spin: int = 0) -> bool:
+        """Fast path: copy a whole message from ``src`` with ``tag``, ``sig``
+        and exactly ``buf.nbytes`` bytes into the C-contiguous ``buf`` when it
+        waits at the head of its ring with nothing ahead of it for this
+        receive (see :meth:`_ready_payload`); in C, wait for it up to
+        ``spin`` ns first. False: not there (or another message is: the
+        caller routes it)."""
+        if self._take is None:
+            mv = bytes_view(buf)
+            pos = self._ready_payload(src, tag, len(mv), sig)
+            if pos < 0:
+                return False
+            n, ring = len(mv), self._rx_data[src]
+            first = min(n, self._ring_bytes - pos)
+            mv[:first] = ring[pos:pos + first]
+            if first < n:
+                mv[first:] = ring[:n - first]
+            self._consume(src, n)
+            return True
+        if self._rx_cur[src] is not None or self._posted[src].get(tag) or self._unexpected[src].get(tag):
+            return False
+        old = self._rx_tail[src]
+        tail = self._take(self._rx_data[src], self._rx_q, self._rx_head_i[src], self._rx_tail_i[src], old,
+                          tag, sig[0], sig[1], sig[2], buf, spin)
+        if tail < 0:
+            return False
+        self._rx_tail[src] = tail
+        self._moved += tail - old
+        if self._tx_q[src][Q_SLEEP]:
+            self._wake(src)  # it may wait for room
         return True
 
     def _ready_payload(self, src: int, tag: int, nbytes: int, sig: signature.Sig) -> int:

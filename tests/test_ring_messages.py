@@ -1,0 +1,252 @@
+"""Whole messages through the shared-memory rings, in C (``collectives/_rings.c``)
+and in Python: the same bytes, the same checks (tag, size, signature), the
+ring's end crossed, and blocking receives that wait in C a while and then as
+any receive does."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+
+from collectives import BadArgument, MismatchedCollective, compiled, signature
+from harness import run_ranks
+
+needs_rings = pytest.mark.skipif(compiled.rings is None, reason="the rings' C extension is not built here")
+
+RING = 64 * 1024  # the smallest ring the transport makes: its end comes round often
+HEAD_I, TAIL_I, SLEEP_I = 0, 8, 16  # control words (each in a cache line of its own, as in a segment)
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) * 7 + seed) % 251).astype(np.uint8)
+
+
+def _ring(size: int = RING):
+    """A ring and its control words in this process (the sender's and the
+    receiver's view are the same memory here)."""
+    return bytearray(size), memoryview(bytearray(24 * 8)).cast("Q")
+
+
+SIG = signature.make("bcast", "binomial", None, 0, np.dtype(np.uint8), 5)
+
+
+@needs_rings
+def test_put_and_take_cross_the_ring_end_with_every_header_offset():
+    """Messages whose headers start at every 16-byte offset of the ring's last
+    64 bytes (two of them run past its end) come out as they went in."""
+    rings = compiled.rings
+    ring, q = _ring()
+    head = tail = 0
+    starts = set()
+    for i in range(4000):
+        n = (i * 7) % 41
+        starts.add(head % RING)
+        new = rings.put(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 2 + 2 * (i % 3), *SIG, _pattern(n, i))
+        assert new == head + 48 + (n + 15) // 16 * 16 == q[HEAD_I]
+        head = new
+        got = np.zeros(n, np.uint8)
+        tail = rings.take(ring, q, HEAD_I, TAIL_I, tail, 2 + 2 * (i % 3), *SIG, got, 0)
+        assert tail == head == q[TAIL_I]
+        assert np.array_equal(got, _pattern(n, i)), f"message {i} ({n} bytes) differs"
+    assert {RING - 64, RING - 48, RING - 32, RING - 16} <= starts
+
+
+@needs_rings
+def test_take_refuses_another_message_and_leaves_it_whole():
+    """-2 for a message of another tag, size or signature (the caller routes
+    it and reports the disagreement); nothing is consumed; then the right
+    receive takes it."""
+    rings = compiled.rings
+    ring, q = _ring()
+    head = rings.put(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, _pattern(20, 1))
+    refused = signature.refused(SIG)
+    other = signature.make("bcast", "binomial", None, 1, np.dtype(np.uint8), 5)
+    for tag, n, sig in [(4, 20, SIG), (6, 21, SIG), (6, 19, SIG), (6, 20, other), (6, 20, refused)]:
+        got = np.zeros(n, np.uint8)
+        assert rings.take(ring, q, HEAD_I, TAIL_I, 0, tag, *sig, got, 0) == -2
+        assert not got.any() and q[TAIL_I] == 0
+    got = np.zeros(20, np.uint8)
+    assert rings.take(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, 0) == head
+    assert np.array_equal(got, _pattern(20, 1))
+
+
+@needs_rings
+def test_put_refuses_what_does_not_fit_and_take_what_has_not_arrived():
+    rings = compiled.rings
+    ring, q = _ring()
+    assert rings.put(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 2, *SIG, np.zeros(RING, np.uint8)) == -1
+    head = rings.put(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 2, *SIG, np.zeros(RING - 48, np.uint8))
+    assert head == RING  # exactly full
+    assert rings.put(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 2, *SIG, np.zeros(0, np.uint8)) == -1
+    q[HEAD_I] = 0  # as if nothing were published: a receive finds nothing, after its spin
+    start = time.monotonic()
+    assert rings.take(ring, q, HEAD_I, TAIL_I, 0, 2, *SIG, np.zeros(8, np.uint8), 2_000_000) == -1
+    assert 0.0015 < time.monotonic() - start < 5.0
+    q[HEAD_I] = 40  # a header not yet whole
+    assert rings.take(ring, q, HEAD_I, TAIL_I, 0, 2, *SIG, np.zeros(8, np.uint8), 0) == -1
+
+
+@needs_rings
+def test_bad_rings_and_words_raise_instead_of_writing_anywhere():
+    rings = compiled.rings
+    ring, q = _ring()
+    with pytest.raises(ValueError, match="power of two"):
+        rings.put(bytearray(1000), q, HEAD_I, TAIL_I, SLEEP_I, 0, 2, *SIG, np.zeros(4, np.uint8))
+    with pytest.raises(IndexError, match="control word"):
+        rings.put(ring, q, HEAD_I, 24, SLEEP_I, 0, 2, *SIG, np.zeros(4, np.uint8))
+    with pytest.raises(IndexError, match="control word"):
+        rings.take(ring, q, -1, TAIL_I, 0, 2, *SIG, np.zeros(4, np.uint8), 0)
+    with pytest.raises(ValueError, match="disagree"):
+        rings.put(ring, q, HEAD_I, TAIL_I, SLEEP_I, 2 * RING, 2, *SIG, np.zeros(4, np.uint8))
+    with pytest.raises(BufferError):
+        rings.take(ring, q, HEAD_I, TAIL_I, 0, 2, *SIG, b"read-only", 0)
+    with pytest.raises(TypeError):
+        rings.put(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 2, *SIG)
+    assert not any(ring) and not any(q)
+
+
+# ------------------------------------------------------------ between processes
+
+def _sizes() -> list[int]:
+    return [(i * 7) % 41 for i in range(3000)] + [RING // 2, 0, RING - 48, 1, RING + 5]
+
+
+def across_the_ring_end(comm, blocking: bool):
+    """Rank 0 sends every size (blocking sends or all at once), rank 1
+    receives each in turn (blocking receives or irecv and wait)."""
+    t, sizes = comm.transport, _sizes()
+    in_c = t._put is not None and t._take is not None  # the path the test names
+    if comm.rank == 0:
+        if blocking:
+            for i, n in enumerate(sizes):
+                t.send(_pattern(n, i), 1, 2 + 2 * (i % 3), timeout=30)
+        else:
+            t.waitall([t.isend(_pattern(n, i), 1, 2 + 2 * (i % 3)) for i, n in enumerate(sizes)], 30)
+        return in_c
+    for i, n in enumerate(sizes):
+        got = np.zeros(n, np.uint8)
+        if blocking:
+            t.recv(got, 0, 2 + 2 * (i % 3), timeout=30)
+        else:
+            t.irecv(got, 0, 2 + 2 * (i % 3)).wait(30)
+        if not np.array_equal(got, _pattern(n, i)):
+            return f"message {i} ({n} bytes) differs"
+    return in_c
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+@pytest.mark.parametrize("blocking", [True, False], ids=["send-recv", "isend-irecv"])
+def test_messages_across_the_ring_end(monkeypatch, compiled_path, blocking):
+    if compiled_path and compiled.rings is None:
+        pytest.skip("the rings' C extension is not built here")
+    monkeypatch.setenv("COLLECTIVES_SHM_RING_BYTES", str(RING))
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    assert run_ranks(across_the_ring_end, 2, blocking, timeout=90) == [compiled_path, compiled_path]
+
+
+OTHER_ROOT = signature.make("bcast", "binomial", None, 1, np.dtype(np.uint8), 5)
+
+
+def blocking_receive_meets_a_disagreement(comm, what: str, sent):
+    """Rank 0 sends 10 bytes with tag 6 (refused by their root when ``what``
+    says so), then 4 bytes with tag 8; rank 1's blocking receive of the first
+    disagrees in ``what``: its size, its signature (another root), or the
+    sender refused the call. The second must still arrive whole."""
+    t = comm.transport
+    if comm.rank == 0:
+        t.send(_pattern(10, 3), 1, 6, signature.refused(SIG) if what == "refused" else SIG, timeout=10)
+        t.send(np.ones(4, np.uint8), 1, 8, timeout=10)
+        sent.set()
+        return "sent"
+    assert sent.wait(10)  # both are in the ring before the receive
+    got = np.zeros(12 if what == "size" else 10, np.uint8)
+    start = time.monotonic()
+    try:
+        t.recv(got, 0, 6, OTHER_ROOT if what == "signature" else SIG, timeout=10)
+    except (MismatchedCollective, BadArgument) as exc:
+        took = time.monotonic() - start
+        after = np.zeros(4, np.uint8)
+        t.recv(after, 0, 8, timeout=10)
+        return type(exc).__name__, str(exc), int(after.sum()), took, int(got.sum())
+    return "no error"
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+@pytest.mark.parametrize("what", ["size", "signature", "refused"])
+def test_a_blocking_receive_that_disagrees_raises_and_the_stream_goes_on(monkeypatch, compiled_path, what):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    sent = multiprocessing.get_context("fork").Event()
+    first, second = run_ranks(blocking_receive_meets_a_disagreement, 2, what, sent, timeout=60)
+    assert first == "sent" and second != "no error"
+    kind, message, after, took, written = second
+    assert "rank 1" in message and "rank 0" in message
+    if what == "size":
+        assert kind == "MismatchedCollective" and "expected 12 bytes from rank 0, got 10" in message
+    elif what == "signature":
+        assert kind == "MismatchedCollective" and "root: rank 0 has 0, rank 1 has 1" in message
+    else:
+        assert kind == "BadArgument" and "refused by its root, rank 0" in message
+    assert after == 4 and written == 0 and took < 5
+
+
+def send_recv_through_the_communicator(comm):
+    """Blocking point-to-point through the communicator: tags kept apart,
+    FIFO within one tag, dtypes and shapes kept, the buffer returned."""
+    other = 1 - comm.rank
+    if comm.rank == 0:
+        comm.send(np.arange(6, dtype=np.float64).reshape(2, 3), other, tag=5)
+        for i in range(3):
+            comm.send(np.full(3, i, np.int32), other, tag=9)
+        comm.send(np.array([1.5], np.float32), other, tag=7)
+        back = comm.recv(np.zeros(2, np.int16), other, tag=0)
+        return back.tolist()
+    seven = comm.recv(np.zeros(1, np.float32), 0, tag=7)  # sent last: tags do not wait for each other
+    fifo = [int(comm.recv(np.zeros(3, np.int32), 0, tag=9)[0]) for _ in range(3)]
+    grid = np.zeros((2, 3))
+    assert comm.recv(grid, 0, tag=5) is grid
+    comm.send(np.array([-3, 4], np.int16), 0)
+    return float(seven[0]), fifo, grid.ravel().tolist()
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+def test_send_and_recv_through_the_communicator(monkeypatch, compiled_path):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    assert run_ranks(send_recv_through_the_communicator, 2, timeout=60) == [
+        [-3, 4], (1.5, [0, 1, 2], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])]
+
+
+def bad_point_to_point_arguments(comm):
+    """Each bad argument is refused on the rank that passed it, before
+    anything is sent; the next good exchange still works."""
+    other = 1 - comm.rank
+    errors = []
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    for call in (lambda: comm.send(np.zeros(4), 2), lambda: comm.send(np.zeros(4), True),
+                 lambda: comm.recv(np.zeros(4), -1), lambda: comm.send(np.zeros(4), other, tag=-1),
+                 lambda: comm.send(np.zeros(4), other, tag=1.0), lambda: comm.recv(ro, other),
+                 lambda: comm.recv(np.zeros((4, 4))[:, 0], other), lambda: comm.send(np.zeros(3, object), other)):
+        try:
+            call()
+            errors.append(None)
+        except BadArgument as exc:
+            errors.append(str(exc))
+    if comm.rank == 0:
+        comm.send(np.full(4, 7, np.int64), other, tag=3)
+        return errors
+    return errors, comm.recv(np.zeros(4, np.int64), 0, tag=3).tolist()
+
+
+def test_bad_point_to_point_arguments_are_refused_before_anything_is_sent():
+    start = time.monotonic()
+    zero, (one, got) = run_ranks(bad_point_to_point_arguments, 2, timeout=60)
+    assert time.monotonic() - start < 30
+    assert got == [7, 7, 7, 7]
+    for errors in (zero, one):
+        assert None not in errors, errors
+        assert "out of range for 2 ranks" in errors[0] and "True" in errors[1] and "-1" in errors[2]
+        assert "tag must be an integer" in errors[3] and "tag must be an integer" in errors[4]
+        assert "read-only" in errors[5] and "not contiguous" in errors[6] and "unsupported dtype" in errors[7]
