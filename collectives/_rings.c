@@ -21,6 +21,20 @@
  *       there in time; -2 when the message there is another one (another
  *       tag, size or signature: the caller routes it, and reports a
  *       disagreement). Nothing is read past the bytes the sender published.
+ *   send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, chunk, spin_ns) -> int
+ *       a message of any size, streamed: the header once 48 bytes are free,
+ *       then the payload (and its padding) as room frees up, the head
+ *       published (and the receiver woken) after each chunk of at most
+ *       chunk bytes. Stops when the message is in, or after spin_ns without
+ *       room; returns the new head (the caller goes on from there).
+ *   recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, sender_q, sleep_i, chunk, spin_ns) -> int
+ *       the receiving side: once the header is there and is exactly (tag,
+ *       len(dest), w0, w1, w2), copy the payload out as it arrives, the tail
+ *       published (and the sender woken through sender_q[sleep_i]) after
+ *       each chunk. Stops when the message is out, or after spin_ns with
+ *       nothing new; returns the new tail (unchanged: nothing there), or -2
+ *       when the header there is another message's (nothing consumed).
+ *   Both let go of the GIL throughout; a stop part way is not an error.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -208,18 +222,186 @@ done:
     return PyLong_FromLongLong(result);
 }
 
+/* Whether a bounded wait goes on: progress restarts its clock (start). */
+static inline int still_waiting(int64_t *start, unsigned *turn, int64_t spin_ns, int moved) {
+    if (moved) {
+        *start = now_ns();
+        *turn = 0;
+        return 1;
+    }
+    cpu_relax();
+    return ++*turn % 32 || now_ns() - *start < spin_ns;
+}
+
+static inline void wake_word(uint64_t *sleep) {
+    if (load_acquire(sleep)) {
+        __atomic_store_n(sleep, 0, __ATOMIC_RELEASE);
+        syscall(SYS_futex, (uint32_t *)sleep, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+}
+
+static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError,
+                        "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, chunk, spin_ns)");
+        return NULL;
+    }
+    Py_ssize_t idx[3];
+    unsigned long long w[3];
+    for (int i = 0; i < 3; i++) {
+        idx[i] = PyLong_AsSsize_t(args[2 + i]);
+        w[i] = PyLong_AsUnsignedLongLong(args[7 + i]);
+    }
+    long long head = PyLong_AsLongLong(args[5]), tag = PyLong_AsLongLong(args[6]);
+    Py_ssize_t chunk = PyLong_AsSsize_t(args[11]);
+    long long spin_ns = PyLong_AsLongLong(args[12]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer ring = {0}, q = {0}, pay = {0};
+    long long result = head;
+    if (PyObject_GetBuffer(args[0], &ring, PyBUF_WRITABLE) < 0 || PyObject_GetBuffer(args[1], &q, PyBUF_WRITABLE) < 0
+            || PyObject_GetBuffer(args[10], &pay, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (!check_ring(&ring, &q, idx, 3)) goto done;
+    if (chunk < 16) {
+        PyErr_SetString(PyExc_ValueError, "a chunk is 16 bytes or more");
+        goto done;
+    }
+    uint64_t *words = (uint64_t *)q.buf, *sleep = &words[idx[2]];
+    uint64_t h = (uint64_t)head, tail = load_acquire(&words[idx[1]]);
+    if (head < 0 || h < tail || h - tail > (uint64_t)ring.len) {
+        PyErr_Format(PyExc_ValueError, "ring head %lld and tail %llu disagree", head, (unsigned long long)tail);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t size = (uint64_t)ring.len, n = (uint64_t)pay.len, sent = 0, end = (uint64_t)wire_bytes(pay.len) - HEADER_BYTES;
+    char *base = ring.buf;
+    const char *src = pay.buf;
+    int64_t start = now_ns();
+    unsigned turn = 0;
+    int header = 0, moved = 0;
+    do {
+        uint64_t free = size - (h - tail);
+        moved = 0;
+        if (!header && free >= HEADER_BYTES) {
+            int64_t hd[6] = {tag, (int64_t)n, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2], 0};
+            ring_write(base, (Py_ssize_t)size, (Py_ssize_t)(h & (size - 1)), (const char *)hd, HEADER_BYTES);
+            h += HEADER_BYTES, free -= HEADER_BYTES, header = moved = 1;
+        }
+        if (header && free) {
+            uint64_t k = end - sent < free ? end - sent : free;
+            if (k > (uint64_t)chunk) k = (uint64_t)chunk;
+            uint64_t data = sent < n ? (n - sent < k ? n - sent : k) : 0;  /* the rest is padding */
+            if (data) ring_write(base, (Py_ssize_t)size, (Py_ssize_t)(h & (size - 1)), src + sent, (Py_ssize_t)data);
+            h += k, sent += k, moved = moved || k;
+        }
+        if (moved) {
+            __atomic_store_n(&words[idx[0]], h, __ATOMIC_RELEASE);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            wake_word(sleep);
+        }
+        if (header && sent == end) break;
+        tail = load_acquire(&words[idx[1]]);
+    } while (still_waiting(&start, &turn, spin_ns, moved));
+    Py_END_ALLOW_THREADS
+    result = (long long)h;
+done:
+    if (pay.obj) PyBuffer_Release(&pay);
+    if (q.obj) PyBuffer_Release(&q);
+    if (ring.obj) PyBuffer_Release(&ring);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(result);
+}
+
+static PyObject *rings_recv_stream(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 14) {
+        PyErr_SetString(PyExc_TypeError, "recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, "
+                                         "sender_q, sleep_i, chunk, spin_ns)");
+        return NULL;
+    }
+    Py_ssize_t idx[2] = {PyLong_AsSsize_t(args[2]), PyLong_AsSsize_t(args[3])}, sleep_i = PyLong_AsSsize_t(args[11]);
+    long long tail = PyLong_AsLongLong(args[4]), tag = PyLong_AsLongLong(args[5]);
+    unsigned long long w[3] = {PyLong_AsUnsignedLongLong(args[6]), PyLong_AsUnsignedLongLong(args[7]),
+                               PyLong_AsUnsignedLongLong(args[8])};
+    Py_ssize_t chunk = PyLong_AsSsize_t(args[12]);
+    long long spin_ns = PyLong_AsLongLong(args[13]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer ring = {0}, q = {0}, dest = {0}, sq = {0};
+    long long result = -1;
+    if (PyObject_GetBuffer(args[0], &ring, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(args[1], &q, PyBUF_WRITABLE) < 0
+            || PyObject_GetBuffer(args[9], &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0
+            || PyObject_GetBuffer(args[10], &sq, PyBUF_WRITABLE) < 0)
+        goto done;
+    if (!check_ring(&ring, &q, idx, 2) || !check_ring(&ring, &sq, &sleep_i, 1)) goto done;
+    if (tail < 0 || chunk < 16) {
+        PyErr_SetString(PyExc_ValueError, "a ring's tail is never negative, a chunk 16 bytes or more");
+        goto done;
+    }
+    uint64_t *words = (uint64_t *)q.buf, *sleep = (uint64_t *)sq.buf + sleep_i;
+    const uint64_t *head_word = &words[idx[0]];
+    uint64_t size = (uint64_t)ring.len, n = (uint64_t)dest.len, t = (uint64_t)tail;
+    uint64_t end = (uint64_t)wire_bytes(dest.len) - HEADER_BYTES, got = 0;
+    int64_t want[5] = {tag, (int64_t)n, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2]};
+    int header = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const char *base = ring.buf;
+    char *dst = dest.buf;
+    int64_t start = now_ns();
+    unsigned turn = 0;
+    int moved = 0;
+    do {
+        uint64_t avail = load_acquire(head_word) - t;
+        moved = 0;
+        if (!header && avail >= HEADER_BYTES) {
+            int64_t hd[5];
+            ring_read((char *)hd, base, (Py_ssize_t)size, (Py_ssize_t)(t & (size - 1)), (Py_ssize_t)sizeof hd);
+            if (memcmp(hd, want, sizeof hd)) {
+                header = -1;  /* another message: leave it */
+                break;
+            }
+            t += HEADER_BYTES, avail -= HEADER_BYTES, header = moved = 1;
+        }
+        if (header && avail) {
+            uint64_t k = end - got < avail ? end - got : avail;
+            if (k > (uint64_t)chunk) k = (uint64_t)chunk;
+            uint64_t data = got < n ? (n - got < k ? n - got : k) : 0;
+            if (data) ring_read(dst + got, base, (Py_ssize_t)size, (Py_ssize_t)(t & (size - 1)), (Py_ssize_t)data);
+            t += k, got += k, moved = moved || k;
+        }
+        if (moved) {
+            __atomic_store_n(&words[idx[1]], t, __ATOMIC_RELEASE);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            wake_word(sleep);  /* the sender may wait for room */
+        }
+        if (header && got == end) break;
+    } while (still_waiting(&start, &turn, spin_ns, moved));
+    Py_END_ALLOW_THREADS
+    result = header < 0 ? -2 : (long long)t;
+done:
+    if (sq.obj) PyBuffer_Release(&sq);
+    if (dest.obj) PyBuffer_Release(&dest);
+    if (q.obj) PyBuffer_Release(&q);
+    if (ring.obj) PyBuffer_Release(&ring);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(result);
+}
+
 static PyMethodDef module_methods[] = {
     {"put", (PyCFunction)(void (*)(void))rings_put, METH_FASTCALL,
      "put(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload) -> new head, or -1 (no room)."},
     {"take", (PyCFunction)(void (*)(void))rings_take, METH_FASTCALL,
      "take(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, spin_ns) -> new tail; -1 not there in time, "
      "-2 another message there."},
+    {"send_stream", (PyCFunction)(void (*)(void))rings_send_stream, METH_FASTCALL,
+     "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, chunk, spin_ns) -> new head."},
+    {"recv_stream", (PyCFunction)(void (*)(void))rings_recv_stream, METH_FASTCALL,
+     "recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, sender_q, sleep_i, chunk, spin_ns) -> "
+     "new tail, or -2 (another message there)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "collectives._rings",
-    "Compiled path of the shared-memory rings' whole messages (put, take).", -1, module_methods,
+    "Compiled path of the shared-memory rings' messages (put, take, send_stream, recv_stream).", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -108,6 +108,57 @@ def test_bad_rings_and_words_raise_instead_of_writing_anywhere():
     assert not any(ring) and not any(q)
 
 
+@needs_rings
+@pytest.mark.parametrize("n", [0, 5, RING - 48, 3 * RING + 5, 1 << 20])
+def test_streams_in_two_threads_move_any_size_through_a_smaller_ring(n):
+    """send_stream and recv_stream at once (each lets go of the GIL): the
+    message comes out whole through a ring of 64 KiB, its end crossed many
+    times, a chunk at a time; both stop at the message's end."""
+    import threading
+
+    rings = compiled.rings
+    ring, q = _ring()
+    sender_q = memoryview(bytearray(24 * 8)).cast("Q")
+    sent = _pattern(n, 9)
+    got = np.zeros(n, np.uint8)
+    ends = {}
+    wire = 48 + (n + 15) // 16 * 16
+    spin = 2_000_000_000  # no stop for want of room or data while the other thread runs
+
+    def send():
+        ends["head"] = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, sent, 4096, spin)
+
+    def receive():
+        ends["tail"] = rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, sender_q, SLEEP_I, 4096, spin)
+
+    threads = [threading.Thread(target=send), threading.Thread(target=receive)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert ends == {"head": wire, "tail": wire} and q[HEAD_I] == q[TAIL_I] == wire
+    assert np.array_equal(got, sent)
+
+
+@needs_rings
+def test_streams_stop_when_nothing_comes_and_leave_another_message_alone():
+    rings = compiled.rings
+    ring, q = _ring()
+    sender_q = memoryview(bytearray(24 * 8)).cast("Q")
+    big = np.zeros(RING * 2, np.uint8)
+    start = time.monotonic()
+    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, big, 4096, 1_000_000)
+    assert head == RING == q[HEAD_I] and time.monotonic() - start < 5  # full: it stops, the caller goes on
+    for tag, n in [(8, RING * 2), (6, RING * 2 + 1)]:  # another tag, another size: nothing taken
+        assert rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, tag, *SIG, np.zeros(n, np.uint8), sender_q, SLEEP_I,
+                                 4096, 0) == -2
+    assert q[TAIL_I] == 0
+    got = np.zeros(RING * 2, np.uint8)
+    tail = rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, sender_q, SLEEP_I, 4096, 1_000_000)
+    assert tail == RING == q[TAIL_I]  # all that was there, then nothing more came
+    assert rings.recv_stream(ring, q, HEAD_I, TAIL_I, RING, 6, *SIG, got, sender_q, SLEEP_I, 4096, 0) == RING
+
+
 # ------------------------------------------------------------ between processes
 
 def _sizes() -> list[int]:
@@ -150,19 +201,19 @@ def test_messages_across_the_ring_end(monkeypatch, compiled_path, blocking):
 OTHER_ROOT = signature.make("bcast", "binomial", None, 1, np.dtype(np.uint8), 5)
 
 
-def blocking_receive_meets_a_disagreement(comm, what: str, sent):
-    """Rank 0 sends 10 bytes with tag 6 (refused by their root when ``what``
+def blocking_receive_meets_a_disagreement(comm, what: str, n: int, sent):
+    """Rank 0 sends n bytes with tag 6 (refused by their root when ``what``
     says so), then 4 bytes with tag 8; rank 1's blocking receive of the first
     disagrees in ``what``: its size, its signature (another root), or the
     sender refused the call. The second must still arrive whole."""
     t = comm.transport
     if comm.rank == 0:
-        t.send(_pattern(10, 3), 1, 6, signature.refused(SIG) if what == "refused" else SIG, timeout=10)
+        t.send(_pattern(n, 3), 1, 6, signature.refused(SIG) if what == "refused" else SIG, timeout=10)
         t.send(np.ones(4, np.uint8), 1, 8, timeout=10)
         sent.set()
         return "sent"
     assert sent.wait(10)  # both are in the ring before the receive
-    got = np.zeros(12 if what == "size" else 10, np.uint8)
+    got = np.zeros(n + 2 if what == "size" else n, np.uint8)
     start = time.monotonic()
     try:
         t.recv(got, 0, 6, OTHER_ROOT if what == "signature" else SIG, timeout=10)
@@ -175,21 +226,41 @@ def blocking_receive_meets_a_disagreement(comm, what: str, sent):
 
 
 @pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+@pytest.mark.parametrize("n", [10, 300_000], ids=["whole", "streamed"])
 @pytest.mark.parametrize("what", ["size", "signature", "refused"])
-def test_a_blocking_receive_that_disagrees_raises_and_the_stream_goes_on(monkeypatch, compiled_path, what):
+def test_a_blocking_receive_that_disagrees_raises_and_the_stream_goes_on(monkeypatch, compiled_path, what, n):
     monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
     sent = multiprocessing.get_context("fork").Event()
-    first, second = run_ranks(blocking_receive_meets_a_disagreement, 2, what, sent, timeout=60)
+    first, second = run_ranks(blocking_receive_meets_a_disagreement, 2, what, n, sent, timeout=60)
     assert first == "sent" and second != "no error"
     kind, message, after, took, written = second
     assert "rank 1" in message and "rank 0" in message
     if what == "size":
-        assert kind == "MismatchedCollective" and "expected 12 bytes from rank 0, got 10" in message
+        assert kind == "MismatchedCollective" and f"expected {n + 2} bytes from rank 0, got {n}" in message
     elif what == "signature":
         assert kind == "MismatchedCollective" and "root: rank 0 has 0, rank 1 has 1" in message
     else:
         assert kind == "BadArgument" and "refused by its root, rank 0" in message
     assert after == 4 and written == 0 and took < 5
+
+
+def both_send_large_then_receive(comm):
+    """Both ranks make a blocking send of several rings' worth before either
+    receives: neither may wait for the other (the rest of a send that does
+    not fit is queued, and a waiting rank takes in what arrives)."""
+    other, n = 1 - comm.rank, 9 * (1 << 20) + 13
+    start = time.monotonic()
+    comm.transport.send(_pattern(n, comm.rank), other, 4, timeout=30)
+    got = np.zeros(n, np.uint8)
+    comm.transport.recv(got, other, 4, timeout=30)
+    return bool(np.array_equal(got, _pattern(n, other))), time.monotonic() - start
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+def test_blocking_sends_of_large_messages_both_ways_do_not_deadlock(monkeypatch, compiled_path):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    for same, took in run_ranks(both_send_large_then_receive, 2, timeout=90):
+        assert same and took < 30
 
 
 def send_recv_through_the_communicator(comm):

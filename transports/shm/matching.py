@@ -22,6 +22,7 @@ from collectives.signature import NO_SIG, Sig
 from collectives.transport import COMPLETED, Request, Transport
 
 from .requests import Incoming, RecvRequest, SendRequest, Unexpected, bytes_view
+from .rings import HEADER_BYTES
 
 __all__ = ["Matching"]
 
@@ -77,15 +78,55 @@ class Matching:
                     self._pull(peer)
         return req
 
+    def send(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
+        """Send (blocking): a message of up to a quarter of the ring goes in
+        whole if it fits; where the extension is built, a larger one (or one
+        that does not fit now) streams in C while the receiver takes it out
+        (the lock held, the GIL let go), for as long as room keeps coming
+        within a spin; the rest as :meth:`isend` and wait."""
+        rest = None
+        with self._lock:
+            self._check_usable()
+            if self._streams is not None and not self._tx_queue[peer]:
+                if self._streamed(buf.nbytes) is False and self._send_whole(peer, tag, buf, sig):
+                    return
+                sent = self._send_stream(peer, tag, buf, sig)
+                if sent:
+                    rest = SendRequest(self, peer, tag, bytes_view(buf), sig)
+                    rest.sent = sent
+                    if sent == rest.wire:
+                        return
+                    self._tx_queue[peer].append(rest)
+                    self._tx_busy.add(peer)
+        if rest is None:
+            rest = self.isend(buf, peer, tag, sig)
+        rest.wait(timeout)  # the lock let go while it waits
+
     def recv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
         """Receive (blocking): a whole message at the head of its ring is
         taken at once, or after a short spin where each rank has a core of
-        its own (in C, the lock held); otherwise as :meth:`irecv` and wait."""
+        its own (in C, the lock held); where the extension is built, one of
+        more than a quarter of the ring streams out as it arrives
+        (:meth:`_take_stream`); otherwise, and for the rest, as
+        :meth:`irecv` and wait."""
+        rest = None
         with self._lock:
             self._check_usable()
-            if self._take_whole(peer, tag, buf, sig, self._recv_spin_ns):
-                return
-        self.irecv(buf, peer, tag, sig).wait(timeout)
+            if not self._streamed(buf.nbytes):
+                if self._take_whole(peer, tag, buf, sig, self._recv_spin_ns):
+                    return
+            else:
+                taken = self._take_stream(peer, tag, buf, sig)
+                if taken:
+                    rest = RecvRequest(self, peer, tag, bytes_view(buf), sig)
+                    cur = Incoming(tag, rest.nbytes, rest.mv, rest)
+                    cur.got = taken - HEADER_BYTES
+                    if cur.got >= cur.wire:
+                        return
+                    self._rx_cur[peer] = cur  # the rest as it arrives, in Python
+        if rest is None:
+            rest = self.irecv(buf, peer, tag, sig)
+        rest.wait(timeout)  # the lock let go while it waits
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:

@@ -25,10 +25,14 @@ from collectives.errors import BadArgument
 
 from .layout import Q_SLEEP, align
 
-__all__ = ["Rings", "HEADER", "HEADER_BYTES", "write_header", "read_header", "bytes_view"]
+__all__ = ["Rings", "HEADER", "HEADER_BYTES", "STREAM_CHUNK", "write_header", "read_header", "bytes_view"]
 
 HEADER = struct.Struct("<qqQQQq")  # tag, payload length, the call's signature (3 words), padding
 HEADER_BYTES = HEADER.size
+#: A message streamed in C (:meth:`Rings._send_stream`, :meth:`Rings._take_stream`)
+#: publishes its counter after each of these many bytes, so that the other
+#: side copies while this one does.
+STREAM_CHUNK = 64 * 1024
 
 
 def bytes_view(buf: np.ndarray) -> memoryview:
@@ -102,6 +106,7 @@ class Rings:
         rings = compiled.rings_enabled()
         self._put = rings.put if rings is not None else None
         self._take = rings.take if rings is not None else None
+        self._streams = (rings.send_stream, rings.recv_stream) if rings is not None else None
         self._recv_spin_ns = int(self._spin * 1e9)  # a blocking receive's wait in C (0 where cores are shared)
 
     def _push(self, dst: int) -> None:
@@ -290,6 +295,46 @@ class Rings:
         if self._tx_q[src][Q_SLEEP]:
             self._wake(src)  # it may wait for room
         return True
+
+    def _streamed(self, nbytes: int) -> bool | None:
+        """Whether a blocking send or receive of ``nbytes`` streams in C (more
+        than a quarter of the ring: then both sides copy at once, a chunk
+        apart); None where the extension is not built."""
+        if self._streams is None:
+            return None
+        return HEADER_BYTES + nbytes > self._ring_bytes // 4
+
+    def _send_stream(self, dst: int, tag: int, buf: np.ndarray, sig: signature.Sig) -> int:
+        """In C, with nothing queued for ``dst``: stream a message into its
+        ring while the receiver takes it out, until it is all in or no room
+        came for a spin. Returns the wire bytes put (header included); the
+        caller queues the rest. Only where the extension is built."""
+        old = self._tx_head[dst]
+        head = self._streams[0](self._tx_data[dst], self._tx_q[dst], self._tx_head_i, self._tx_tail_i, Q_SLEEP,
+                                old, tag, sig[0], sig[1], sig[2], buf, STREAM_CHUNK, self._recv_spin_ns)
+        self._tx_head[dst] = head
+        self._moved += head - old
+        return head - old
+
+    def _take_stream(self, src: int, tag: int, buf: np.ndarray, sig: signature.Sig) -> int:
+        """In C: copy the message from ``src`` with ``tag``, ``sig`` and
+        ``buf.nbytes`` bytes out of its ring as it arrives, when nothing is
+        ahead of it for this receive (see :meth:`_ready_payload`), until it
+        is all out or nothing came for a spin. Returns the wire bytes taken
+        (header included; 0: none, or another message waits there), after
+        which the caller takes the rest as :meth:`_pull` does. Only where the
+        extension is built."""
+        if self._rx_cur[src] is not None or self._posted[src].get(tag) or self._unexpected[src].get(tag):
+            return 0
+        old = self._rx_tail[src]
+        tail = self._streams[1](self._rx_data[src], self._rx_q, self._rx_head_i[src], self._rx_tail_i[src], old,
+                                tag, sig[0], sig[1], sig[2], buf, self._tx_q[src], Q_SLEEP, STREAM_CHUNK,
+                                self._recv_spin_ns)
+        if tail <= old:
+            return 0
+        self._rx_tail[src] = tail
+        self._moved += tail - old
+        return tail - old
 
     def _ready_payload(self, src: int, tag: int, nbytes: int, sig: signature.Sig) -> int:
         """Ring offset of a whole message from ``src`` with ``tag`` and
