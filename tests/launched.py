@@ -11,7 +11,8 @@ import sys
 import traceback
 from typing import Any, Callable
 
-__all__ = ["clean_env", "results", "run_torch_checks", "SUITE_SETTINGS", "suite_settings"]
+__all__ = ["clean_env", "environment_without", "results", "run_torch_checks", "SUITE_SETTINGS", "suite_settings",
+           "LAUNCH_NAMES"]
 
 #: Variables of the test process's own launch that must not reach the ranks.
 _DROP = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
@@ -29,12 +30,24 @@ def suite_settings() -> dict[str, str]:
     return {k: os.environ[k] for k in SUITE_SETTINGS if k in os.environ}
 
 
+#: The variables a launcher sets for each rank (torchrun's, the launcher's own).
+LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def environment_without(prefixes: tuple[str, ...], names: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment without the variables that start with one of
+    ``prefixes`` or are named in ``names``, the suite's own settings
+    (:data:`SUITE_SETTINGS`) kept: every rank a test starts by hand gets its
+    environment here."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+    env.update(suite_settings())
+    return env
+
+
 def clean_env() -> dict[str, str]:
     """This process's environment without any launcher's variables (the suite's own settings
     kept), one thread per rank."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
-    env.update(suite_settings(), OMP_NUM_THREADS="1")
-    return env
+    return environment_without(_DROP) | {"OMP_NUM_THREADS": "1"}
 
 
 def results(stdout: str) -> list[dict]:

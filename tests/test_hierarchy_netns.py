@@ -27,7 +27,7 @@ import sys
 import time
 
 import pytest
-from launched import suite_settings
+from launched import LAUNCH_NAMES, environment_without
 
 from collectives.bench.netns import hosts as make_hosts, unavailable
 
@@ -75,11 +75,8 @@ def netns_hosts(request):
 
 def _environment(node: int, **extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, host ``node``'s identity and ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                         "NODE_RANK", "GROUP_RANK")}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"),
+                              LAUNCH_NAMES + ("NODE_RANK", "GROUP_RANK"))
     env.update({"PYTHONUNBUFFERED": "1", "COLLECTIVES_HOST_ID": f"netns-host{node}"}, **extra)
     return env
 

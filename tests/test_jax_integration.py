@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 
-from launched import results as rank_results, suite_settings
+from launched import environment_without, results as rank_results
 
 HERE = os.path.abspath(__file__)
 DEADLINE = 150  # the first job builds the FFI target (about 30 s)
@@ -234,8 +234,7 @@ def main():
 @pytest.mark.parametrize("p,ffi", [(2, True), (3, True), (2, False)])
 def test_jax_adapter_matches_single_process(p, ffi):
     pytest.importorskip("jax")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "OMPI_"))}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(("COLLECTIVES_", "PMI_", "OMPI_"))
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     if not ffi:
         env["COLLECTIVES_JAX_FFI"] = "0"  # the ordered io_callback

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from launched import suite_settings
+from launched import LAUNCH_NAMES, environment_without
 
 from collectives.bench.netns import hosts as make_hosts, unavailable
 from collectives.launcher import free_port
@@ -122,11 +122,8 @@ class Ended:
 
 def _environment(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                         "NODE_RANK", "GROUP_RANK")}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"),
+                              LAUNCH_NAMES + ("NODE_RANK", "GROUP_RANK"))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from launched import suite_settings
+from launched import environment_without
 
 from collectives.bench.faults import remove_left
 
@@ -65,8 +65,7 @@ class Run:
 
 def launch(tmp_path, p: int, *args: str) -> Run:
     """Run ``mpiexec -n p python mpi_failure_main.py OUTDIR *args`` within DEADLINE."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(("COLLECTIVES_", "PMI_"))
     cmd = [MPIEXEC, "-n", str(p), sys.executable, MAIN, str(tmp_path), *args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -267,8 +266,7 @@ def _launch_here(tmp_path, p: int, main: str, *args: str) -> subprocess.Popen:
     """``mpiexec -n p`` of this module's function ``main(OUTDIR, *args)``."""
     call = ", ".join(repr(a) for a in (str(tmp_path), *args))
     code = f"import sys; sys.path.insert(0, {HERE!r}); import test_mpi_failures as t; t.{main}({call})"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(("COLLECTIVES_", "PMI_"))
     return subprocess.Popen([MPIEXEC, "-n", str(p), sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from launched import suite_settings
+from launched import environment_without
 
 HERE = os.path.dirname(__file__)
 MPIEXEC = shutil.which("mpiexec")
@@ -19,8 +19,7 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec (mpich wheel) i
 
 
 def _run_checks(p: int, tmp_path, *checks: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_"))}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(("COLLECTIVES_", "PMI_"))
     res = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, os.path.join(HERE, "mpi_rank_main.py"),
                           str(tmp_path), *checks], capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from launched import suite_settings
+from launched import LAUNCH_NAMES, environment_without
 
 from collectives import BadArgument, detect_launch
 from collectives.environment import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_port
@@ -171,10 +171,7 @@ comm.close()
 
 
 def _clean_environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return env | suite_settings()  # the suite's own profiles and records
+    return environment_without(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_", "SLURM_"), LAUNCH_NAMES)
 
 
 def _run_tasks(envs: list[dict[str, str]], script: str) -> list[subprocess.CompletedProcess]:

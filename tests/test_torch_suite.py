@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from launched import suite_settings
+from launched import environment_without
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None or importlib.util.find_spec("expecttest") is None,
@@ -38,8 +37,7 @@ DEADLINE = 540
 def _clean_env() -> dict[str, str]:
     drop = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "BACKEND",
             "TEMP_DIR", "INIT_METHOD")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(drop)
     env["OMP_NUM_THREADS"] = "1"
     return env
 

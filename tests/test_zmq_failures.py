@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 import pytest
-from launched import suite_settings
+from launched import LAUNCH_NAMES, environment_without
 
 import collectives
 from collectives import CollectiveError, signature
@@ -465,10 +465,7 @@ def two_hosts():
 
 
 def _start_rank(ns: str, rank: int, size: int, port: int, secret: str, extra: dict[str, str]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(suite_settings())  # the suite's own profiles and records
+    env = environment_without(("COLLECTIVES_", "TORCHELASTIC_", "PMI_", "OMPI_"), LAUNCH_NAMES)
     env.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": f"{SUBNET}.1",
                 "MASTER_PORT": str(port), "COLLECTIVES_SECRET": secret, "PYTHONUNBUFFERED": "1", **extra})
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, RANK_MAIN], env=env, text=True,
