@@ -263,6 +263,48 @@ def test_blocking_sends_of_large_messages_both_ways_do_not_deadlock(monkeypatch,
         assert same and took < 30
 
 
+def posted_receives_waited_in_any_order(comm, order: str, sent):
+    """Rank 1 posts three receives (two of tag 2, one of tag 4) before rank 0
+    sends tag 4, a large tag 2 and a small tag 2, then waits for them one at
+    a time in ``order``: a wait for the first receive posted of its tag takes
+    its message at once, any other waits as before; either way each message
+    meets its own receive (by tag, in order within a tag), then a receive of
+    the wrong size fails and the stream goes on."""
+    t = comm.transport
+    big = 300_000
+    if comm.rank == 0:
+        assert sent.wait(10)  # every receive is posted first
+        for n, tag in ((16, 4), (big, 2), (8, 2), (10, 6), (4, 8)):
+            t.send(_pattern(n, tag + n), 1, tag, timeout=10)
+        return "sent"
+    bufs = {"a": np.zeros(big, np.uint8), "b": np.zeros(8, np.uint8), "c": np.zeros(16, np.uint8)}
+    reqs = {"a": t.irecv(bufs["a"], 0, 2), "b": t.irecv(bufs["b"], 0, 2), "c": t.irecv(bufs["c"], 0, 4)}
+    wrong = t.irecv(np.zeros(12, np.uint8), 0, 6)
+    sent.set()
+    for name in order:
+        reqs[name].wait(10)
+    same = all(np.array_equal(bufs[k], _pattern(n, tag + n)) for k, n, tag in (("a", big, 2), ("b", 8, 2),
+                                                                               ("c", 16, 4)))
+    try:
+        wrong.wait(10)
+        error = None
+    except MismatchedCollective as exc:
+        error = str(exc)
+    after = np.zeros(4, np.uint8)
+    t.irecv(after, 0, 8).wait(10)
+    return same, error, bool(np.array_equal(after, _pattern(4, 12)))
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+@pytest.mark.parametrize("order", ["cab", "bac", "abc"])
+def test_posted_receives_waited_for_in_any_order(monkeypatch, compiled_path, order):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    sent = multiprocessing.get_context("fork").Event()
+    first, (same, error, after) = run_ranks(posted_receives_waited_in_any_order, 2, order, sent, timeout=60)
+    assert first == "sent" and same and after
+    assert error is not None and "expected 12 bytes from rank 0, got 10" in error
+
+
 def send_recv_through_the_communicator(comm):
     """Blocking point-to-point through the communicator: tags kept apart,
     FIFO within one tag, dtypes and shapes kept, the buffer returned."""

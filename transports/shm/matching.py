@@ -109,24 +109,55 @@ class Matching:
         more than a quarter of the ring streams out as it arrives
         (:meth:`_take_stream`); otherwise, and for the rest, as
         :meth:`irecv` and wait."""
-        rest = None
         with self._lock:
             self._check_usable()
-            if not self._streamed(buf.nbytes):
-                if self._take_whole(peer, tag, buf, sig, self._recv_spin_ns):
-                    return
-            else:
-                taken = self._take_stream(peer, tag, buf, sig)
-                if taken:
-                    rest = RecvRequest(self, peer, tag, bytes_view(buf), sig)
-                    cur = Incoming(tag, rest.nbytes, rest.mv, rest)
-                    cur.got = taken - HEADER_BYTES
-                    if cur.got >= cur.wire:
-                        return
-                    self._rx_cur[peer] = cur  # the rest as it arrives, in Python
-        if rest is None:
+            rest = self._take_now(peer, tag, buf, sig)
+            if rest is True:
+                return
+        if rest is False:
             rest = self.irecv(buf, peer, tag, sig)
         rest.wait(timeout)  # the lock let go while it waits
+
+    def _take_now(self, peer: int, tag: int, buf: Any, sig: Sig,
+                  claimed: RecvRequest | None = None) -> RecvRequest | bool:
+        """With the lock held: take a receive's message now if it is next in
+        its ring, whole (after a spin) or, when large, streamed in C as it
+        arrives. True: it is all in ``buf``; False: none of it was taken;
+        else the receive (``claimed``, or a new one) that now waits for the
+        rest as the message being copied out (``_rx_cur``)."""
+        if not self._streamed(buf.nbytes):
+            return self._take_whole(peer, tag, buf, sig, self._recv_spin_ns, claimed is not None)
+        taken = self._take_stream(peer, tag, buf, sig, claimed is not None)
+        if not taken:
+            return False
+        req = claimed or RecvRequest(self, peer, tag, bytes_view(buf), sig)
+        cur = Incoming(tag, req.nbytes, req.mv, req)
+        cur.got = taken - HEADER_BYTES
+        if cur.got >= cur.wire:
+            return True
+        self._rx_cur[peer] = cur  # the rest as it arrives, in Python
+        return req
+
+    def _claim(self, req: RecvRequest) -> bool:
+        """A wait for the posted receive ``req`` alone: when it is the first
+        receive of its tag posted for its peer, take its message now as
+        :meth:`recv` does (in C only). True when ``req`` completed."""
+        if self._streams is None:
+            return False
+        with self._lock:
+            queues = self._posted[req.peer]
+            posted = queues.get(req.tag)
+            if self._closed or not posted or posted[0] is not req:
+                return False
+            posted.popleft()
+            got = self._take_now(req.peer, req.tag, req.mv, req.sig, claimed=req)
+            if got is False:
+                posted.appendleft(req)  # still the first: it waits as any receive
+                return False
+            if not posted:
+                del queues[req.tag]
+            req.done = got is True
+            return req.done
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:

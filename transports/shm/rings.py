@@ -264,13 +264,22 @@ class Rings:
         self._moved += wire
         return True
 
-    def _take_whole(self, src: int, tag: int, buf: np.ndarray, sig: signature.Sig, spin: int = 0) -> bool:
+    def _next_for(self, src: int, tag: int, claimed: bool) -> bool:
+        """Whether the message at the head of ``src``'s ring is the next one a
+        receive with ``tag`` may take: none half copied out, no early message
+        of that tag, and no receive of that tag posted before (``claimed``:
+        the receive was the first posted, and is taken off the queue)."""
+        return self._rx_cur[src] is None and not self._unexpected[src].get(tag) \
+            and (claimed or not self._posted[src].get(tag))
+
+    def _take_whole(self, src: int, tag: int, buf: np.ndarray, sig: signature.Sig, spin: int = 0,
+                    claimed: bool = False) -> bool:
         """Fast path: copy a whole message from ``src`` with ``tag``, ``sig``
         and exactly ``buf.nbytes`` bytes into the C-contiguous ``buf`` when it
         waits at the head of its ring with nothing ahead of it for this
-        receive (see :meth:`_ready_payload`); in C, wait for it up to
-        ``spin`` ns first. False: not there (or another message is: the
-        caller routes it)."""
+        receive (:meth:`_next_for`); in C, wait for it up to ``spin`` ns
+        first. False: not there (or another message is: the caller routes
+        it)."""
         if self._take is None:
             mv = bytes_view(buf)
             pos = self._ready_payload(src, tag, len(mv), sig)
@@ -283,7 +292,7 @@ class Rings:
                 mv[first:] = ring[:n - first]
             self._consume(src, n)
             return True
-        if self._rx_cur[src] is not None or self._posted[src].get(tag) or self._unexpected[src].get(tag):
+        if not self._next_for(src, tag, claimed):
             return False
         old = self._rx_tail[src]
         tail = self._take(self._rx_data[src], self._rx_q, self._rx_head_i[src], self._rx_tail_i[src], old,
@@ -316,15 +325,15 @@ class Rings:
         self._moved += head - old
         return head - old
 
-    def _take_stream(self, src: int, tag: int, buf: np.ndarray, sig: signature.Sig) -> int:
+    def _take_stream(self, src: int, tag: int, buf: np.ndarray, sig: signature.Sig, claimed: bool = False) -> int:
         """In C: copy the message from ``src`` with ``tag``, ``sig`` and
         ``buf.nbytes`` bytes out of its ring as it arrives, when nothing is
-        ahead of it for this receive (see :meth:`_ready_payload`), until it
-        is all out or nothing came for a spin. Returns the wire bytes taken
-        (header included; 0: none, or another message waits there), after
-        which the caller takes the rest as :meth:`_pull` does. Only where the
+        ahead of it for this receive (:meth:`_next_for`), until it is all
+        out or nothing came for a spin. Returns the wire bytes taken (header
+        included; 0: none, or another message waits there), after which the
+        caller takes the rest as :meth:`_pull` does. Only where the
         extension is built."""
-        if self._rx_cur[src] is not None or self._posted[src].get(tag) or self._unexpected[src].get(tag):
+        if not self._next_for(src, tag, claimed):
             return 0
         old = self._rx_tail[src]
         tail = self._streams[1](self._rx_data[src], self._rx_q, self._rx_head_i[src], self._rx_tail_i[src], old,
@@ -341,7 +350,7 @@ class Rings:
         ``nbytes`` waiting at the head of its ring, with nothing ahead of it
         for this receive (no earlier posted receive, no early message, no
         message half copied); -1 otherwise. Call with the lock held."""
-        if self._rx_cur[src] is not None or self._posted[src].get(tag) or self._unexpected[src].get(tag):
+        if not self._next_for(src, tag, False):
             return -1
         tail = self._rx_tail[src]
         if self._rx_q[self._rx_head_i[src]] - tail < HEADER_BYTES + align(nbytes, 16):
