@@ -237,21 +237,7 @@ static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize
 
 /* --------------------------------------------------------------- waiting */
 
-static inline uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-
-static inline int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
+#include "_waiting.h"
 
 /* The counters every rank keeps in its control page, each written by its
  * owner only: the fence epoch, and for compiled calls and steps through the halves,

@@ -51,20 +51,24 @@
 /* Checks made holding the GIL before a wait lets it go (a pause apart). */
 #define HELD_SPIN_TURNS 64
 
-static inline uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+#include "_waiting.h"
 
-static inline int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+/* Wake the rank that sleeps on this word (a futex on its low 32 bits), if it does. */
+static inline void wake_word(uint64_t *sleep) {
+    if (load_acquire(sleep)) {
+        __atomic_store_n(sleep, 0, __ATOMIC_RELEASE);
+        syscall(SYS_futex, (uint32_t *)sleep, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
 }
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
+/* Release the buffers taken (those with an owner; NULL: none) and return
+ * result, or NULL when an error is set. */
+static PyObject *finish(long long result, Py_buffer *a, Py_buffer *b, Py_buffer *c, Py_buffer *d) {
+    Py_buffer *all[4] = {a, b, c, d};
+    for (int i = 0; i < 4; i++)
+        if (all[i] && all[i]->obj) PyBuffer_Release(all[i]);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(result);
 }
 
 static inline Py_ssize_t wire_bytes(Py_ssize_t nbytes) { return HEADER_BYTES + ((nbytes + 15) & ~(Py_ssize_t)15); }
@@ -141,17 +145,9 @@ static PyObject *rings_put(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssi
     /* the store before the load of the sleep word: a receiver that marked
      * itself asleep after looking at the head is never missed */
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    uint64_t *sleep = &words[idx[2]];
-    if (load_acquire(sleep)) {
-        __atomic_store_n(sleep, 0, __ATOMIC_RELEASE);
-        syscall(SYS_futex, (uint32_t *)sleep, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-    }
+    wake_word(&words[idx[2]]);
 done:
-    if (pay.obj) PyBuffer_Release(&pay);
-    if (q.obj) PyBuffer_Release(&q);
-    if (ring.obj) PyBuffer_Release(&ring);
-    if (PyErr_Occurred()) return NULL;
-    return PyLong_FromLongLong(result);
+    return finish(result, &pay, &q, &ring, NULL);
 }
 
 /* What the message at the tail is for a receive of header want:
@@ -215,11 +211,7 @@ static PyObject *rings_take(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ss
         __atomic_store_n(&words[idx[1]], (uint64_t)result, __ATOMIC_RELEASE);
     }
 done:
-    if (dest.obj) PyBuffer_Release(&dest);
-    if (q.obj) PyBuffer_Release(&q);
-    if (ring.obj) PyBuffer_Release(&ring);
-    if (PyErr_Occurred()) return NULL;
-    return PyLong_FromLongLong(result);
+    return finish(result, &dest, &q, &ring, NULL);
 }
 
 /* Whether a bounded wait goes on: progress restarts its clock (start). */
@@ -231,13 +223,6 @@ static inline int still_waiting(int64_t *start, unsigned *turn, int64_t spin_ns,
     }
     cpu_relax();
     return ++*turn % 32 || now_ns() - *start < spin_ns;
-}
-
-static inline void wake_word(uint64_t *sleep) {
-    if (load_acquire(sleep)) {
-        __atomic_store_n(sleep, 0, __ATOMIC_RELEASE);
-        syscall(SYS_futex, (uint32_t *)sleep, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-    }
 }
 
 static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
@@ -305,11 +290,7 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
     Py_END_ALLOW_THREADS
     result = (long long)h;
 done:
-    if (pay.obj) PyBuffer_Release(&pay);
-    if (q.obj) PyBuffer_Release(&q);
-    if (ring.obj) PyBuffer_Release(&ring);
-    if (PyErr_Occurred()) return NULL;
-    return PyLong_FromLongLong(result);
+    return finish(result, &pay, &q, &ring, NULL);
 }
 
 static PyObject *rings_recv_stream(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
@@ -377,12 +358,7 @@ static PyObject *rings_recv_stream(PyObject *Py_UNUSED(m), PyObject *const *args
     Py_END_ALLOW_THREADS
     result = header < 0 ? -2 : (long long)t;
 done:
-    if (sq.obj) PyBuffer_Release(&sq);
-    if (dest.obj) PyBuffer_Release(&dest);
-    if (q.obj) PyBuffer_Release(&q);
-    if (ring.obj) PyBuffer_Release(&ring);
-    if (PyErr_Occurred()) return NULL;
-    return PyLong_FromLongLong(result);
+    return finish(result, &sq, &dest, &q, &ring);
 }
 
 static PyMethodDef module_methods[] = {
