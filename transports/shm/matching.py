@@ -31,16 +31,19 @@ _CALLS = 1 << 27
 
 
 class Matching:
-    """``isend``, ``irecv`` and ``irecv_reduce``, and routing what arrives;
-    mixed into :class:`~.transport.SharedMemoryTransport`.
+    """``isend``, ``irecv``, ``irecv_reduce``, the blocking ``send`` and
+    ``recv``, and routing what arrives; mixed into
+    :class:`~.transport.SharedMemoryTransport`.
 
     Reads and writes the ring state of :class:`~.rings.Rings`: the send
     queues (``_tx_queue``, ``_tx_busy``), the receives and early messages
     (``_posted``, ``_unexpected``) and the message being copied out
     (``_rx_cur``); reads ``rank``, ``_ring_bytes``, ``_ranks``, ``_rx_q``,
-    ``_rx_head_i``, ``_rx_tail`` and ``_rx_data``; moves bytes with the
-    rings' ``_push``, ``_pull``, ``_progress``, ``_send_whole``,
-    ``_ready_payload`` and ``_consume``; holds ``_lock`` while it does.
+    ``_rx_head_i``, ``_rx_tail``, ``_rx_data``, ``_streams`` and
+    ``_recv_spin_ns``; moves bytes with the rings' ``_push``, ``_pull``,
+    ``_progress``, ``_send_whole``, ``_take_whole``, ``_send_stream``,
+    ``_take_stream``, ``_ready_payload`` and ``_consume``; holds ``_lock``
+    while it does.
     """
 
     def isend(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
