@@ -21,15 +21,20 @@
  *       there in time; -2 when the message there is another one (another
  *       tag, size or signature: the caller routes it, and reports a
  *       disagreement). Nothing is read past the bytes the sender published.
- *   send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, chunk, spin_ns) -> int
- *       a message of any size, streamed: the header once 48 bytes are free,
- *       then the payload (and its padding) as room frees up, the head
+ *   send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, sent, chunk, spin_ns) -> int
+ *       a message of any size, streamed: the header once 48 bytes are free
+ *       (unless sent, the wire bytes of it already in the ring, says it is
+ *       there: 0, or 48 up to the whole), then the rest of the payload (and
+ *       its padding) as room frees up, the head
  *       published (and the receiver woken) after each chunk of at most
  *       chunk bytes. Stops when the message is in, or after spin_ns without
  *       room; returns the new head (the caller goes on from there).
- *   recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, sender_q, sleep_i, chunk, spin_ns) -> int
+ *   recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, taken, sender_q, sleep_i, chunk,
+ *               spin_ns) -> int
  *       the receiving side: once the header is there and is exactly (tag,
- *       len(dest), w0, w1, w2), copy the payload out as it arrives, the tail
+ *       len(dest), w0, w1, w2) (unless taken, the wire bytes of the message
+ *       already taken out: 0, or 48 up to the whole, says it was), copy the
+ *       rest of the payload out as it arrives, the tail
  *       published (and the sender woken through sender_q[sleep_i]) after
  *       each chunk. Stops when the message is out, or after spin_ns with
  *       nothing new; returns the new tail (unchanged: nothing there), or -2
@@ -226,9 +231,9 @@ static inline int still_waiting(int64_t *start, unsigned *turn, int64_t spin_ns,
 }
 
 static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError,
-                        "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, chunk, spin_ns)");
+    if (nargs != 14) {
+        PyErr_SetString(PyExc_TypeError, "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, "
+                                         "payload, sent, chunk, spin_ns)");
         return NULL;
     }
     Py_ssize_t idx[3];
@@ -238,8 +243,8 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
         w[i] = PyLong_AsUnsignedLongLong(args[7 + i]);
     }
     long long head = PyLong_AsLongLong(args[5]), tag = PyLong_AsLongLong(args[6]);
-    Py_ssize_t chunk = PyLong_AsSsize_t(args[11]);
-    long long spin_ns = PyLong_AsLongLong(args[12]);
+    Py_ssize_t already = PyLong_AsSsize_t(args[11]), chunk = PyLong_AsSsize_t(args[12]);
+    long long spin_ns = PyLong_AsLongLong(args[13]);
     if (PyErr_Occurred()) return NULL;
     Py_buffer ring = {0}, q = {0}, pay = {0};
     long long result = head;
@@ -247,8 +252,9 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
             || PyObject_GetBuffer(args[10], &pay, PyBUF_C_CONTIGUOUS) < 0)
         goto done;
     if (!check_ring(&ring, &q, idx, 3)) goto done;
-    if (chunk < 16) {
-        PyErr_SetString(PyExc_ValueError, "a chunk is 16 bytes or more");
+    if (chunk < 16 || already < 0 || (already > 0 && already < HEADER_BYTES) || already > wire_bytes(pay.len)) {
+        PyErr_Format(PyExc_ValueError, "a chunk is 16 bytes or more (%zd), and the bytes sent 0 or from the header's "
+                     "48 to the message's %zd (%zd)", chunk, wire_bytes(pay.len), already);
         goto done;
     }
     uint64_t *words = (uint64_t *)q.buf, *sleep = &words[idx[2]];
@@ -258,12 +264,13 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    uint64_t size = (uint64_t)ring.len, n = (uint64_t)pay.len, sent = 0, end = (uint64_t)wire_bytes(pay.len) - HEADER_BYTES;
+    uint64_t size = (uint64_t)ring.len, n = (uint64_t)pay.len, end = (uint64_t)wire_bytes(pay.len) - HEADER_BYTES;
+    uint64_t sent = already ? (uint64_t)already - HEADER_BYTES : 0;  /* of the payload and padding */
     char *base = ring.buf;
     const char *src = pay.buf;
     int64_t start = now_ns();
     unsigned turn = 0;
-    int header = 0, moved = 0;
+    int header = already > 0, moved = 0;
     do {
         uint64_t free = size - (h - tail);
         moved = 0;
@@ -294,35 +301,39 @@ done:
 }
 
 static PyObject *rings_recv_stream(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 14) {
+    if (nargs != 15) {
         PyErr_SetString(PyExc_TypeError, "recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, "
-                                         "sender_q, sleep_i, chunk, spin_ns)");
+                                         "taken, sender_q, sleep_i, chunk, spin_ns)");
         return NULL;
     }
-    Py_ssize_t idx[2] = {PyLong_AsSsize_t(args[2]), PyLong_AsSsize_t(args[3])}, sleep_i = PyLong_AsSsize_t(args[11]);
+    Py_ssize_t idx[2] = {PyLong_AsSsize_t(args[2]), PyLong_AsSsize_t(args[3])}, sleep_i = PyLong_AsSsize_t(args[12]);
+    Py_ssize_t taken = PyLong_AsSsize_t(args[10]);
     long long tail = PyLong_AsLongLong(args[4]), tag = PyLong_AsLongLong(args[5]);
     unsigned long long w[3] = {PyLong_AsUnsignedLongLong(args[6]), PyLong_AsUnsignedLongLong(args[7]),
                                PyLong_AsUnsignedLongLong(args[8])};
-    Py_ssize_t chunk = PyLong_AsSsize_t(args[12]);
-    long long spin_ns = PyLong_AsLongLong(args[13]);
+    Py_ssize_t chunk = PyLong_AsSsize_t(args[13]);
+    long long spin_ns = PyLong_AsLongLong(args[14]);
     if (PyErr_Occurred()) return NULL;
     Py_buffer ring = {0}, q = {0}, dest = {0}, sq = {0};
     long long result = -1;
     if (PyObject_GetBuffer(args[0], &ring, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(args[1], &q, PyBUF_WRITABLE) < 0
             || PyObject_GetBuffer(args[9], &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0
-            || PyObject_GetBuffer(args[10], &sq, PyBUF_WRITABLE) < 0)
+            || PyObject_GetBuffer(args[11], &sq, PyBUF_WRITABLE) < 0)
         goto done;
     if (!check_ring(&ring, &q, idx, 2) || !check_ring(&ring, &sq, &sleep_i, 1)) goto done;
-    if (tail < 0 || chunk < 16) {
-        PyErr_SetString(PyExc_ValueError, "a ring's tail is never negative, a chunk 16 bytes or more");
+    if (tail < 0 || chunk < 16 || taken < 0 || (taken > 0 && taken < HEADER_BYTES) || taken > wire_bytes(dest.len)) {
+        PyErr_Format(PyExc_ValueError, "a ring's tail is never negative (%lld), a chunk 16 bytes or more (%zd), "
+                     "and the bytes taken 0 or from the header's 48 to the message's %zd (%zd)",
+                     tail, chunk, wire_bytes(dest.len), taken);
         goto done;
     }
     uint64_t *words = (uint64_t *)q.buf, *sleep = (uint64_t *)sq.buf + sleep_i;
     const uint64_t *head_word = &words[idx[0]];
     uint64_t size = (uint64_t)ring.len, n = (uint64_t)dest.len, t = (uint64_t)tail;
-    uint64_t end = (uint64_t)wire_bytes(dest.len) - HEADER_BYTES, got = 0;
+    uint64_t end = (uint64_t)wire_bytes(dest.len) - HEADER_BYTES;
+    uint64_t got = taken ? (uint64_t)taken - HEADER_BYTES : 0;  /* of the payload and padding */
     int64_t want[5] = {tag, (int64_t)n, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2]};
-    int header = 0;
+    int header = taken > 0;
     Py_BEGIN_ALLOW_THREADS
     const char *base = ring.buf;
     char *dst = dest.buf;
@@ -368,10 +379,11 @@ static PyMethodDef module_methods[] = {
      "take(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, spin_ns) -> new tail; -1 not there in time, "
      "-2 another message there."},
     {"send_stream", (PyCFunction)(void (*)(void))rings_send_stream, METH_FASTCALL,
-     "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, chunk, spin_ns) -> new head."},
+     "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, sent, chunk, spin_ns) -> "
+     "new head."},
     {"recv_stream", (PyCFunction)(void (*)(void))rings_recv_stream, METH_FASTCALL,
-     "recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, sender_q, sleep_i, chunk, spin_ns) -> "
-     "new tail, or -2 (another message there)."},
+     "recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, taken, sender_q, sleep_i, chunk, spin_ns) "
+     "-> new tail, or -2 (another message there)."},
     {NULL, NULL, 0, NULL},
 };
 

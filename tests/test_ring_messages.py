@@ -126,10 +126,10 @@ def test_streams_in_two_threads_move_any_size_through_a_smaller_ring(n):
     spin = 2_000_000_000  # no stop for want of room or data while the other thread runs
 
     def send():
-        ends["head"] = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, sent, 4096, spin)
+        ends["head"] = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, sent, 0, 4096, spin)
 
     def receive():
-        ends["tail"] = rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, sender_q, SLEEP_I, 4096, spin)
+        ends["tail"] = rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, 0, sender_q, SLEEP_I, 4096, spin)
 
     threads = [threading.Thread(target=send), threading.Thread(target=receive)]
     for th in threads:
@@ -147,16 +147,46 @@ def test_streams_stop_when_nothing_comes_and_leave_another_message_alone():
     sender_q = memoryview(bytearray(24 * 8)).cast("Q")
     big = np.zeros(RING * 2, np.uint8)
     start = time.monotonic()
-    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, big, 4096, 1_000_000)
+    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, big, 0, 4096, 1_000_000)
     assert head == RING == q[HEAD_I] and time.monotonic() - start < 5  # full: it stops, the caller goes on
     for tag, n in [(8, RING * 2), (6, RING * 2 + 1)]:  # another tag, another size: nothing taken
-        assert rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, tag, *SIG, np.zeros(n, np.uint8), sender_q, SLEEP_I,
-                                 4096, 0) == -2
+        assert rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, tag, *SIG, np.zeros(n, np.uint8), 0, sender_q,
+                                 SLEEP_I, 4096, 0) == -2
     assert q[TAIL_I] == 0
     got = np.zeros(RING * 2, np.uint8)
-    tail = rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, sender_q, SLEEP_I, 4096, 1_000_000)
+    tail = rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, 0, sender_q, SLEEP_I, 4096, 1_000_000)
     assert tail == RING == q[TAIL_I]  # all that was there, then nothing more came
-    assert rings.recv_stream(ring, q, HEAD_I, TAIL_I, RING, 6, *SIG, got, sender_q, SLEEP_I, 4096, 0) == RING
+    assert rings.recv_stream(ring, q, HEAD_I, TAIL_I, RING, 6, *SIG, got, RING, sender_q, SLEEP_I, 4096, 0) == RING
+    # the rest of the message, a ring at a time: no header again, each side going on from where it stopped
+    big[:] = _pattern(big.size, 4)
+    end = 2 * RING + 48
+    while q[TAIL_I] < end:
+        head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 6, *SIG, big, head, 4096, 0)
+        tail = rings.recv_stream(ring, q, HEAD_I, TAIL_I, tail, 6, *SIG, got, tail, sender_q, SLEEP_I, 4096, 0)
+        assert tail == head == q[TAIL_I] == q[HEAD_I] <= end
+    assert np.array_equal(got[RING - 48:], big[RING - 48:])  # what the first ring held was zeros then
+    with pytest.raises(ValueError, match="bytes taken"):
+        rings.recv_stream(ring, q, HEAD_I, TAIL_I, tail, 6, *SIG, got, 20, sender_q, SLEEP_I, 4096, 0)
+
+
+@needs_rings
+def test_a_send_stream_goes_on_from_where_a_message_stopped():
+    """send_stream from ``sent`` wire bytes of the message already in the
+    ring (the header among them): no second header, the payload from where
+    it stopped; a ``sent`` that cannot be (inside the header, past the
+    message) raises."""
+    rings = compiled.rings
+    ring, q = _ring()
+    payload = _pattern(2 * RING, 5)
+    assert rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, payload, 0, 4096, 0) == RING
+    q[TAIL_I] = RING  # the receiver took all of it
+    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, RING, 6, *SIG, payload, RING, 4096, 0)
+    assert head == 2 * RING == q[HEAD_I]
+    at = (48 + np.arange(RING - 48, 2 * RING - 48)) % RING  # where payload bytes RING-48 .. 2 RING-48 lie
+    assert np.array_equal(np.frombuffer(ring, np.uint8)[at], payload[RING - 48:2 * RING - 48])
+    for bad in (10, 2 * RING + 64):
+        with pytest.raises(ValueError, match="bytes sent"):
+            rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 6, *SIG, payload, bad, 4096, 0)
 
 
 # ------------------------------------------------------------ between processes
@@ -303,6 +333,29 @@ def test_posted_receives_waited_for_in_any_order(monkeypatch, compiled_path, ord
     first, (same, error, after) = run_ranks(posted_receives_waited_in_any_order, 2, order, sent, timeout=60)
     assert first == "sent" and same and after
     assert error is not None and "expected 12 bytes from rank 0, got 10" in error
+
+
+def nonblocking_large_both_ways(comm, first: str):
+    """Both ranks start a send and a receive of several rings' worth, then
+    wait for them one at a time (``first``: the send or the receive first):
+    a wait for one request goes on with its message in C, and neither rank
+    waits for the other for good."""
+    t, other, n = comm.transport, 1 - comm.rank, 5 * (1 << 20) + 7
+    got = np.zeros(n, np.uint8)
+    start = time.monotonic()
+    send = t.isend(_pattern(n, comm.rank), other, 2)
+    recv = t.irecv(got, other, 2)
+    for req in ((send, recv) if first == "send" else (recv, send)):
+        req.wait(30)
+    return bool(np.array_equal(got, _pattern(n, other))), time.monotonic() - start
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+@pytest.mark.parametrize("first", ["send", "receive"])
+def test_nonblocking_large_messages_waited_for_one_at_a_time(monkeypatch, compiled_path, first):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    for same, took in run_ranks(nonblocking_large_both_ways, 2, first, timeout=90):
+        assert same and took < 30
 
 
 def send_recv_through_the_communicator(comm):

@@ -57,7 +57,14 @@ class Matching:
             queue.append(req)
             self._tx_busy.add(peer)
             if len(queue) == 1:
-                self._push(peer)
+                if self._streamed(req.nbytes):  # in C, a chunk at a time, as far as the ring has room now
+                    req.sent = self._send_stream(peer, tag, buf, sig, 0, spin=0)
+                    if req.sent == req.wire:
+                        req.done = True
+                        queue.popleft()
+                        self._tx_busy.discard(peer)
+                else:
+                    self._push(peer)
         return COMPLETED if req.done else req
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG) -> Request:
@@ -142,12 +149,20 @@ class Matching:
         return req
 
     def _claim(self, req: RecvRequest) -> bool:
-        """A wait for the posted receive ``req`` alone: when it is the first
-        receive of its tag posted for its peer, take its message now as
-        :meth:`recv` does (in C only). True when ``req`` completed."""
+        """A wait for the receive ``req`` alone: when it is the first receive
+        of its tag posted for its peer, take its message now as :meth:`recv`
+        does; when its message is the one being copied out, go on with it in
+        C (in C only). True when ``req`` completed."""
         if self._streams is None:
             return False
         with self._lock:
+            cur = self._rx_cur[req.peer]
+            if cur is not None and cur.target is req and cur.dest is req.mv and not self._closed:
+                cur.got += self._take_stream(req.peer, req.tag, req.mv, req.sig, taken=HEADER_BYTES + cur.got)
+                if cur.got >= cur.wire:
+                    self._rx_cur[req.peer] = None
+                    req.done = True
+                return req.done
             queues = self._posted[req.peer]
             posted = queues.get(req.tag)
             if self._closed or not posted or posted[0] is not req:
@@ -161,6 +176,27 @@ class Matching:
                 del queues[req.tag]
             req.done = got is True
             return req.done
+
+    def _claim_send(self, req: SendRequest) -> bool:
+        """A wait for the queued send ``req`` alone: when it is the first in
+        its peer's queue, stream the rest of it in C as :meth:`send` does.
+        True when ``req`` completed."""
+        if self._streams is None:
+            return False
+        with self._lock:
+            queue = self._tx_queue[req.peer]
+            if self._closed or not queue or queue[0] is not req:
+                return False
+            req.sent += self._send_stream(req.peer, req.tag, req.mv, req.sig, req.sent)
+            if req.sent < req.wire:
+                return False
+            req.done = True
+            queue.popleft()
+            if queue:
+                self._push(req.peer)
+            else:
+                self._tx_busy.discard(req.peer)
+            return True
 
     def irecv_reduce(self, out: np.ndarray, mine: np.ndarray, peer: int, tag: int, op: Any,
                      tmp: np.ndarray, sig: Sig = NO_SIG) -> Request:

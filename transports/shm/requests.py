@@ -109,8 +109,8 @@ class RequestWaits:
 
     Reads ``rank``, ``timeout``, ``_lock``, ``_closed``, ``_moved`` (bytes
     moved through the rings so far: a wait that sees it change starts its
-    backoff again) and ``_records``; a wait for one receive first tries
-    :meth:`~.matching.Matching._claim`; uses :meth:`~.rings.Rings._progress`,
+    backoff again) and ``_records``; a wait for one request first tries
+    :meth:`~.matching.Matching._claim` or ``_claim_send``; uses :meth:`~.rings.Rings._progress`,
     :meth:`~.waking.Waking._backoff`, :meth:`~.waking.Waking._blocker` and
     :meth:`~.liveness.Liveness._maybe_check_peers`.
     """
@@ -128,8 +128,9 @@ class RequestWaits:
 
     def _wait(self, reqs: Sequence[ShmRequest], timeout: float | None) -> None:
         pending = [r for r in reqs if not r.done]
-        if len(pending) == 1 and pending[0].kind == "receive" and self._claim(pending[0]):
-            return  # its message was next in its ring (see Matching._claim)
+        if len(pending) == 1 and (self._claim(pending[0]) if pending[0].kind == "receive"
+                                  else self._claim_send(pending[0])):
+            return  # its message was next in its ring (see Matching._claim, _claim_send)
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         backoff = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -313,31 +314,37 @@ class Rings:
             return None
         return HEADER_BYTES + nbytes > self._ring_bytes // 4
 
-    def _send_stream(self, dst: int, tag: int, buf: np.ndarray, sig: signature.Sig) -> int:
-        """In C, with nothing queued for ``dst``: stream a message into its
-        ring while the receiver takes it out, until it is all in or no room
-        came for a spin. Returns the wire bytes put (header included); the
-        caller queues the rest. Only where the extension is built."""
+    def _send_stream(self, dst: int, tag: int, buf: Any, sig: signature.Sig, sent: int = 0,
+                     spin: int | None = None) -> int:
+        """In C, with nothing ahead of this message for ``dst``: stream it
+        into the ring (the rest of it: ``sent`` wire bytes are in already)
+        while the receiver takes it out, until it is all in or no room came
+        for a spin (``spin`` ns; by default a wait's). Returns the wire bytes
+        put now (header included); the caller queues the rest. Only where
+        the extension is built."""
         old = self._tx_head[dst]
         head = self._streams[0](self._tx_data[dst], self._tx_q[dst], self._tx_head_i, self._tx_tail_i, Q_SLEEP,
-                                old, tag, sig[0], sig[1], sig[2], buf, STREAM_CHUNK, self._recv_spin_ns)
+                                old, tag, sig[0], sig[1], sig[2], buf, sent, STREAM_CHUNK,
+                                self._recv_spin_ns if spin is None else spin)
         self._tx_head[dst] = head
         self._moved += head - old
         return head - old
 
-    def _take_stream(self, src: int, tag: int, buf: np.ndarray, sig: signature.Sig, claimed: bool = False) -> int:
+    def _take_stream(self, src: int, tag: int, buf: Any, sig: signature.Sig, claimed: bool = False,
+                     taken: int = 0) -> int:
         """In C: copy the message from ``src`` with ``tag``, ``sig`` and
         ``buf.nbytes`` bytes out of its ring as it arrives, when nothing is
-        ahead of it for this receive (:meth:`_next_for`), until it is all
-        out or nothing came for a spin. Returns the wire bytes taken (header
-        included; 0: none, or another message waits there), after which the
-        caller takes the rest as :meth:`_pull` does. Only where the
-        extension is built."""
-        if not self._next_for(src, tag, claimed):
+        ahead of it for this receive (:meth:`_next_for`; or go on with the
+        message being copied out into ``buf``, ``taken`` wire bytes of it
+        taken already), until it is all out or nothing came for a spin.
+        Returns the wire bytes taken now (header included; 0: none, or
+        another message waits there), after which the caller takes the rest
+        as :meth:`_pull` does. Only where the extension is built."""
+        if not taken and not self._next_for(src, tag, claimed):
             return 0
         old = self._rx_tail[src]
         tail = self._streams[1](self._rx_data[src], self._rx_q, self._rx_head_i[src], self._rx_tail_i[src], old,
-                                tag, sig[0], sig[1], sig[2], buf, self._tx_q[src], Q_SLEEP, STREAM_CHUNK,
+                                tag, sig[0], sig[1], sig[2], buf, taken, self._tx_q[src], Q_SLEEP, STREAM_CHUNK,
                                 self._recv_spin_ns)
         if tail <= old:
             return 0
