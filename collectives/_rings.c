@@ -21,14 +21,16 @@
  *       there in time; -2 when the message there is another one (another
  *       tag, size or signature: the caller routes it, and reports a
  *       disagreement). Nothing is read past the bytes the sender published.
- *   send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, sent, chunk, spin_ns) -> int
+ *   send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, sent, limit, chunk,
+ *               spin_ns) -> int
  *       a message of any size, streamed: the header once 48 bytes are free
  *       (unless sent, the wire bytes of it already in the ring, says it is
  *       there: 0, or 48 up to the whole), then the rest of the payload (and
  *       its padding) as room frees up, the head
  *       published (and the receiver woken) after each chunk of at most
- *       chunk bytes. Stops when the message is in, or after spin_ns without
- *       room; returns the new head (the caller goes on from there).
+ *       chunk bytes. Stops when the message is in, when it has put limit
+ *       bytes (0: no limit), or after spin_ns without room; returns the new
+ *       head (the caller goes on from there).
  *   recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, taken, sender_q, sleep_i, chunk,
  *               spin_ns) -> int
  *       the receiving side: once the header is there and is exactly (tag,
@@ -231,9 +233,9 @@ static inline int still_waiting(int64_t *start, unsigned *turn, int64_t spin_ns,
 }
 
 static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 14) {
+    if (nargs != 15) {
         PyErr_SetString(PyExc_TypeError, "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, "
-                                         "payload, sent, chunk, spin_ns)");
+                                         "payload, sent, limit, chunk, spin_ns)");
         return NULL;
     }
     Py_ssize_t idx[3];
@@ -243,8 +245,9 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
         w[i] = PyLong_AsUnsignedLongLong(args[7 + i]);
     }
     long long head = PyLong_AsLongLong(args[5]), tag = PyLong_AsLongLong(args[6]);
-    Py_ssize_t already = PyLong_AsSsize_t(args[11]), chunk = PyLong_AsSsize_t(args[12]);
-    long long spin_ns = PyLong_AsLongLong(args[13]);
+    Py_ssize_t already = PyLong_AsSsize_t(args[11]), limit = PyLong_AsSsize_t(args[12]);
+    Py_ssize_t chunk = PyLong_AsSsize_t(args[13]);
+    long long spin_ns = PyLong_AsLongLong(args[14]);
     if (PyErr_Occurred()) return NULL;
     Py_buffer ring = {0}, q = {0}, pay = {0};
     long long result = head;
@@ -252,7 +255,7 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
             || PyObject_GetBuffer(args[10], &pay, PyBUF_C_CONTIGUOUS) < 0)
         goto done;
     if (!check_ring(&ring, &q, idx, 3)) goto done;
-    if (chunk < 16 || already < 0 || (already > 0 && already < HEADER_BYTES) || already > wire_bytes(pay.len)) {
+    if (chunk < 16 || limit < 0 || already < 0 || (already > 0 && already < HEADER_BYTES) || already > wire_bytes(pay.len)) {
         PyErr_Format(PyExc_ValueError, "a chunk is 16 bytes or more (%zd), and the bytes sent 0 or from the header's "
                      "48 to the message's %zd (%zd)", chunk, wire_bytes(pay.len), already);
         goto done;
@@ -271,8 +274,10 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
     int64_t start = now_ns();
     unsigned turn = 0;
     int header = already > 0, moved = 0;
+    uint64_t stop = limit ? h + (uint64_t)limit : UINT64_MAX;  /* the head this call stops at */
     do {
         uint64_t free = size - (h - tail);
+        if (free > stop - h) free = stop - h;
         moved = 0;
         if (!header && free >= HEADER_BYTES) {
             int64_t hd[6] = {tag, (int64_t)n, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2], 0};
@@ -291,7 +296,7 @@ static PyObject *rings_send_stream(PyObject *Py_UNUSED(m), PyObject *const *args
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
             wake_word(sleep);
         }
-        if (header && sent == end) break;
+        if ((header && sent == end) || h >= stop) break;
         tail = load_acquire(&words[idx[1]]);
     } while (still_waiting(&start, &turn, spin_ns, moved));
     Py_END_ALLOW_THREADS
@@ -379,8 +384,8 @@ static PyMethodDef module_methods[] = {
      "take(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, spin_ns) -> new tail; -1 not there in time, "
      "-2 another message there."},
     {"send_stream", (PyCFunction)(void (*)(void))rings_send_stream, METH_FASTCALL,
-     "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, sent, chunk, spin_ns) -> "
-     "new head."},
+     "send_stream(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload, sent, limit, chunk, spin_ns) "
+     "-> new head."},
     {"recv_stream", (PyCFunction)(void (*)(void))rings_recv_stream, METH_FASTCALL,
      "recv_stream(ring, q, head_i, tail_i, tail, tag, w0, w1, w2, dest, taken, sender_q, sleep_i, chunk, spin_ns) "
      "-> new tail, or -2 (another message there)."},

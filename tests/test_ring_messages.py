@@ -126,7 +126,7 @@ def test_streams_in_two_threads_move_any_size_through_a_smaller_ring(n):
     spin = 2_000_000_000  # no stop for want of room or data while the other thread runs
 
     def send():
-        ends["head"] = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, sent, 0, 4096, spin)
+        ends["head"] = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, sent, 0, 0, 4096, spin)
 
     def receive():
         ends["tail"] = rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, 6, *SIG, got, 0, sender_q, SLEEP_I, 4096, spin)
@@ -147,7 +147,7 @@ def test_streams_stop_when_nothing_comes_and_leave_another_message_alone():
     sender_q = memoryview(bytearray(24 * 8)).cast("Q")
     big = np.zeros(RING * 2, np.uint8)
     start = time.monotonic()
-    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, big, 0, 4096, 1_000_000)
+    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, big, 0, 0, 4096, 1_000_000)
     assert head == RING == q[HEAD_I] and time.monotonic() - start < 5  # full: it stops, the caller goes on
     for tag, n in [(8, RING * 2), (6, RING * 2 + 1)]:  # another tag, another size: nothing taken
         assert rings.recv_stream(ring, q, HEAD_I, TAIL_I, 0, tag, *SIG, np.zeros(n, np.uint8), 0, sender_q,
@@ -161,7 +161,7 @@ def test_streams_stop_when_nothing_comes_and_leave_another_message_alone():
     big[:] = _pattern(big.size, 4)
     end = 2 * RING + 48
     while q[TAIL_I] < end:
-        head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 6, *SIG, big, head, 4096, 0)
+        head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 6, *SIG, big, head, 0, 4096, 0)
         tail = rings.recv_stream(ring, q, HEAD_I, TAIL_I, tail, 6, *SIG, got, tail, sender_q, SLEEP_I, 4096, 0)
         assert tail == head == q[TAIL_I] == q[HEAD_I] <= end
     assert np.array_equal(got[RING - 48:], big[RING - 48:])  # what the first ring held was zeros then
@@ -178,15 +178,18 @@ def test_a_send_stream_goes_on_from_where_a_message_stopped():
     rings = compiled.rings
     ring, q = _ring()
     payload = _pattern(2 * RING, 5)
-    assert rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, payload, 0, 4096, 0) == RING
+    assert rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, payload, 0, 0, 4096, 0) == RING
     q[TAIL_I] = RING  # the receiver took all of it
-    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, RING, 6, *SIG, payload, RING, 4096, 0)
+    head = rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, RING, 6, *SIG, payload, RING, 0, 4096, 0)
     assert head == 2 * RING == q[HEAD_I]
     at = (48 + np.arange(RING - 48, 2 * RING - 48)) % RING  # where payload bytes RING-48 .. 2 RING-48 lie
     assert np.array_equal(np.frombuffer(ring, np.uint8)[at], payload[RING - 48:2 * RING - 48])
+    fresh, fresh_q = _ring()  # a limit stops a call there, with room to spare and a long spin
+    assert rings.send_stream(fresh, fresh_q, HEAD_I, TAIL_I, SLEEP_I, 0, 6, *SIG, payload, 0, 1000, 4096,
+                             10_000_000) == 1000 == fresh_q[HEAD_I]
     for bad in (10, 2 * RING + 64):
         with pytest.raises(ValueError, match="bytes sent"):
-            rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 6, *SIG, payload, bad, 4096, 0)
+            rings.send_stream(ring, q, HEAD_I, TAIL_I, SLEEP_I, head, 6, *SIG, payload, bad, 0, 4096, 0)
 
 
 # ------------------------------------------------------------ between processes

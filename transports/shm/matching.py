@@ -57,8 +57,8 @@ class Matching:
             queue.append(req)
             self._tx_busy.add(peer)
             if len(queue) == 1:
-                if self._streamed(req.nbytes):  # in C, a chunk at a time, as far as the ring has room now
-                    req.sent = self._send_stream(peer, tag, buf, sig, 0, spin=0)
+                if self._streamed(req.nbytes):  # in C, a chunk at a time, up to a ring's worth
+                    req.sent = self._send_stream(peer, tag, buf, sig, 0, eager=True)
                     if req.sent == req.wire:
                         req.done = True
                         queue.popleft()

@@ -315,17 +315,18 @@ class Rings:
         return HEADER_BYTES + nbytes > self._ring_bytes // 4
 
     def _send_stream(self, dst: int, tag: int, buf: Any, sig: signature.Sig, sent: int = 0,
-                     spin: int | None = None) -> int:
+                     eager: bool = False) -> int:
         """In C, with nothing ahead of this message for ``dst``: stream it
         into the ring (the rest of it: ``sent`` wire bytes are in already)
         while the receiver takes it out, until it is all in or no room came
-        for a spin (``spin`` ns; by default a wait's). Returns the wire bytes
-        put now (header included); the caller queues the rest. Only where
-        the extension is built."""
+        for a spin; ``eager`` (a send that does not wait): no more than a
+        ring's worth, and no spin. Returns the wire bytes put now (header
+        included); the caller queues the rest. Only where the extension is
+        built."""
         old = self._tx_head[dst]
         head = self._streams[0](self._tx_data[dst], self._tx_q[dst], self._tx_head_i, self._tx_tail_i, Q_SLEEP,
-                                old, tag, sig[0], sig[1], sig[2], buf, sent, STREAM_CHUNK,
-                                self._recv_spin_ns if spin is None else spin)
+                                old, tag, sig[0], sig[1], sig[2], buf, sent, self._ring_bytes if eager else 0,
+                                STREAM_CHUNK, 0 if eager else self._recv_spin_ns)
         self._tx_head[dst] = head
         self._moved += head - old
         return head - old
