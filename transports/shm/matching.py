@@ -132,14 +132,11 @@ class Matching:
                   claimed: RecvRequest | None = None) -> RecvRequest | bool:
         """With the lock held: take a receive's message now if it is next in
         its ring, whole or, when large, streamed in C as it arrives. A whole
-        message is waited for (a spin) only by a blocking receive: a wait
-        for a posted one (``claimed``) only looks, then waits as before
-        (spinning in C there made a 2-rank ring allgather of 8 B 10-15 %
-        slower, 60-67 against 52-59 µs, where the waiting rank waited about
-        30 µs a call for its peer). True: it is all in ``buf``; False: none
-        of it was taken; else the receive (``claimed``, or a new one) that
-        now waits for the rest as the message being copied out
-        (``_rx_cur``)."""
+        message is waited for (a spin) only by a blocking receive; a wait for
+        a posted one (``claimed``) only looks (docs/shared-memory.md says
+        why). True: it is all in ``buf``; False: none of it was taken; else
+        the receive (``claimed``, or a new one) that now waits for the rest
+        as the message being copied out (``_rx_cur``)."""
         if not self._streamed(buf.nbytes):
             spin = self._recv_spin_ns if claimed is None else 0
             return self._take_whole(peer, tag, buf, sig, spin, claimed is not None)
