@@ -55,7 +55,7 @@ def _rank_side(ns: argparse.Namespace) -> int:
     from collectives import PeerLost
 
     comm = collectives.init(timeout=ns.timeout)
-    me, size = comm.rank, comm.size
+    me = comm.rank
     x = np.ones(ns.count, np.float32)
     for _ in range(WARMUP):
         comm.allreduce(x)

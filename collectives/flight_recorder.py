@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from collectives import BadArgument, CollectiveError
+from collectives import CollectiveError
 from collectives.bench.faults import Spec, call, expected, fresh, guarded, intact, named_algorithms
 from harness import run_ranks
 

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 
 import harness
-from collectives import BadArgument, MismatchedCollective
 from collectives.cost_models.hierarchy import Shape
 from collectives.hierarchy.topology import Topology
 from collectives.launcher import rank_environment

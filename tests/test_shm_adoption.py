@@ -197,7 +197,6 @@ def repeated_collectives(comm, n: int):
                 if not np.array_equal(x, want):
                     bad.append(("allreduce", dtype, place, call))
             adopted.append((dtype, place, comm.transport.window.shared_part(x)))
-    counts = [n // p] * p
     send, recv = _at_place(n // p * p, "float32", 16), np.zeros(n // p, np.float32)
     gathered = _at_place(n // p * p, "float64", 0)
     for call in range(3):

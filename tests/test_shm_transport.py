@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveTimeout, MismatchedCollective, PeerLost
-from collectives.transports.shm import (BOUNCE_BYTES, HUGE_PAGE, PAGE, SHM_DIR, SharedMemoryTransport, huge_pages,
+from collectives.transports.shm import (BOUNCE_BYTES, HUGE_PAGE, PAGE, SharedMemoryTransport, huge_pages,
                                         segment_path, skewed)
 import harness
 from harness import run_ranks
@@ -189,7 +189,7 @@ def test_abort_reaches_peers_with_its_reason():
 
 
 def window_and_alloc(comm):
-    t, w, r, p = comm.transport, comm.transport.window, comm.rank, comm.size
+    w, r, p = comm.transport.window, comm.rank, comm.size
     region = w.region(r)
     region[:8] = r + 1
     w.fence(time.monotonic() + 10)
