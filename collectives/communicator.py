@@ -522,34 +522,31 @@ class Communicator(CallExecution, Survival):
             raise BadArgument(f"tag must be an integer in [0, {TAG_SPACE}), got {tag!r}")
         return 2 * int(tag)
 
+    def _p2p(self, buf: Any, peer: int, tag: int, writable: bool, what: str) -> tuple[np.ndarray, int, int]:
+        """A point-to-point call's arguments, checked: the buffer as a flat
+        array, the peer's rank (``what``: "dst" or "src") and the wire tag."""
+        self._check_open()
+        peer = self._planner.check_rank(peer, what)
+        return flat(buf, writable=writable, what="buf"), peer, self._p2p_tag(tag)
+
     def isend(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
         """Start sending ``buf`` to ``dst``; do not modify ``buf`` until it completes."""
-        self._check_open()
-        dst = self._planner.check_rank(dst, "dst")
-        arr = flat(buf, writable=False, what="buf")
-        req = self.transport.isend(arr, dst, self._p2p_tag(tag))
+        req = self.transport.isend(*self._p2p(buf, dst, tag, False, "dst"))
         return RequestHandle(req, None, self.timeout if timeout is None else timeout)
 
     def irecv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
         """Start receiving into ``buf`` from ``src`` (exactly ``buf``'s size)."""
-        self._check_open()
-        src = self._planner.check_rank(src, "src")
-        arr = flat(buf, writable=True, what="buf")
-        req = self.transport.irecv(arr, src, self._p2p_tag(tag))
+        req = self.transport.irecv(*self._p2p(buf, src, tag, True, "src"))
         return RequestHandle(req, buf, self.timeout if timeout is None else timeout)
 
     def send(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``buf`` to ``dst`` with ``tag``; returns once ``buf`` may be reused."""
-        self._check_open()
-        dst = self._planner.check_rank(dst, "dst")
-        arr = flat(buf, writable=False, what="buf")
-        self.transport.send(arr, dst, self._p2p_tag(tag), timeout=self.timeout if timeout is None else timeout)
+        self.transport.send(*self._p2p(buf, dst, tag, False, "dst"),
+                            timeout=self.timeout if timeout is None else timeout)
 
     def recv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """Receive into ``buf`` from ``src`` with ``tag`` (exactly ``buf``'s
         size); returns ``buf``."""
-        self._check_open()
-        src = self._planner.check_rank(src, "src")
-        arr = flat(buf, writable=True, what="buf")
-        self.transport.recv(arr, src, self._p2p_tag(tag), timeout=self.timeout if timeout is None else timeout)
+        self.transport.recv(*self._p2p(buf, src, tag, True, "src"),
+                            timeout=self.timeout if timeout is None else timeout)
         return buf

@@ -31,8 +31,9 @@ _CALLS = 1 << 27
 
 
 class Matching:
-    """``isend``, ``irecv``, ``irecv_reduce``, the blocking ``send`` and
-    ``recv``, and routing what arrives; mixed into
+    """``isend``, ``irecv``, ``irecv_reduce``, the blocking ``recv`` (a
+    blocking send is ``isend`` and a wait, which goes on in C:
+    :meth:`_claim_send`), and routing what arrives; mixed into
     :class:`~.transport.SharedMemoryTransport`.
 
     Reads and writes the ring state of :class:`~.rings.Rings`: the send
@@ -87,30 +88,6 @@ class Matching:
                 if self._rx_q[self._rx_head_i[peer]] != self._rx_tail[peer]:
                     self._pull(peer)
         return req
-
-    def send(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
-        """Send (blocking): a message of up to a quarter of the ring goes in
-        whole if it fits; where the extension is built, a larger one (or one
-        that does not fit now) streams in C while the receiver takes it out
-        (the lock held, the GIL let go), for as long as room keeps coming
-        within a spin; the rest as :meth:`isend` and wait."""
-        rest = None
-        with self._lock:
-            self._check_usable()
-            if self._streams is not None and not self._tx_queue[peer]:
-                if self._streamed(buf.nbytes) is False and self._send_whole(peer, tag, buf, sig):
-                    return
-                sent = self._send_stream(peer, tag, buf, sig)
-                if sent:
-                    rest = SendRequest(self, peer, tag, bytes_view(buf), sig)
-                    rest.sent = sent
-                    if sent == rest.wire:
-                        return
-                    self._tx_queue[peer].append(rest)
-                    self._tx_busy.add(peer)
-        if rest is None:
-            rest = self.isend(buf, peer, tag, sig)
-        rest.wait(timeout)  # the lock let go while it waits
 
     def recv(self, buf: np.ndarray, peer: int, tag: int, sig: Sig = NO_SIG, timeout: float | None = None) -> None:
         """Receive (blocking): a whole message at the head of its ring is
@@ -182,8 +159,9 @@ class Matching:
 
     def _claim_send(self, req: SendRequest) -> bool:
         """A wait for the queued send ``req`` alone: when it is the first in
-        its peer's queue, stream the rest of it in C as :meth:`send` does.
-        True when ``req`` completed."""
+        its peer's queue, stream the rest of it in C while the receiver takes
+        it out (as long as room keeps coming within a spin). True when
+        ``req`` completed."""
         if self._streams is None:
             return False
         with self._lock:

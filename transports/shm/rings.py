@@ -306,13 +306,11 @@ class Rings:
             self._wake(src)  # it may wait for room
         return True
 
-    def _streamed(self, nbytes: int) -> bool | None:
-        """Whether a blocking send or receive of ``nbytes`` streams in C (more
-        than a quarter of the ring: then both sides copy at once, a chunk
-        apart); None where the extension is not built."""
-        if self._streams is None:
-            return None
-        return HEADER_BYTES + nbytes > self._ring_bytes // 4
+    def _streamed(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` streams in C (more than a quarter of
+        the ring, where the extension is built: then both sides copy at
+        once, a chunk apart)."""
+        return self._streams is not None and HEADER_BYTES + nbytes > self._ring_bytes // 4
 
     def _send_stream(self, dst: int, tag: int, buf: Any, sig: signature.Sig, sent: int = 0,
                      eager: bool = False) -> int:
