@@ -238,6 +238,7 @@ static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize
 /* --------------------------------------------------------------- waiting */
 
 #include "_waiting.h"
+#include "_numpy_head.h"
 
 /* The counters every rank keeps in its control page, each written by its
  * owner only: the fence epoch, and for compiled calls and steps through the halves,
@@ -1302,20 +1303,6 @@ static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
  *       nonblocking calls is busy); else the call has run, or has failed:
  *       a run that must wait goes on in wait(info, arrays, late, seq). */
 
-/* numpy's array object as its C API lays it out: the fields every numpy
- * keeps at these places (1.x and 2.x); checked against numpy at start. */
-typedef struct {
-    PyObject_HEAD
-    char *data;
-    int nd;
-    Py_ssize_t *dimensions;
-    Py_ssize_t *strides;
-    PyObject *base;
-    PyObject *descr;
-    int flags;
-} ArrayHead;
-#define ARR_C_CONTIGUOUS 0x0001
-#define ARR_WRITEABLE 0x0400
 #define FAST_SLOTS 64
 #define TAG_SPACE (1ULL << 27)
 
@@ -1361,7 +1348,7 @@ static void Fast_dealloc(FastObject *f) {
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
-static int Fast_init(FastObject *f, PyObject *args, PyObject *kwds) {
+static int Fast_init(FastObject *f, PyObject *args, PyObject *Py_UNUSED(kwds)) {
     PyObject *ndarray, *queue, *wait;
     if (!PyArg_ParseTuple(args, "O!OO", &PyType_Type, &ndarray, &queue, &wait)) return -1;
     for (int i = 0; i < FAST_SLOTS; i++) fast_clear_entry(&f->slots[i]);
@@ -1543,8 +1530,7 @@ static PyObject *Fast_head(FastObject *f, PyObject *o) {
         PyErr_SetString(PyExc_TypeError, "head(array): a numpy array of one dimension");
         return NULL;
     }
-    return Py_BuildValue("(KinOi)", (unsigned long long)(uintptr_t)a->data, a->nd, a->dimensions[0], a->descr,
-                         a->flags & (ARR_C_CONTIGUOUS | ARR_WRITEABLE));
+    return array_head_tuple(a);
 }
 
 /* .clear(): forget every entry */

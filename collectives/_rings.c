@@ -42,9 +42,13 @@
  *       nothing new; returns the new tail (unchanged: nothing there), or -2
  *       when the header there is another message's (nothing consumed).
  *   Both let go of the GIL throughout; a stop part way is not an error.
+ *
+ * Messages (below): a communicator's blocking send and receive of a whole
+ * message, run from C with the checks of both paths' common case.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <limits.h>
 #include <linux/futex.h>
@@ -59,6 +63,7 @@
 #define HELD_SPIN_TURNS 64
 
 #include "_waiting.h"
+#include "_numpy_head.h"
 
 /* Wake the rank that sleeps on this word (a futex on its low 32 bits), if it does. */
 static inline void wake_word(uint64_t *sleep) {
@@ -114,6 +119,27 @@ static int check_ring(Py_buffer *ring, Py_buffer *q, const Py_ssize_t *idx, int 
     return 1;
 }
 
+/* Append one whole message (the header's first five words hdr, then n
+ * payload bytes) at head if it fits now: the head published, then the
+ * receiver woken if it sleeps. Returns the new head, -1 when the ring lacks
+ * room, -3 when head and the published tail disagree (nothing written). */
+static long long put_message(char *ring, uint64_t size, uint64_t *head_word, const uint64_t *tail_word,
+                             uint64_t *sleep_word, uint64_t head, const int64_t hdr[5], const char *src, uint64_t n) {
+    uint64_t tail = load_acquire(tail_word), wire = (uint64_t)wire_bytes((Py_ssize_t)n);
+    if (head < tail || head - tail > size) return -3;
+    if (size - (head - tail) < wire) return -1;
+    int64_t header[6] = {hdr[0], hdr[1], hdr[2], hdr[3], hdr[4], 0};
+    Py_ssize_t pos = (Py_ssize_t)(head & (size - 1));
+    ring_write(ring, (Py_ssize_t)size, pos, (const char *)header, HEADER_BYTES);
+    ring_write(ring, (Py_ssize_t)size, (pos + HEADER_BYTES) & (Py_ssize_t)(size - 1), src, (Py_ssize_t)n);
+    __atomic_store_n(head_word, head + wire, __ATOMIC_RELEASE);
+    /* the store before the load of the sleep word: a receiver that marked
+     * itself asleep after looking at the head is never missed */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    wake_word(sleep_word);
+    return (long long)(head + wire);
+}
+
 static PyObject *rings_put(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 11) {
         PyErr_SetString(PyExc_TypeError, "put(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload)");
@@ -135,24 +161,13 @@ static PyObject *rings_put(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssi
             || PyObject_GetBuffer(args[10], &pay, PyBUF_C_CONTIGUOUS) < 0)
         goto done;
     if (!check_ring(&ring, &q, idx, 3)) goto done;
-    Py_ssize_t size = ring.len, n = pay.len, wire = wire_bytes(n);
     uint64_t *words = (uint64_t *)q.buf;
-    uint64_t tail = load_acquire(&words[idx[1]]);
-    if (head < 0 || (uint64_t)head < tail || (uint64_t)head - tail > (uint64_t)size) {
-        PyErr_Format(PyExc_ValueError, "ring head %lld and tail %llu disagree", head, (unsigned long long)tail);
-        goto done;
-    }
-    if ((uint64_t)size - ((uint64_t)head - tail) < (uint64_t)wire) goto done;  /* no room: -1 */
-    int64_t header[6] = {tag, (int64_t)n, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2], 0};
-    Py_ssize_t pos = (Py_ssize_t)((uint64_t)head & (uint64_t)(size - 1));
-    ring_write(ring.buf, size, pos, (const char *)header, HEADER_BYTES);
-    ring_write(ring.buf, size, (pos + HEADER_BYTES) & (size - 1), pay.buf, n);
-    result = head + wire;
-    __atomic_store_n(&words[idx[0]], (uint64_t)result, __ATOMIC_RELEASE);
-    /* the store before the load of the sleep word: a receiver that marked
-     * itself asleep after looking at the head is never missed */
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    wake_word(&words[idx[2]]);
+    int64_t hdr[5] = {tag, (int64_t)pay.len, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2]};
+    result = head < 0 ? -3 : put_message(ring.buf, (uint64_t)ring.len, &words[idx[0]], &words[idx[1]], &words[idx[2]],
+                                         (uint64_t)head, hdr, pay.buf, (uint64_t)pay.len);
+    if (result == -3)
+        PyErr_Format(PyExc_ValueError, "ring head %lld and tail %llu disagree", head,
+                     (unsigned long long)load_acquire(&words[idx[1]]));
 done:
     return finish(result, &pay, &q, &ring, NULL);
 }
@@ -167,6 +182,35 @@ static int look(const char *ring, Py_ssize_t size, const uint64_t *head_word, ui
     ring_read((char *)got, ring, size, (Py_ssize_t)(tail & (uint64_t)(size - 1)), (Py_ssize_t)sizeof got);
     if (memcmp(got, want, sizeof got)) return -2;
     return avail >= (uint64_t)wire ? 1 : 0;
+}
+
+/* Copy the message at tail into dst (n bytes) if its header is exactly want,
+ * and publish the new tail: returns it. Waits for it at most spin_ns (0:
+ * looks once), the GIL let go after HELD_SPIN_TURNS checks (call with it
+ * held). -1: nothing whole there in time; -2: another message there
+ * (nothing consumed). */
+static long long take_message(const char *ring, uint64_t size, const uint64_t *head_word, uint64_t *tail_word,
+                              uint64_t tail, const int64_t want[5], char *dst, uint64_t n, long long spin_ns) {
+    Py_ssize_t wire = wire_bytes((Py_ssize_t)n);
+    if ((uint64_t)wire > size) return -1;  /* never whole in the ring */
+    int found = look(ring, (Py_ssize_t)size, head_word, tail, want, wire);
+    for (int i = 0; !found && spin_ns > 0 && i < HELD_SPIN_TURNS; i++) {
+        cpu_relax();
+        found = look(ring, (Py_ssize_t)size, head_word, tail, want, wire);
+    }
+    if (!found && spin_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        int64_t start = now_ns();
+        for (unsigned turn = 1; !(found = look(ring, (Py_ssize_t)size, head_word, tail, want, wire)); turn++) {
+            cpu_relax();
+            if (turn % 32 == 0 && now_ns() - start >= spin_ns) break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    if (found != 1) return found == -2 ? -2 : -1;
+    ring_read(dst, ring, (Py_ssize_t)size, (Py_ssize_t)((tail + HEADER_BYTES) & (size - 1)), (Py_ssize_t)n);
+    __atomic_store_n(tail_word, tail + (uint64_t)wire, __ATOMIC_RELEASE);
+    return (long long)(tail + (uint64_t)wire);
 }
 
 static PyObject *rings_take(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
@@ -190,33 +234,10 @@ static PyObject *rings_take(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "a ring's tail is never negative");
         goto done;
     }
-    Py_ssize_t size = ring.len, n = dest.len, wire = wire_bytes(n);
-    if (wire > size) goto done;  /* never whole in the ring: -1 */
     uint64_t *words = (uint64_t *)q.buf;
-    const uint64_t *head_word = &words[idx[0]];
-    int64_t want[5] = {tag, (int64_t)n, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2]};
-    int found = look(ring.buf, size, head_word, (uint64_t)tail, want, wire);
-    for (int i = 0; !found && spin_ns > 0 && i < HELD_SPIN_TURNS; i++) {
-        cpu_relax();
-        found = look(ring.buf, size, head_word, (uint64_t)tail, want, wire);
-    }
-    if (!found && spin_ns > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        int64_t start = now_ns();
-        for (unsigned turn = 1; !(found = look(ring.buf, size, head_word, (uint64_t)tail, want, wire)); turn++) {
-            cpu_relax();
-            if (turn % 32 == 0 && now_ns() - start >= spin_ns) break;
-        }
-        Py_END_ALLOW_THREADS
-    }
-    if (found == -2) {
-        result = -2;
-    } else if (found == 1) {
-        Py_ssize_t pos = (Py_ssize_t)(((uint64_t)tail + HEADER_BYTES) & (uint64_t)(size - 1));
-        ring_read(dest.buf, ring.buf, size, pos, n);
-        result = tail + wire;
-        __atomic_store_n(&words[idx[1]], (uint64_t)result, __ATOMIC_RELEASE);
-    }
+    int64_t want[5] = {tag, (int64_t)dest.len, (int64_t)w[0], (int64_t)w[1], (int64_t)w[2]};
+    result = take_message(ring.buf, (uint64_t)ring.len, &words[idx[0]], &words[idx[1]], (uint64_t)tail, want,
+                          dest.buf, (uint64_t)dest.len, spin_ns);
 done:
     return finish(result, &dest, &q, &ring, NULL);
 }
@@ -377,6 +398,379 @@ done:
     return finish(result, &sq, &dest, &q, &ring);
 }
 
+/* ------------------------------------------------ Messages: send and receive */
+
+/* Messages(transport, gate, lock, ndarray, dtypes, itemsizes, ring_bytes, whole_max, spin_ns, tx, rx, state):
+ * a communicator's blocking send and receive of one whole message, run from
+ * C before any Python of the call (the way _compiled's FastCalls runs
+ * prepared collectives). It makes the checks of the Python path's common
+ * case and the transport's, and takes the Python path (returns False,
+ * nothing done) wherever one of them does not hold:
+ *   - gate.open is not 0 (the communicator is neither closed nor aborted);
+ *   - the buffer is an exact numpy array of one dimension, C-contiguous, of
+ *     one of dtypes (by identity; writable to receive), of at most
+ *     whole_max bytes (larger ones stream, from Python);
+ *   - the rank an int in [0, ranks), the tag an int in [0, 2**27);
+ *   - the transport's lock is free (taken without waiting) and its
+ *     _closed is False;
+ *   - a send: nothing queued for that peer, and room for the message now;
+ *   - a receive: its message is next for it (none half copied out, no early
+ *     message or earlier receive of its tag) and arrives whole within
+ *     spin_ns, with exactly its tag and size and the point-to-point
+ *     signature (0, 0, 0). Another message there is left to the Python
+ *     path, which routes it and reports any disagreement.
+ * tx[r] and rx[r]: (ring, head word, tail word, sleep word) addresses of
+ * the ring to and from rank r, the sleep word being the receiver's (tx) or
+ * the sender's (rx). state: the transport's lists (_tx_head, _tx_queue,
+ * _rx_tail, _rx_cur, _posted, _unexpected), which both paths keep; a
+ * message moved here is added to transport._moved as the Python path does.
+ *   .send(buf, dst, tag) -> bool    .recv(buf, src, tag) -> bool
+ *   .head(array) -> (data, nd, size, dtype, flags), to check against numpy
+ *   .sends, .recvs: the calls done here. */
+
+#define P2P_TAGS (1LL << 27)
+#define MAX_DTYPES 32
+
+typedef struct {
+    char *ring;
+    uint64_t *head, *tail, *sleep;
+} RingEnds;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *transport, *gate, *acquire, *release, *dtypes;
+    PyTypeObject *ndarray;
+    PyObject *tx_head, *tx_queue, *rx_tail, *rx_cur, *posted, *unexpected;
+    Py_ssize_t itemsize[MAX_DTYPES];
+    int ndtypes, ranks;
+    uint64_t ring_bytes;
+    Py_ssize_t whole_max;
+    long long spin_ns;
+    RingEnds *tx, *rx;
+    unsigned long long sends, recvs;
+} MessagesObject;
+
+static PyObject *str_open, *str_closed, *str_moved;
+
+static void Messages_dealloc(MessagesObject *m) {
+    Py_CLEAR(m->transport);
+    Py_CLEAR(m->gate);
+    Py_CLEAR(m->acquire);
+    Py_CLEAR(m->release);
+    Py_CLEAR(m->dtypes);
+    Py_CLEAR(m->ndarray);
+    Py_CLEAR(m->tx_head);
+    Py_CLEAR(m->tx_queue);
+    Py_CLEAR(m->rx_tail);
+    Py_CLEAR(m->rx_cur);
+    Py_CLEAR(m->posted);
+    Py_CLEAR(m->unexpected);
+    PyMem_Free(m->tx);
+    PyMem_Free(m->rx);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+/* ends[r] from a tuple of (ring, head, tail, sleep) address tuples; 0 on error */
+static int read_ends(PyObject *tuple, int ranks, RingEnds **out) {
+    if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != ranks) {
+        PyErr_SetString(PyExc_ValueError, "one (ring, head, tail, sleep) tuple of addresses per rank");
+        return 0;
+    }
+    RingEnds *ends = PyMem_Calloc((size_t)ranks, sizeof *ends);
+    if (!ends) { PyErr_NoMemory(); return 0; }
+    for (int r = 0; r < ranks; r++) {
+        PyObject *t = PyTuple_GET_ITEM(tuple, r);
+        uintptr_t a[4];
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
+            PyErr_SetString(PyExc_ValueError, "one (ring, head, tail, sleep) tuple of addresses per rank");
+            PyMem_Free(ends);
+            return 0;
+        }
+        for (int i = 0; i < 4; i++) a[i] = (uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, i));
+        if (PyErr_Occurred() || !a[0] || (a[1] & 7) || (a[2] & 7) || (a[3] & 7)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a ring and 8-byte aligned words");
+            PyMem_Free(ends);
+            return 0;
+        }
+        ends[r] = (RingEnds){(char *)a[0], (uint64_t *)a[1], (uint64_t *)a[2], (uint64_t *)a[3]};
+    }
+    *out = ends;
+    return 1;
+}
+
+static int Messages_init(MessagesObject *m, PyObject *args, PyObject *Py_UNUSED(kwds)) {
+    PyObject *transport, *gate, *lock, *ndarray, *dtypes, *itemsizes, *tx, *rx, *state;
+    unsigned long long ring_bytes;
+    Py_ssize_t whole_max;
+    long long spin_ns;
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!KnLO!O!O!", &transport, &gate, &lock, &PyType_Type, &ndarray,
+                          &PyTuple_Type, &dtypes, &PyTuple_Type, &itemsizes, &ring_bytes, &whole_max, &spin_ns,
+                          &PyTuple_Type, &tx, &PyTuple_Type, &rx, &PyTuple_Type, &state))
+        return -1;
+    Py_ssize_t nd = PyTuple_GET_SIZE(dtypes);
+    if (nd > MAX_DTYPES || PyTuple_GET_SIZE(itemsizes) != nd || PyTuple_GET_SIZE(state) != 6 || ring_bytes < 64 ||
+            (ring_bytes & (ring_bytes - 1)) || whole_max < 0 || (uint64_t)wire_bytes(whole_max) > ring_bytes) {
+        PyErr_SetString(PyExc_ValueError, "Messages: dtypes and their item sizes, six lists of state, a ring of a "
+                        "power of two bytes and whole messages that fit it");
+        return -1;
+    }
+    int ranks = (int)PyTuple_GET_SIZE(tx);
+    PyObject *lists[6];
+    for (int i = 0; i < 6; i++) {
+        lists[i] = PyTuple_GET_ITEM(state, i);
+        if (!PyList_Check(lists[i]) || PyList_GET_SIZE(lists[i]) != ranks) {
+            PyErr_SetString(PyExc_ValueError, "Messages: each list of state has one entry per rank");
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        m->itemsize[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(itemsizes, i));
+        if (m->itemsize[i] <= 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an item size is positive");
+            return -1;
+        }
+    }
+    RingEnds *txe = NULL, *rxe = NULL;
+    if (!read_ends(tx, ranks, &txe)) return -1;
+    if (!read_ends(rx, ranks, &rxe)) { PyMem_Free(txe); return -1; }
+    PyObject *acquire = PyObject_GetAttrString(lock, "acquire"), *release = PyObject_GetAttrString(lock, "release");
+    if (!acquire || !release) {
+        Py_XDECREF(acquire);
+        Py_XDECREF(release);
+        PyMem_Free(txe);
+        PyMem_Free(rxe);
+        return -1;
+    }
+    PyMem_Free(m->tx);
+    PyMem_Free(m->rx);
+    m->tx = txe, m->rx = rxe;
+    Py_XSETREF(m->acquire, acquire);
+    Py_XSETREF(m->release, release);
+    Py_XSETREF(m->transport, Py_NewRef(transport));
+    Py_XSETREF(m->gate, Py_NewRef(gate));
+    Py_XSETREF(m->ndarray, (PyTypeObject *)Py_NewRef(ndarray));
+    Py_XSETREF(m->dtypes, Py_NewRef(dtypes));
+    PyObject **held[6] = {&m->tx_head, &m->tx_queue, &m->rx_tail, &m->rx_cur, &m->posted, &m->unexpected};
+    for (int i = 0; i < 6; i++) Py_XSETREF(*held[i], Py_NewRef(lists[i]));
+    m->ndtypes = (int)nd, m->ranks = ranks;
+    m->ring_bytes = ring_bytes, m->whole_max = whole_max, m->spin_ns = spin_ns;
+    m->sends = m->recvs = 0;
+    return 0;
+}
+
+/* The bytes of a message buffer in the common case: an exact numpy array of
+ * one dimension, C-contiguous, writable when asked, of a listed dtype. 1
+ * with data and n set; 0: the Python path checks it. */
+static int message_bytes(MessagesObject *m, PyObject *o, int writable, char **data, Py_ssize_t *n) {
+    if (Py_TYPE(o) != m->ndarray) return 0;
+    const ArrayHead *a = (const ArrayHead *)o;
+    if (a->nd != 1 || !(a->flags & ARR_C_CONTIGUOUS) || (writable && !(a->flags & ARR_WRITEABLE))) return 0;
+    for (int i = 0; i < m->ndtypes; i++) {
+        if (PyTuple_GET_ITEM(m->dtypes, i) == a->descr) {
+            *data = a->data;
+            *n = a->dimensions[0] * m->itemsize[i];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* An exact int in [0, limit): 1 and its value; 0 otherwise (no error set). */
+static int index_in(PyObject *o, long long limit, long long *out) {
+    if (!PyLong_CheckExact(o)) return 0;
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || v < 0 || v >= limit) return 0;
+    *out = v;
+    return 1;
+}
+
+/* The checks before the transport's lock: 1 the common case (buffer, rank
+ * and tag read), 0 the Python path's, -1 an error. */
+static int call_ready(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs, int writable, char **data,
+                      Py_ssize_t *n, long long *peer, long long *tag) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send(buf, dst, tag) / recv(buf, src, tag)");
+        return -1;
+    }
+    PyObject *open = PyObject_GetAttr(m->gate, str_open);
+    if (!open) return -1;
+    int is_open = PyObject_IsTrue(open);
+    Py_DECREF(open);
+    if (is_open <= 0) return is_open;
+    return message_bytes(m, args[0], writable, data, n) && *n <= m->whole_max && index_in(args[1], m->ranks, peer)
+        && index_in(args[2], P2P_TAGS, tag);
+}
+
+/* Take the transport's lock without waiting: 1 taken, 0 held elsewhere, -1 error. */
+static int lock_now(MessagesObject *m) {
+    PyObject *no[1] = {Py_False};
+    PyObject *got = PyObject_Vectorcall(m->acquire, no, 1, NULL);
+    if (!got) return -1;
+    int taken = got == Py_True;
+    Py_DECREF(got);
+    return taken;
+}
+
+/* Let go of the lock (an error already set is kept) and return result (NULL: that error). */
+static PyObject *unlock(MessagesObject *m, PyObject *result) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallNoArgs(m->release);
+    if (type) {
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    if (!r) return NULL;
+    Py_DECREF(r);
+    return Py_NewRef(result);
+}
+
+/* 1 when the transport is open (_closed is False), 0 when not, -1 error */
+static int transport_open(MessagesObject *m) {
+    PyObject *closed = PyObject_GetAttr(m->transport, str_closed);
+    if (!closed) return -1;
+    int open = closed == Py_False;
+    Py_DECREF(closed);
+    return open;
+}
+
+/* list[i] = value, and transport._moved += moved: the counters both paths keep */
+static int count_moved(MessagesObject *m, PyObject *list, long long i, long long value, long long moved) {
+    PyObject *v = PyLong_FromLongLong(value);
+    if (!v || PyList_SetItem(list, (Py_ssize_t)i, v) < 0) return -1;
+    PyObject *had = PyObject_GetAttr(m->transport, str_moved);
+    if (!had) return -1;
+    PyObject *k = PyLong_FromLongLong(moved), *now = k ? PyNumber_Add(had, k) : NULL;
+    Py_DECREF(had);
+    Py_XDECREF(k);
+    if (!now) return -1;
+    int rc = PyObject_SetAttr(m->transport, str_moved, now);
+    Py_DECREF(now);
+    return rc;
+}
+
+/* A counter of the lists of state, read as a non-negative integer; -1 with an error set */
+static long long counter_at(PyObject *list, long long i) {
+    long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, (Py_ssize_t)i));
+    if (v < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a ring counter is never negative");
+    return v;
+}
+
+static PyObject *Messages_send(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    char *data;
+    Py_ssize_t n;
+    long long dst, tag;
+    int ready = call_ready(m, args, nargs, 0, &data, &n, &dst, &tag);
+    if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_False);
+    int locked = lock_now(m);
+    if (locked <= 0) return locked < 0 ? NULL : Py_NewRef(Py_False);
+    PyObject *result = Py_False;
+    int open = transport_open(m);
+    if (open <= 0) return unlock(m, open < 0 ? NULL : Py_False);
+    Py_ssize_t queued = PyObject_Length(PyList_GET_ITEM(m->tx_queue, (Py_ssize_t)dst));
+    long long head = queued == 0 ? counter_at(m->tx_head, dst) : -1;
+    if (head >= 0) {
+        RingEnds *e = &m->tx[dst];
+        int64_t hdr[5] = {tag * 2, (int64_t)n, 0, 0, 0};
+        long long next = put_message(e->ring, m->ring_bytes, e->head, e->tail, e->sleep, (uint64_t)head, hdr, data,
+                                     (uint64_t)n);
+        if (next == -3)
+            PyErr_Format(PyExc_ValueError, "ring head %lld to rank %lld and its tail disagree", head, dst);
+        else if (next >= 0 && count_moved(m, m->tx_head, dst, next, next - head) == 0) {
+            m->sends++;
+            result = Py_True;
+        }
+    }
+    return unlock(m, PyErr_Occurred() ? NULL : result);
+}
+
+/* Whether a dict of the lists of state (by tag, of deques) holds a non-empty entry for tag: 1, 0, -1 error */
+static int holds(PyObject *list, long long peer, long long tag) {
+    PyObject *by_tag = PyList_GET_ITEM(list, (Py_ssize_t)peer);
+    if (!PyDict_Check(by_tag) || PyDict_GET_SIZE(by_tag) == 0) return PyDict_Check(by_tag) ? 0 : -1;
+    PyObject *key = PyLong_FromLongLong(tag);
+    if (!key) return -1;
+    PyObject *entry = PyDict_GetItemWithError(by_tag, key);
+    Py_DECREF(key);
+    if (!entry) return PyErr_Occurred() ? -1 : 0;
+    return PyObject_IsTrue(entry);
+}
+
+static PyObject *Messages_recv(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    char *data;
+    Py_ssize_t n;
+    long long src, tag;
+    int ready = call_ready(m, args, nargs, 1, &data, &n, &src, &tag);
+    if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_False);
+    int locked = lock_now(m);
+    if (locked <= 0) return locked < 0 ? NULL : Py_NewRef(Py_False);
+    PyObject *result = Py_False;
+    int open = transport_open(m);
+    if (open <= 0) return unlock(m, open < 0 ? NULL : Py_False);
+    long long wire_tag = tag * 2;
+    int ahead = PyList_GET_ITEM(m->rx_cur, (Py_ssize_t)src) != Py_None;
+    if (!ahead) ahead = holds(m->unexpected, src, wire_tag);
+    if (!ahead) ahead = holds(m->posted, src, wire_tag);
+    long long tail = ahead ? -1 : counter_at(m->rx_tail, src);
+    if (tail >= 0) {
+        RingEnds *e = &m->rx[src];
+        int64_t want[5] = {wire_tag, (int64_t)n, 0, 0, 0};
+        Py_INCREF(args[0]);  /* the array stays as it is while a wait lets go of the GIL */
+        long long next = take_message(e->ring, m->ring_bytes, e->head, e->tail, (uint64_t)tail, want, data,
+                                      (uint64_t)n, m->spin_ns);
+        Py_DECREF(args[0]);
+        if (next >= 0) {
+            wake_word(e->sleep);  /* the sender may wait for room */
+            if (count_moved(m, m->rx_tail, src, next, next - tail) == 0) {
+                m->recvs++;
+                result = Py_True;
+            }
+        }
+    }
+    return unlock(m, PyErr_Occurred() ? NULL : result);
+}
+
+static PyObject *Messages_head(MessagesObject *m, PyObject *o) {
+    if (Py_TYPE(o) != m->ndarray || ((ArrayHead *)o)->nd != 1) {
+        PyErr_SetString(PyExc_TypeError, "head(array): a numpy array of one dimension");
+        return NULL;
+    }
+    return array_head_tuple((ArrayHead *)o);
+}
+
+static PyMethodDef Messages_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Messages_send, METH_FASTCALL,
+     "send(buf, dst, tag) -> bool: True when the message went into the ring here; False: nothing done."},
+    {"recv", (PyCFunction)(void (*)(void))Messages_recv, METH_FASTCALL,
+     "recv(buf, src, tag) -> bool: True when the message was taken into buf here; False: nothing done."},
+    {"head", (PyCFunction)Messages_head, METH_O,
+     "head(array) -> (data, nd, size, dtype, flags) as send and recv read them (flags: C-contiguous 1, "
+     "writable 0x400)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Messages_members[] = {
+    {"sends", T_ULONGLONG, offsetof(MessagesObject, sends), READONLY, "sends done here"},
+    {"recvs", T_ULONGLONG, offsetof(MessagesObject, recvs), READONLY, "receives done here"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject MessagesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "collectives._rings.Messages",
+    .tp_basicsize = sizeof(MessagesObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Messages(transport, gate, lock, ndarray, dtypes, itemsizes, ring_bytes, whole_max, spin_ns, tx, rx, "
+              "state): a communicator's blocking send and receive of whole messages, run from C.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Messages_init,
+    .tp_dealloc = (destructor)Messages_dealloc,
+    .tp_methods = Messages_methods,
+    .tp_members = Messages_members,
+};
+
 static PyMethodDef module_methods[] = {
     {"put", (PyCFunction)(void (*)(void))rings_put, METH_FASTCALL,
      "put(ring, q, head_i, tail_i, sleep_i, head, tag, w0, w1, w2, payload) -> new head, or -1 (no room)."},
@@ -394,12 +788,21 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "collectives._rings",
-    "Compiled path of the shared-memory rings' messages (put, take, send_stream, recv_stream).", -1, module_methods,
+    "Compiled path of the shared-memory rings' messages (put, take, send_stream, recv_stream, Messages).", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__rings(void) {
+    str_open = PyUnicode_InternFromString("open");
+    str_closed = PyUnicode_InternFromString("_closed");
+    str_moved = PyUnicode_InternFromString("_moved");
+    if (!str_open || !str_closed || !str_moved || PyType_Ready(&MessagesType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
-    if (m) PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0 ||
+            PyModule_AddObject(m, "Messages", Py_NewRef((PyObject *)&MessagesType)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

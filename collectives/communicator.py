@@ -52,6 +52,11 @@ _call_log = logging.getLogger("collectives.call")
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
+def _not_here(buf: Any, peer: Any, tag: Any) -> bool:
+    """The compiled send and receive where the transport has none: never done."""
+    return False
+
+
 def live_communicators() -> list["Communicator"]:
     """Every communicator not yet closed (for abort-on-crash hooks)."""
     return list(_live)
@@ -90,6 +95,10 @@ class Communicator(CallExecution, Survival):
             comm._fast_wait(info, arrays, late, seq)
         self._fast = fast_calls.make(self._queue, wait)  # keeps the call number (``_seq``)
         self._fast_run = self._fast.run
+        direct = transport.compiled_p2p(self._fast)  # send and recv from C, closed with the fast calls
+        self._p2p_compiled = direct
+        self._send_now = direct.send if direct is not None else _not_here
+        self._recv_now = direct.recv if direct is not None else _not_here
         self._capabilities = frozenset(transport.capabilities)
         self.selector = selector if selector is not None else RuleSelector()
         self.segment_bytes = segment_bytes
@@ -541,12 +550,16 @@ class Communicator(CallExecution, Survival):
 
     def send(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``buf`` to ``dst`` with ``tag``; returns once ``buf`` may be reused."""
+        if self._send_now(buf, dst, tag):  # the common case, from C where the transport offers it
+            return
         self.transport.send(*self._p2p(buf, dst, tag, False, "dst"),
                             timeout=self.timeout if timeout is None else timeout)
 
     def recv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """Receive into ``buf`` from ``src`` with ``tag`` (exactly ``buf``'s
         size); returns ``buf``."""
+        if self._recv_now(buf, src, tag):
+            return buf
         self.transport.recv(*self._p2p(buf, src, tag, True, "src"),
                             timeout=self.timeout if timeout is None else timeout)
         return buf

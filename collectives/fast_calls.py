@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import compiled
+from .numpy_layout import reads_numpy_right
 
 __all__ = ["NoFastCalls", "make"]
 
@@ -48,23 +49,6 @@ class NoFastCalls:
         """Nothing to forget."""
 
 
-def _reads_numpy_right(fast: Any) -> bool:
-    """Whether the extension reads numpy's arrays where numpy keeps their
-    data pointer, dimensions, dtype and flags (it relies on the layout of
-    numpy's C API; any other layout turns the fast calls off)."""
-    plain = np.arange(7, dtype=np.float32)
-    frozen = np.arange(3, dtype=np.int64)
-    frozen.flags.writeable = False
-    strided = np.arange(14, dtype=np.float64)[::2]
-    for a in (plain, frozen, strided):
-        data, nd, size, dtype, flags = fast.head(a)
-        if (data, nd, size) != (a.ctypes.data, 1, a.size) or dtype is not a.dtype:
-            return False
-        if bool(flags & 0x1) != a.flags.c_contiguous or bool(flags & 0x400) != a.flags.writeable:
-            return False
-    return True
-
-
 def make(queue: Any, wait: Callable[[tuple, tuple, Any, int], None]) -> Any:
     """The communicator's fast calls: a ``FastCalls`` of the extension over
     its queue of nonblocking calls (whose ``busy`` must be 0) and ``wait``
@@ -74,4 +58,4 @@ def make(queue: Any, wait: Callable[[tuple, tuple, Any, int], None]) -> Any:
     if ext is None or not hasattr(ext, "FastCalls"):
         return NoFastCalls()
     fast = ext.FastCalls(np.ndarray, queue, wait)
-    return fast if _reads_numpy_right(fast) else NoFastCalls()
+    return fast if reads_numpy_right(fast) else NoFastCalls()

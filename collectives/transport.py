@@ -168,6 +168,16 @@ class Transport(abc.ABC):
         ``timeout`` seconds); transports may override with a faster path."""
         self.irecv(buf, peer, tag, sig).wait(timeout)
 
+    def compiled_p2p(self, gate: Any) -> Any:
+        """A communicator's point-to-point calls run from C, or None (the
+        default: every call takes :meth:`send` and :meth:`recv`). The
+        object's ``send(buf, dst, tag)`` and ``recv(buf, src, tag)`` (a
+        user's tag, not yet doubled) return True when they did the whole
+        call, with every check of the Python path's, and False when they did
+        nothing (the caller then takes the Python path); both do nothing
+        while ``gate.open`` is 0."""
+        return None
+
     def begin_call(self, seq: int, sig: Sig, refusal: str | None = None) -> None:
         """A collective call with signature ``sig`` (its sequence number
         included) starts on this rank: a transport that lets peers see what

@@ -380,11 +380,130 @@ def send_recv_through_the_communicator(comm):
     return float(seven[0]), fifo, grid.ravel().tolist()
 
 
+def _done_in_c(comm) -> tuple[int, int]:
+    """(sends, receives) the communicator's compiled point-to-point did so far ((0, 0) without it)."""
+    direct = comm._p2p_compiled
+    return (0, 0) if direct is None else (direct.sends, direct.recvs)
+
+
 @pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
 def test_send_and_recv_through_the_communicator(monkeypatch, compiled_path):
     monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
-    assert run_ranks(send_recv_through_the_communicator, 2, timeout=60) == [
-        [-3, 4], (1.5, [0, 1, 2], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])]
+    zero, one = run_ranks(lambda comm: (send_recv_through_the_communicator(comm), _done_in_c(comm),
+                                        comm._p2p_compiled is not None), 2, timeout=60)
+    assert zero[0] == [-3, 4] and one[0] == (1.5, [0, 1, 2], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    assert zero[2] == one[2] == (compiled.rings is not None and compiled_path)
+    # rank 0's one-dimensional sends went in C, its 2-D array the Python way; rank 1's first
+    # receive met another tag at the ring's head, so every receive of it took the Python path
+    assert zero[1][0] == (4 if compiled_path else 0) and one[1] == ((1, 0) if compiled_path else (0, 0))
+
+
+def compiled_p2p_keeps_order_and_checks(comm, events):
+    """The communicator's send and recv where the C path must step aside:
+    a send behind a queued nonblocking one, a receive behind a posted one,
+    a receive of the wrong size, the transport's lock held by another
+    thread, and a closed communicator; and where it must not. Returns what
+    each rank saw, with how many calls of each step the C path did."""
+    big_started, posted, sent4, taken, sent12 = events
+    other, t = 1 - comm.rank, comm.transport
+    seen = []
+
+    def in_c(before: tuple[int, int]) -> tuple[int, int]:
+        now = _done_in_c(comm)
+        return now[0] - before[0], now[1] - before[1]
+    if comm.rank == 0:
+        req = comm.isend(_pattern(300_000, 1), 1, tag=2)  # more than the ring: the rest stays queued
+        big_started.set()
+        before = _done_in_c(comm)
+        comm.send(np.full(4, 9, np.uint8), 1, tag=2)  # queued behind it, not beside it
+        req.wait()
+        seen.append(in_c(before))
+        assert posted.wait(10)  # rank 1 took everything: the ring is empty
+        before = _done_in_c(comm)
+        comm.send(np.full(4, 1, np.uint8), 1, tag=4)
+        comm.send(np.full(4, 2, np.uint8), 1, tag=4)
+        sent4.set()
+        comm.send(np.ones(10, np.uint8), 1, tag=6)
+        comm.send(np.full(4, 8, np.uint8), 1, tag=8)
+        seen.append(in_c(before))
+        if comm._p2p_compiled is not None:  # another thread holds the transport's lock: nothing done here
+            import threading
+            held, release = threading.Event(), threading.Event()
+
+            def hold():
+                with t._lock:
+                    held.set()
+                    release.wait(10)
+            holder = threading.Thread(target=hold)
+            holder.start()
+            assert held.wait(10)
+            seen.append(comm._send_now(np.full(4, 5, np.uint8), 1, 10))
+            release.set()
+            holder.join(10)
+        comm.send(np.full(4, 6, np.uint8), 1, tag=10)
+        assert taken.wait(10)
+        before = _done_in_c(comm)
+        comm.send(np.full(4, 12, np.uint8), 1, tag=12)
+        sent12.set()
+        seen.append(in_c(before))
+    else:
+        assert big_started.wait(10)
+        got = np.zeros(300_000, np.uint8)
+        comm.recv(got, 0, tag=2)
+        small = comm.recv(np.zeros(4, np.uint8), 0, tag=2)
+        seen.append((bool(np.array_equal(got, _pattern(300_000, 1))), small.tolist()))
+        first = comm.irecv(np.zeros(4, np.uint8), 0, tag=4)
+        posted.set()
+        assert sent4.wait(10)
+        before = _done_in_c(comm)
+        second = comm.recv(np.zeros(4, np.uint8), 0, tag=4)  # the posted receive takes the first message
+        seen.append((first.wait(10).tolist(), second.tolist(), in_c(before)))
+        start = time.monotonic()
+        try:
+            comm.recv(np.zeros(12, np.uint8), 0, tag=6)
+            seen.append("no error")
+        except MismatchedCollective as exc:
+            seen.append((str(exc), time.monotonic() - start))
+        seen.append((comm.recv(np.zeros(4, np.uint8), 0, tag=8).tolist(),
+                     comm.recv(np.zeros(4, np.uint8), 0, tag=10).tolist()))
+        taken.set()
+        assert sent12.wait(10)  # whole at the ring's head, nothing before it
+        before = _done_in_c(comm)
+        seen.append((comm.recv(np.zeros(4, np.uint8), 0, tag=12).tolist(), in_c(before)))
+    comm.barrier()
+    comm.close()
+    try:
+        comm.send(np.zeros(1, np.uint8), other, tag=0)
+        seen.append("sent on a closed communicator")
+    except BadArgument as exc:
+        seen.append(str(exc))
+    return seen
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+def test_compiled_send_and_recv_step_aside_where_they_must(monkeypatch, compiled_path):
+    if compiled_path and compiled.rings is None:
+        pytest.skip("the rings' C extension is not built here")
+    monkeypatch.setenv("COLLECTIVES_SHM_RING_BYTES", str(RING))
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    ctx = multiprocessing.get_context("fork")
+    start = time.monotonic()
+    zero, one = run_ranks(compiled_p2p_keeps_order_and_checks, 2, tuple(ctx.Event() for _ in range(5)),
+                          timeout=60)
+    assert time.monotonic() - start < 30
+    c = 1 if compiled_path else 0
+    # rank 0: the send behind the queued one went the Python way, the next four in C; a send while
+    # another thread held the transport's lock did nothing; a send into an empty ring in C
+    assert zero[:2] == [(0, 0), (4 * c, 0)] and zero[-2] == (c, 0)
+    assert (zero[2] is False) if compiled_path else len(zero) == 4
+    assert one[0] == (True, [9] * 4)  # FIFO within the tag, across the queued send
+    assert one[1] == ([1] * 4, [2] * 4, (0, 0))  # behind a posted receive: the Python way
+    message, took = one[2]
+    assert "rank 1" in message and "expected 12 bytes from rank 0, got 10" in message and took < 5
+    assert one[3] == ([8] * 4, [6] * 4)  # the stream goes on after the disagreement
+    assert one[4] == ([12] * 4, (0, c))  # whole at the ring's head: in C
+    for seen in (zero, one):
+        assert "the communicator is closed" in seen[-1]
 
 
 def bad_point_to_point_arguments(comm):
@@ -409,7 +528,9 @@ def bad_point_to_point_arguments(comm):
     return errors, comm.recv(np.zeros(4, np.int64), 0, tag=3).tolist()
 
 
-def test_bad_point_to_point_arguments_are_refused_before_anything_is_sent():
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+def test_bad_point_to_point_arguments_are_refused_before_anything_is_sent(monkeypatch, compiled_path):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
     start = time.monotonic()
     zero, (one, got) = run_ranks(bad_point_to_point_arguments, 2, timeout=60)
     assert time.monotonic() - start < 30

@@ -23,6 +23,8 @@ import numpy as np
 
 from collectives import compiled, signature
 from collectives.errors import BadArgument
+from collectives.numpy_layout import reads_numpy_right
+from collectives.ops import SUPPORTED_DTYPES
 
 from .layout import Q_SLEEP, align
 
@@ -109,6 +111,28 @@ class Rings:
         self._take = rings.take if rings is not None else None
         self._streams = (rings.send_stream, rings.recv_stream) if rings is not None else None
         self._recv_spin_ns = int(self._spin * 1e9)  # a blocking receive's wait in C (0 where cores are shared)
+
+    def compiled_p2p(self, gate: Any) -> Any:
+        """The communicator's blocking send and receive of a whole message
+        from C (``collectives._rings.Messages``: the checks of the Python
+        path's common case, then the ring; anything else takes the Python
+        path), or None where the extension is off or reads numpy's arrays
+        otherwise than numpy lays them out."""
+        rings = compiled.rings_enabled()
+        if rings is None or self._closed:
+            return None
+        lay, me = self._layout, self.rank
+        bases = [np.frombuffer(s.mm, np.uint8, 8).ctypes.data for s in self._segs]
+        tx = tuple((bases[d] + lay.ring_slice(me).start, bases[d] + 8 * lay.head_index(me),
+                    bases[d] + 8 * lay.tail_index(me), self._sleep_words[d]) for d in self._ranks)
+        rx = tuple((bases[me] + lay.ring_slice(s).start, bases[me] + 8 * lay.head_index(s),
+                    bases[me] + 8 * lay.tail_index(s), self._sleep_words[s]) for s in self._ranks)
+        state = (self._tx_head, self._tx_queue, self._rx_tail, self._rx_cur, self._posted, self._unexpected)
+        whole_max = self._ring_bytes // 4 - HEADER_BYTES  # above: streamed (see _streamed)
+        messages = rings.Messages(self, gate, self._lock, np.ndarray, tuple(SUPPORTED_DTYPES),
+                                  tuple(d.itemsize for d in SUPPORTED_DTYPES), self._ring_bytes, whole_max,
+                                  self._recv_spin_ns, tx, rx, state)
+        return messages if reads_numpy_right(messages) else None
 
     def _push(self, dst: int) -> None:
         """Copy as much of the queued sends to ``dst`` into its ring as fits."""
