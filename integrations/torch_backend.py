@@ -35,6 +35,7 @@ The group is composed of parts, one module each:
 ``torch_store``          :func:`configure`, :class:`StoreAdapter`, the group's communicator
 ``torch_posting``        the post lock and sequence numbers shared by the adapters
 ``torch_profiling``      profiler spans
+``torch_threads``        the threads that complete works, joined before exit
 =======================  =========================================================
 
 Every name that this module gave before it was split is still importable
@@ -54,6 +55,7 @@ import torch.distributed as dist
 from collectives import Communicator
 from collectives.errors import BadArgument
 
+from . import torch_threads
 from .torch import BACKEND_NAME
 from .torch_alltoall import AllToAll
 from .torch_collectives import Collectives
@@ -281,15 +283,18 @@ class CollectivesProcessGroup(Collectives, AllToAll, SparseAllreduce, MonitoredB
             else:
                 self._finish(work, finish)
 
-        threading.Thread(target=run, name=f"collectives-{work._what}", daemon=True).start()
+        torch_threads.start(run, f"collectives-{work._what}")
         return work
 
     # ------------------------------------------------------------- lifetime
 
     def shutdown(self) -> None:
-        """Finish queued work and close the communicator (if this group owns it)."""
+        """Finish queued work and close the communicator (if this group owns
+        it), then wait a few seconds at most for the threads that complete
+        works (:mod:`.torch_threads`)."""
         if self._owns_comm:
             self.comm.close()
+        torch_threads.join_all()
 
     def abort(self) -> None:
         """Make every peer's pending and future operations fail at once."""
