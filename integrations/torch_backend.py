@@ -35,7 +35,7 @@ The group is composed of parts, one module each:
 ``torch_store``          :func:`configure`, :class:`StoreAdapter`, the group's communicator
 ``torch_posting``        the post lock and sequence numbers shared by the adapters
 ``torch_profiling``      profiler spans
-``torch_threads``        the threads that complete works, joined before exit
+``torch_threads``        the threads that complete works; waiting for them at exit
 =======================  =========================================================
 
 Every name that this module gave before it was split is still importable
@@ -274,7 +274,8 @@ class CollectivesProcessGroup(Collectives, AllToAll, SparseAllreduce, MonitoredB
 
     def _in_thread(self, work: CollectivesWork, body: Callable[[], None],
                    finish: Callable[[], None] | None = None) -> CollectivesWork:
-        """Run ``body`` (which waits) in a thread; complete ``work`` after it."""
+        """Run ``body`` (which waits) in a thread of the pool, or in the
+        caller of ``work.wait()`` if it comes first; complete ``work`` after it."""
         def run() -> None:
             try:
                 body()
@@ -283,18 +284,20 @@ class CollectivesProcessGroup(Collectives, AllToAll, SparseAllreduce, MonitoredB
             else:
                 self._finish(work, finish)
 
-        torch_threads.start(run, f"collectives-{work._what}")
+        task = torch_threads.Task(run)
+        work.run_by_waiter(task)
+        torch_threads.submit(task)
         return work
 
     # ------------------------------------------------------------- lifetime
 
     def shutdown(self) -> None:
         """Finish queued work and close the communicator (if this group owns
-        it), then wait a few seconds at most for the threads that complete
-        works (:mod:`.torch_threads`)."""
+        it), then wait a few seconds at most until no thread completes a
+        work (:mod:`.torch_threads`)."""
         if self._owns_comm:
             self.comm.close()
-        torch_threads.join_all()
+        torch_threads.settle()
 
     def abort(self) -> None:
         """Make every peer's pending and future operations fail at once."""

@@ -139,6 +139,12 @@ class CollectivesWork(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._outcome = Outcome()
+        self._task: Any = None
+
+    def run_by_waiter(self, task: Any) -> None:
+        """``task`` (a :class:`~.torch_threads.Task`) completes this Work;
+        :meth:`wait` without a timeout runs it itself if no thread took it yet."""
+        self._task = task
 
     def complete(self, error: BaseException | None = None) -> None:
         """Finish the Work (once; later calls are ignored): with ``error``, or successfully."""
@@ -163,6 +169,11 @@ class CollectivesWork(dist.Work):
             CollectiveTimeout: ``timeout`` passed first (the call goes on).
         """
         seconds = _seconds(timeout)
+        task = self._task
+        if seconds is None and task is not None and not self._done.is_set():
+            run = task.claim()  # a thread would only hand the result over
+            if run is not None:
+                run()
         if not self._done.wait(seconds):
             raise CollectiveTimeout(f"Timed out: rank {self._rank}: {self._what} did not complete "
                                     f"within the wait's {seconds:.3g}s (it is still running)")

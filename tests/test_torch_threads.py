@@ -1,19 +1,22 @@
-"""The torch backend's threads and the interpreter's exit: a thread that
-completes a Work and then frees tensors must be done before the interpreter
-shuts down, or the process aborts inside torch's native code ("terminate
-called without an active exception"). Real processes, real exits."""
+"""The threads that complete the torch backend's works
+(``collectives.integrations.torch_threads``): each body runs once, in a
+thread of the pool or in the waiter that claims it; bodies that wait for
+each other each get a thread; and the interpreter's exit waits for a thread
+that completed a Work and then frees tensors, or the process aborts inside
+torch's native code ("terminate called without an active exception").
+Real threads, real processes, real exits."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from collectives.integrations import torch_threads
 from launched import clean_env
-
-pytest.importorskip("torch")
 
 DEADLINE = 120
 
@@ -47,8 +50,37 @@ print(f"EXITING {rank}", flush=True)
 '''
 
 
+def test_a_task_runs_once_whoever_claims_it():
+    ran = []
+    task = torch_threads.Task(lambda: ran.append(threading.current_thread().name))
+    run = task.claim()
+    assert task.claim() is None and run is not None
+    torch_threads.submit(task)  # a thread of the pool finds it claimed
+    run()
+    assert torch_threads.settle(5) and ran == [threading.current_thread().name]
+
+
+def test_tasks_that_wait_for_each_other_each_get_a_thread_and_settle_waits_for_them():
+    n = 5
+    met, release, finished = threading.Barrier(n + 1), threading.Event(), []
+
+    def body(i: int) -> None:
+        met.wait(10)  # every body must be running at once
+        release.wait(10)
+        finished.append(i)
+    start = time.monotonic()
+    for i in range(n):
+        torch_threads.submit(torch_threads.Task(lambda i=i: body(i)))
+    met.wait(10)
+    assert not torch_threads.settle(0.05)  # five bodies still run
+    release.set()
+    assert torch_threads.settle(10)
+    assert sorted(finished) == list(range(n)) and time.monotonic() - start < 10
+
+
 @pytest.mark.parametrize("how", ["destroy", "exit"], ids=["destroy_process_group", "plain exit"])
 def test_a_work_thread_still_freeing_tensors_does_not_abort_the_exit(tmp_path, how):
+    pytest.importorskip("torch")
     script = tmp_path / "exit_check.py"
     script.write_text(SCRIPT)
     argv = [sys.executable, "-m", "collectives.cli", "run", "-n", "2", "--timeout", str(DEADLINE - 10),
