@@ -540,3 +540,68 @@ def test_bad_point_to_point_arguments_are_refused_before_anything_is_sent(monkey
         assert "out of range for 2 ranks" in errors[0] and "True" in errors[1] and "-1" in errors[2]
         assert "tag must be an integer" in errors[3] and "tag must be an integer" in errors[4]
         assert "read-only" in errors[5] and "not contiguous" in errors[6] and "unsupported dtype" in errors[7]
+
+
+def _plan(seed: int, count: int = 400) -> list[tuple[int, int, str]]:
+    """(tag, size, how it is sent) of each message: sizes from empty to more
+    than a ring, three tags, blocking and nonblocking sends."""
+    rng = np.random.default_rng(seed)
+    sizes = [0, 1, 8, 100, 1000, 4096, RING // 4 - 48, RING // 4, RING // 2, 3 * RING]
+    return [(int(rng.integers(3)) * 2, int(rng.choice(sizes)) + int(rng.integers(3)) * 8,
+             str(rng.choice(["send", "isend"]))) for _ in range(count)]
+
+
+def mixed_paths_in_any_order(comm, seed: int):
+    """Rank 0 sends the plan's messages in order, blocking or not; rank 1
+    takes each tag's messages in order but the tags interleaved at random,
+    each by a blocking receive or a nonblocking one waited at once or
+    later. Every message must meet its own receive, whole."""
+    plan, rng = _plan(seed), np.random.default_rng(seed + 1)
+    if comm.rank == 0:
+        pending = []
+        for i, (tag, n, how) in enumerate(plan):
+            data = _pattern(n, i)
+            if how == "send":
+                comm.send(data, 1, tag=tag)
+            else:
+                pending.append(comm.isend(data, 1, tag=tag))
+        for req in pending:
+            req.wait()
+        return len(plan), _done_in_c(comm)
+    by_tag = {tag: [i for i, (t, _, _) in enumerate(plan) if t == tag] for tag in (0, 2, 4)}
+    later, bad = [], []
+    while any(by_tag.values()):
+        tag = int(rng.choice([t for t, left in by_tag.items() if left]))
+        i = by_tag[tag].pop(0)
+        got = np.zeros(plan[i][1], np.uint8)
+        way = rng.integers(3)
+        if way == 0:
+            comm.recv(got, 0, tag=tag)
+        else:
+            req = comm.irecv(got, 0, tag=tag)
+            if way == 1:
+                req.wait()
+            later.append((req, got, i))
+        if way == 0 and not np.array_equal(got, _pattern(plan[i][1], i)):
+            bad.append(i)
+        if len(later) > 8 or not any(by_tag.values()):
+            for req, buf, j in later:
+                req.wait()
+                if not np.array_equal(buf, _pattern(plan[j][1], j)):
+                    bad.append(j)
+            later = []
+    return bad, _done_in_c(comm)
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_blocking_and_nonblocking_calls_of_every_size_in_any_order_of_tags(monkeypatch, compiled_path, seed):
+    monkeypatch.setenv("COLLECTIVES_SHM_RING_BYTES", str(RING))
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    start = time.monotonic()
+    (count, sent_in_c), (bad, got_in_c) = run_ranks(mixed_paths_in_any_order, 2, seed, timeout=120)
+    assert bad == [] and count == 400 and time.monotonic() - start < 60
+    if not compiled_path:
+        assert sent_in_c == got_in_c == (0, 0)
+    elif compiled.rings is not None:
+        assert sent_in_c[0] > 0  # some sends took the compiled path
