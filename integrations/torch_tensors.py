@@ -44,6 +44,8 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A flat numpy view of a contiguous CPU tensor (bfloat16 as ml_dtypes.bfloat16)."""
     from collectives.buffers import flat
 
+    if t.device.type == "cpu" and t.dtype != torch.bfloat16:  # the common case: numpy's view, then its checks
+        return flat(t.detach().numpy(), writable=True, what="tensor")
     return flat(t, writable=True, what="tensor")
 
 

@@ -135,10 +135,12 @@ class CollectivesWork(dist.Work):
         self._sender = source_rank
         self._span = span
         self._lock = threading.Lock()
-        self._finished = False
-        self._done = threading.Event()
+        self._finished = False  # complete() began: the outcome is decided
+        self._completed = False  # complete() ended: the future is set, waiters are let go
         self._error: BaseException | None = None
-        self._outcome = Outcome()
+        # made when first needed (most Works complete before anyone waits or asks for a future)
+        self._done: threading.Event | None = None
+        self._outcome: Outcome | None = None
         self._task: Any = None
 
     def run_by_waiter(self, task: Any) -> None:
@@ -152,13 +154,23 @@ class CollectivesWork(dist.Work):
             if self._finished:
                 return
             self._finished, self._error = True, error
+            outcome = self._outcome
         if self._span is not None:
             self._span.end()
-        if error is None:
-            self._outcome.set_result(self._result)
+        if outcome is not None:
+            self._settle(outcome)
+        with self._lock:
+            self._completed = True
+            done = self._done
+        if done is not None:
+            done.set()
+
+    def _settle(self, outcome: Outcome) -> None:
+        """Set ``outcome`` as the finished call came out."""
+        if self._error is None:
+            outcome.set_result(self._result)
         else:
-            self._outcome.set_exception(error)
-        self._done.set()
+            outcome.set_exception(self._error)
 
     def wait(self, timeout: Any = None) -> bool:
         """Wait for the call (``timeout``: a timedelta or seconds; zero or None: until
@@ -168,26 +180,30 @@ class CollectivesWork(dist.Work):
             CollectiveError: the call's error.
             CollectiveTimeout: ``timeout`` passed first (the call goes on).
         """
-        seconds = _seconds(timeout)
-        task = self._task
-        if seconds is None and task is not None and not self._done.is_set():
-            run = task.claim()  # a thread would only hand the result over
-            if run is not None:
-                run()
-        if not self._done.wait(seconds):
-            raise CollectiveTimeout(f"Timed out: rank {self._rank}: {self._what} did not complete "
-                                    f"within the wait's {seconds:.3g}s (it is still running)")
+        if not self._completed:
+            seconds = _seconds(timeout)
+            task = self._task
+            if seconds is None and task is not None:
+                run = task.claim()  # a thread would only hand the result over
+                if run is not None:
+                    run()
+            with self._lock:
+                done = None if self._completed else self._done or threading.Event()
+                self._done = done or self._done
+            if done is not None and not done.wait(seconds):
+                raise CollectiveTimeout(f"Timed out: rank {self._rank}: {self._what} did not complete "
+                                        f"within the wait's {seconds:.3g}s (it is still running)")
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
         """True once the call succeeded or failed."""
-        return self._done.is_set()
+        return self._completed
 
     def is_success(self) -> bool:
         """True once the call completed without error."""
-        return self._done.is_set() and self._error is None
+        return self._completed and self._error is None
 
     def exception(self) -> BaseException | None:
         """The call's error (None while it runs or when it succeeded)."""
@@ -195,7 +211,14 @@ class CollectivesWork(dist.Work):
 
     def get_future(self) -> Future:
         """A future of the call's outputs; it fails when the call does."""
-        return self._outcome.future
+        with self._lock:
+            outcome = self._outcome
+            settle = outcome is None and self._finished  # complete() did not see it: set it here
+            if outcome is None:
+                outcome = self._outcome = Outcome()
+        if settle:
+            self._settle(outcome)
+        return outcome.future
 
     def result(self) -> list[torch.Tensor]:
         """The call's output tensors (waits for the call; raises its error)."""
@@ -219,5 +242,5 @@ class CollectivesWork(dist.Work):
         """Nothing to do: the backend's tensors are on the CPU."""
 
     def __repr__(self) -> str:
-        state = "pending" if not self._done.is_set() else "ok" if self._error is None else "failed"
+        state = "pending" if not self._completed else "ok" if self._error is None else "failed"
         return f"CollectivesWork({self._what}, rank {self._rank}, {state})"
