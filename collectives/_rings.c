@@ -131,7 +131,7 @@ static long long put_message(char *ring, uint64_t size, uint64_t *head_word, con
     int64_t header[6] = {hdr[0], hdr[1], hdr[2], hdr[3], hdr[4], 0};
     Py_ssize_t pos = (Py_ssize_t)(head & (size - 1));
     ring_write(ring, (Py_ssize_t)size, pos, (const char *)header, HEADER_BYTES);
-    ring_write(ring, (Py_ssize_t)size, (pos + HEADER_BYTES) & (Py_ssize_t)(size - 1), src, (Py_ssize_t)n);
+    if (n) ring_write(ring, (Py_ssize_t)size, (pos + HEADER_BYTES) & (Py_ssize_t)(size - 1), src, (Py_ssize_t)n);
     __atomic_store_n(head_word, head + wire, __ATOMIC_RELEASE);
     /* the store before the load of the sleep word: a receiver that marked
      * itself asleep after looking at the head is never missed */
@@ -208,7 +208,7 @@ static long long take_message(const char *ring, uint64_t size, const uint64_t *h
         Py_END_ALLOW_THREADS
     }
     if (found != 1) return found == -2 ? -2 : -1;
-    ring_read(dst, ring, (Py_ssize_t)size, (Py_ssize_t)((tail + HEADER_BYTES) & (size - 1)), (Py_ssize_t)n);
+    if (n) ring_read(dst, ring, (Py_ssize_t)size, (Py_ssize_t)((tail + HEADER_BYTES) & (size - 1)), (Py_ssize_t)n);
     __atomic_store_n(tail_word, tail + (uint64_t)wire, __ATOMIC_RELEASE);
     return (long long)(tail + (uint64_t)wire);
 }
