@@ -418,7 +418,9 @@ done:
  *     message or earlier receive of its tag) and arrives whole within
  *     spin_ns, with exactly its tag and size and the point-to-point
  *     signature (0, 0, 0). Another message there is left to the Python
- *     path, which routes it and reports any disagreement.
+ *     path, which routes it and reports any disagreement; one that did not
+ *     come in time is waited for there (a second spin, then the general
+ *     wait).
  * tx[r] and rx[r]: (ring, head word, tail word, sleep word) addresses of
  * the ring to and from rank r, the sleep word being the receiver's (tx) or
  * the sender's (rx). state: the transport's lists (_tx_head, _tx_queue,

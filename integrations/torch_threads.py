@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import collections
 import threading
-import time
 from typing import Callable
 
 __all__ = ["Task", "submit", "settle", "JOIN_SECONDS", "IDLE_SECONDS"]

@@ -110,9 +110,10 @@ class Matching:
         """With the lock held: take a receive's message now if it is next in
         its ring, whole or, when large, streamed in C as it arrives, after a
         spin where each rank has a core of its own (docs/shared-memory.md
-        weighs it for posted receives). True: it is all in ``buf``; False: none of it was taken; else
-        the receive (``claimed``, or a new one) that now waits for the rest
-        as the message being copied out (``_rx_cur``)."""
+        weighs it for posted receives). True: it is all in ``buf``; False:
+        none of it was taken; else the receive (``claimed``, or a new one)
+        that now waits for the rest as the message being copied out
+        (``_rx_cur``)."""
         if not self._streamed(buf.nbytes):
             return self._take_whole(peer, tag, buf, sig, self._recv_spin_ns, claimed is not None)
         taken = self._take_stream(peer, tag, buf, sig, claimed is not None)
