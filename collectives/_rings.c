@@ -427,6 +427,9 @@ done:
  * _rx_tail, _rx_cur, _posted, _unexpected), which both paths keep; a
  * message moved here is added to transport._moved as the Python path does.
  *   .send(buf, dst, tag) -> bool    .recv(buf, src, tag) -> bool
+ *   .take(buf, src, tag) -> bool: recv without the spin (a nonblocking
+ *       receive whose message is already there); send never waits, so
+ *       a nonblocking send uses it as it is
  *   .head(array) -> (data, nd, size, dtype, flags), to check against numpy
  *   .sends, .recvs: the calls done here. */
 
@@ -700,7 +703,8 @@ static int holds(PyObject *list, long long peer, long long tag) {
     return PyObject_IsTrue(entry);
 }
 
-static PyObject *Messages_recv(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs) {
+/* recv (spin_ns: the object's) and take (0: one look) */
+static PyObject *messages_receive(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs, long long spin_ns) {
     char *data;
     Py_ssize_t n;
     long long src, tag;
@@ -721,7 +725,7 @@ static PyObject *Messages_recv(MessagesObject *m, PyObject *const *args, Py_ssiz
         int64_t want[5] = {wire_tag, (int64_t)n, 0, 0, 0};
         Py_INCREF(args[0]);  /* the array stays as it is while a wait lets go of the GIL */
         long long next = take_message(e->ring, m->ring_bytes, e->head, e->tail, (uint64_t)tail, want, data,
-                                      (uint64_t)n, m->spin_ns);
+                                      (uint64_t)n, spin_ns);
         Py_DECREF(args[0]);
         if (next >= 0) {
             wake_word(e->sleep);  /* the sender may wait for room */
@@ -732,6 +736,14 @@ static PyObject *Messages_recv(MessagesObject *m, PyObject *const *args, Py_ssiz
         }
     }
     return unlock(m, PyErr_Occurred() ? NULL : result);
+}
+
+static PyObject *Messages_recv(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    return messages_receive(m, args, nargs, m->spin_ns);
+}
+
+static PyObject *Messages_take(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    return messages_receive(m, args, nargs, 0);
 }
 
 static PyObject *Messages_head(MessagesObject *m, PyObject *o) {
@@ -747,6 +759,8 @@ static PyMethodDef Messages_methods[] = {
      "send(buf, dst, tag) -> bool: True when the message went into the ring here; False: nothing done."},
     {"recv", (PyCFunction)(void (*)(void))Messages_recv, METH_FASTCALL,
      "recv(buf, src, tag) -> bool: True when the message was taken into buf here; False: nothing done."},
+    {"take", (PyCFunction)(void (*)(void))Messages_take, METH_FASTCALL,
+     "take(buf, src, tag) -> bool: recv that only looks (for irecv: True when the message was there)."},
     {"head", (PyCFunction)Messages_head, METH_O,
      "head(array) -> (data, nd, size, dtype, flags) as send and recv read them (flags: C-contiguous 1, "
      "writable 0x400)."},

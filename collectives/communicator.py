@@ -41,7 +41,7 @@ from .planning import Planner
 from .prepared import CopyIn, PreparedCalls, apart, call_key
 from .selection import RuleSelector, Selector, size_bucket
 from .survival import Survival
-from .transport import Transport
+from .transport import COMPLETED, Transport
 from .window_contract import COMPILED_CALLS
 
 __all__ = ["Communicator", "live_communicators"]
@@ -97,8 +97,9 @@ class Communicator(CallExecution, Survival):
         self._fast_run = self._fast.run
         direct = transport.compiled_p2p(self._fast)  # send and recv from C, closed with the fast calls
         self._p2p_compiled = direct
-        self._send_now = direct.send if direct is not None else _not_here
-        self._recv_now = direct.recv if direct is not None else _not_here
+        self._send_in_c = direct.send if direct is not None else _not_here
+        self._recv_in_c = direct.recv if direct is not None else _not_here
+        self._take_in_c = direct.take if direct is not None else _not_here
         self._capabilities = frozenset(transport.capabilities)
         self.selector = selector if selector is not None else RuleSelector()
         self.segment_bytes = segment_bytes
@@ -540,17 +541,21 @@ class Communicator(CallExecution, Survival):
 
     def isend(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
         """Start sending ``buf`` to ``dst``; do not modify ``buf`` until it completes."""
-        req = self.transport.isend(*self._p2p(buf, dst, tag, False, "dst"))
-        return RequestHandle(req, None, self.timeout if timeout is None else timeout)
+        wait = self.timeout if timeout is None else timeout
+        if self._send_in_c(buf, dst, tag):  # in the ring already (from C, where the transport offers it)
+            return RequestHandle(COMPLETED, None, wait)
+        return RequestHandle(self.transport.isend(*self._p2p(buf, dst, tag, False, "dst")), None, wait)
 
     def irecv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> RequestHandle:
         """Start receiving into ``buf`` from ``src`` (exactly ``buf``'s size)."""
-        req = self.transport.irecv(*self._p2p(buf, src, tag, True, "src"))
-        return RequestHandle(req, buf, self.timeout if timeout is None else timeout)
+        wait = self.timeout if timeout is None else timeout
+        if self._take_in_c(buf, src, tag):  # it was there, and is in buf now
+            return RequestHandle(COMPLETED, buf, wait)
+        return RequestHandle(self.transport.irecv(*self._p2p(buf, src, tag, True, "src")), buf, wait)
 
     def send(self, buf: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``buf`` to ``dst`` with ``tag``; returns once ``buf`` may be reused."""
-        if self._send_now(buf, dst, tag):  # the common case, from C where the transport offers it
+        if self._send_in_c(buf, dst, tag):  # the common case, from C where the transport offers it
             return
         self.transport.send(*self._p2p(buf, dst, tag, False, "dst"),
                             timeout=self.timeout if timeout is None else timeout)
@@ -558,7 +563,7 @@ class Communicator(CallExecution, Survival):
     def recv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """Receive into ``buf`` from ``src`` with ``tag`` (exactly ``buf``'s
         size); returns ``buf``."""
-        if self._recv_now(buf, src, tag):
+        if self._recv_in_c(buf, src, tag):
             return buf
         self.transport.recv(*self._p2p(buf, src, tag, True, "src"),
                             timeout=self.timeout if timeout is None else timeout)

@@ -437,7 +437,7 @@ def compiled_p2p_keeps_order_and_checks(comm, events):
             holder = threading.Thread(target=hold)
             holder.start()
             assert held.wait(10)
-            seen.append(comm._send_now(np.full(4, 5, np.uint8), 1, 10))
+            seen.append(comm._send_in_c(np.full(4, 5, np.uint8), 1, 10))
             release.set()
             holder.join(10)
         comm.send(np.full(4, 6, np.uint8), 1, tag=10)
@@ -605,3 +605,48 @@ def test_blocking_and_nonblocking_calls_of_every_size_in_any_order_of_tags(monke
         assert sent_in_c == got_in_c == (0, 0)
     elif compiled.rings is not None:
         assert sent_in_c[0] > 0  # some sends took the compiled path
+
+
+def nonblocking_calls_in_c(comm, sent):
+    """Nonblocking sends into an idle ring and receives of messages already
+    there complete at once from C; a receive whose message differs, or that
+    has one of its tag posted before it, takes the Python path and fails or
+    waits as always."""
+    if comm.rank == 0:
+        handles = [comm.isend(np.full(3, i, np.int32), 1, tag=4) for i in range(3)]
+        handles.append(comm.isend(np.ones(10, np.uint8), 1, tag=6))
+        handles.append(comm.isend(np.full(2, 7.5), 1, tag=8))
+        for h in handles:
+            h.wait()
+        sent.set()
+        return _done_in_c(comm), [h.done() for h in handles]
+    assert sent.wait(10)  # every message is in the ring, nothing ahead of it
+    got = [comm.irecv(np.zeros(3, np.int32), 0, tag=4) for _ in range(3)]
+    done_at_once = [h.done() for h in got]
+    values = [int(h.wait()[0]) for h in got]
+    wrong = comm.irecv(np.zeros(12, np.uint8), 0, tag=6)  # 10 bytes came: the Python path fails it
+    start = time.monotonic()
+    try:
+        wrong.wait(5)
+        error = "no error"
+    except MismatchedCollective as exc:
+        error = str(exc)
+    took = time.monotonic() - start
+    last = comm.irecv(np.zeros(2), 0, tag=8).wait(5).tolist()  # after the disagreement, the stream goes on
+    return _done_in_c(comm), done_at_once, values, error, took, last
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["in C", "in Python"])
+def test_nonblocking_sends_and_receives_complete_at_once_and_still_check(monkeypatch, compiled_path):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
+    ctx = multiprocessing.get_context("fork")
+    (sent_in_c, sends_done), (got_in_c, done_at_once, values, error, took, last) = run_ranks(
+        nonblocking_calls_in_c, 2, ctx.Event(), timeout=60)
+    c = 1 if compiled_path and compiled.rings is not None else 0
+    assert sent_in_c == (5 * c, 0) and sends_done == [True] * 5
+    assert done_at_once == [True] * 3 and values == [0, 1, 2]  # the Python path takes them at once too
+    # the three of tag 4 in C; the one that differs goes the Python way, which also routes the last
+    # message (already in the ring) to the early messages, where its receive finds it
+    assert got_in_c[1] == 3 * c
+    assert "rank 1" in error and "expected 12 bytes from rank 0, got 10" in error and took < 5
+    assert last == [7.5, 7.5]
