@@ -691,10 +691,12 @@ static PyObject *Messages_send(MessagesObject *m, PyObject *const *args, Py_ssiz
     return unlock(m, PyErr_Occurred() ? NULL : result);
 }
 
-/* Whether a dict of the lists of state (by tag, of deques) holds a non-empty entry for tag: 1, 0, -1 error */
+/* Whether a dict of the lists of state (by tag, of deques) holds a non-empty
+ * entry for tag: 1 (or anything but a dict there: the Python path decides), 0, -1 error */
 static int holds(PyObject *list, long long peer, long long tag) {
     PyObject *by_tag = PyList_GET_ITEM(list, (Py_ssize_t)peer);
-    if (!PyDict_Check(by_tag) || PyDict_GET_SIZE(by_tag) == 0) return PyDict_Check(by_tag) ? 0 : -1;
+    if (!PyDict_Check(by_tag)) return 1;
+    if (PyDict_GET_SIZE(by_tag) == 0) return 0;
     PyObject *key = PyLong_FromLongLong(tag);
     if (!key) return -1;
     PyObject *entry = PyDict_GetItemWithError(by_tag, key);
