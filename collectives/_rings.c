@@ -641,6 +641,22 @@ static int transport_open(MessagesObject *m) {
     return open;
 }
 
+/* The start of a send or receive: the checks, the transport's lock, an open
+ * transport. 1: go on, the lock held; 0: the Python path; -1: an error
+ * (nothing held either way). */
+static int begin_message(MessagesObject *m, PyObject *const *args, Py_ssize_t nargs, int writable, char **data,
+                         Py_ssize_t *n, long long *peer, long long *tag) {
+    int ready = call_ready(m, args, nargs, writable, data, n, peer, tag);
+    if (ready <= 0) return ready;
+    int locked = lock_now(m);
+    if (locked <= 0) return locked;
+    int open = transport_open(m);
+    if (open > 0) return 1;
+    PyObject *back = unlock(m, open < 0 ? NULL : Py_False);
+    Py_XDECREF(back);
+    return back ? 0 : -1;
+}
+
 /* list[i] = value, and transport._moved += moved: the counters both paths keep */
 static int count_moved(MessagesObject *m, PyObject *list, long long i, long long value, long long moved) {
     PyObject *v = PyLong_FromLongLong(value);
@@ -667,13 +683,9 @@ static PyObject *Messages_send(MessagesObject *m, PyObject *const *args, Py_ssiz
     char *data;
     Py_ssize_t n;
     long long dst, tag;
-    int ready = call_ready(m, args, nargs, 0, &data, &n, &dst, &tag);
-    if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_False);
-    int locked = lock_now(m);
-    if (locked <= 0) return locked < 0 ? NULL : Py_NewRef(Py_False);
+    int go = begin_message(m, args, nargs, 0, &data, &n, &dst, &tag);
+    if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_False);
     PyObject *result = Py_False;
-    int open = transport_open(m);
-    if (open <= 0) return unlock(m, open < 0 ? NULL : Py_False);
     Py_ssize_t queued = PyObject_Length(PyList_GET_ITEM(m->tx_queue, (Py_ssize_t)dst));
     long long head = queued == 0 ? counter_at(m->tx_head, dst) : -1;
     if (head >= 0) {
@@ -710,13 +722,9 @@ static PyObject *messages_receive(MessagesObject *m, PyObject *const *args, Py_s
     char *data;
     Py_ssize_t n;
     long long src, tag;
-    int ready = call_ready(m, args, nargs, 1, &data, &n, &src, &tag);
-    if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_False);
-    int locked = lock_now(m);
-    if (locked <= 0) return locked < 0 ? NULL : Py_NewRef(Py_False);
+    int go = begin_message(m, args, nargs, 1, &data, &n, &src, &tag);
+    if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_False);
     PyObject *result = Py_False;
-    int open = transport_open(m);
-    if (open <= 0) return unlock(m, open < 0 ? NULL : Py_False);
     long long wire_tag = tag * 2;
     int ahead = PyList_GET_ITEM(m->rx_cur, (Py_ssize_t)src) != Py_None;
     if (!ahead) ahead = holds(m->unexpected, src, wire_tag);
@@ -781,7 +789,7 @@ static PyTypeObject MessagesType = {
     .tp_basicsize = sizeof(MessagesObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Messages(transport, gate, lock, ndarray, dtypes, itemsizes, ring_bytes, whole_max, spin_ns, tx, rx, "
-              "state): a communicator's blocking send and receive of whole messages, run from C.",
+              "state): a communicator's send and receive of whole messages, run from C.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Messages_init,
     .tp_dealloc = (destructor)Messages_dealloc,
