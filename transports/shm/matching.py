@@ -101,9 +101,16 @@ class Matching:
             rest = self._take_now(peer, tag, buf, sig)
             if rest is True:
                 return
-        if rest is False:
-            rest = self.irecv(buf, peer, tag, sig)
-        rest.wait(timeout)  # the lock let go while it waits
+        if rest is not False:
+            rest.wait(timeout)  # the rest of a stream, in C first (the lock let go while it waits)
+            return
+        rest = self.irecv(buf, peer, tag, sig)
+        if rest is COMPLETED:
+            return
+        if not rest.done:  # the spin above found nothing: no second one
+            self._wait((rest,), timeout, claim=False)
+        if rest.error is not None:
+            raise rest.error
 
     def _take_now(self, peer: int, tag: int, buf: Any, sig: Sig,
                   claimed: RecvRequest | None = None) -> RecvRequest | bool:

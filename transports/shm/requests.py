@@ -126,10 +126,12 @@ class RequestWaits:
         for r in requests:
             r.wait(timeout)
 
-    def _wait(self, reqs: Sequence[ShmRequest], timeout: float | None) -> None:
+    def _wait(self, reqs: Sequence[ShmRequest], timeout: float | None, claim: bool = True) -> None:
+        """Wait for every request of ``reqs``; ``claim``: a wait for one tries
+        the C paths first (False: the caller just did)."""
         pending = [r for r in reqs if not r.done]
-        if len(pending) == 1 and (self._claim(pending[0]) if pending[0].kind == "receive"
-                                  else self._claim_send(pending[0])):
+        if claim and len(pending) == 1 and (self._claim(pending[0]) if pending[0].kind == "receive"
+                                            else self._claim_send(pending[0])):
             return  # its message was next in its ring (see Matching._claim, _claim_send)
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
