@@ -44,8 +44,8 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A flat numpy view of a contiguous CPU tensor (bfloat16 as ml_dtypes.bfloat16)."""
     from collectives.buffers import flat
 
-    if t.device.type == "cpu" and t.dtype != torch.bfloat16:  # the common case: numpy's view, then its checks
-        return flat(t.detach().numpy(), writable=True, what="tensor")
+    if t.is_cpu and t.dtype != torch.bfloat16:  # the common case: numpy's view, then its checks
+        return flat((t.detach() if t.requires_grad else t).numpy(), writable=True, what="tensor")
     return flat(t, writable=True, what="tensor")
 
 
@@ -77,7 +77,7 @@ class Staged:
 def check_cpu(tensors: Sequence[torch.Tensor]) -> None:
     """Refuse tensors that are not on the CPU (BadArgument)."""
     for t in tensors:
-        if t.device.type != "cpu":
+        if not t.is_cpu:  # (is_cpu is a tenth of the cost of device.type)
             raise BadArgument(f"the collectives backend takes CPU tensors, got one on {t.device}")
 
 
