@@ -104,6 +104,22 @@ def _point_to_point(torch, dist, r, p, fails):
     sq.wait()
     rq.wait()
     _expect(torch, fails, "isend/irecv", buf, torch.full((4,), src + 0.5))
+    # non-contiguous receive tensors: received into a contiguous stand-in, copied back when done
+    grid = torch.zeros(4, 2)
+    rq = dist.irecv(grid[:, 1], src=src, tag=5)
+    dist.send(torch.arange(4.0) + r, dst=peer, tag=5)
+    rq.wait()
+    _expect(torch, fails, "irecv into a strided tensor", grid, torch.stack([torch.zeros(4), torch.arange(4.0) + src], 1))
+    strided = torch.zeros(8)[::2]
+    if r % 2 == 0:
+        dist.send(torch.full((4,), 7.0 + r), dst=peer, tag=6)
+        got_from = dist.recv(strided, tag=6)  # from any source
+    else:
+        got_from = dist.recv(strided, tag=6)
+        dist.send(torch.full((4,), 7.0 + r), dst=peer, tag=6)
+    _expect(torch, fails, "recv from any source into a strided tensor", strided, torch.full((4,), 7.0 + src))
+    if got_from != src:
+        fails.append(f"recv from any source: sender {got_from}, expected {src}")
 
 
 def _async(torch, dist, r, p, fails):
