@@ -170,12 +170,14 @@ class Transport(abc.ABC):
 
     def compiled_p2p(self, gate: Any) -> Any:
         """A communicator's point-to-point calls run from C, or None (the
-        default: every call takes :meth:`send` and :meth:`recv`). The
-        object's ``send(buf, dst, tag)`` and ``recv(buf, src, tag)`` (a
-        user's tag, not yet doubled) return True when they did the whole
+        default: every call takes the methods above). The object's
+        ``send(buf, dst, tag)`` (which never waits: for ``send`` and
+        ``isend``), ``recv(buf, src, tag)`` (which may wait a little) and
+        ``take(buf, src, tag)`` (which only looks: for ``irecv``), each with
+        a user's tag, not yet doubled, return True when they did the whole
         call, with every check of the Python path's, and False when they did
-        nothing (the caller then takes the Python path); both do nothing
-        while ``gate.open`` is 0."""
+        nothing (the caller then takes the Python path); all three do
+        nothing while ``gate.open`` is 0."""
         return None
 
     def begin_call(self, seq: int, sig: Sig, refusal: str | None = None) -> None:
