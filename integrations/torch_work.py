@@ -188,8 +188,9 @@ class CollectivesWork(dist.Work):
                 if run is not None:
                     run()
             with self._lock:
-                done = None if self._completed else self._done or threading.Event()
-                self._done = done or self._done
+                if not self._completed and self._done is None:
+                    self._done = threading.Event()
+                done = None if self._completed else self._done
             if done is not None and not done.wait(seconds):
                 raise CollectiveTimeout(f"Timed out: rank {self._rank}: {self._what} did not complete "
                                         f"within the wait's {seconds:.3g}s (it is still running)")

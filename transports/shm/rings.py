@@ -121,8 +121,7 @@ class Rings:
         rings = compiled.rings_enabled()
         if rings is None or self._closed:
             return None
-        lay, me = self._layout, self.rank
-        bases = [np.frombuffer(s.mm, np.uint8, 8).ctypes.data for s in self._segs]
+        lay, me, bases = self._layout, self.rank, self._bases
         tx = tuple((bases[d] + lay.ring_slice(me).start, bases[d] + 8 * lay.head_index(me),
                     bases[d] + 8 * lay.tail_index(me), self._sleep_words[d]) for d in self._ranks)
         rx = tuple((bases[me] + lay.ring_slice(s).start, bases[me] + 8 * lay.head_index(s),

@@ -181,7 +181,8 @@ class SegmentSetup:
 
     Reads ``rank``, ``size``, ``_job``, ``_layout``, ``_secret`` and
     ``_cma_wanted``; sets ``_segs`` (every rank's :class:`~.layout.Segment`),
-    ``_probe`` (the word peers probe), ``_watch``, ``_sleep_words``,
+    ``_probe`` (the word peers probe), ``_watch``, ``_bases`` (every
+    segment's address), ``_sleep_words``,
     ``_counter_words`` (addresses of every rank's ``Q_EPOCH``, ``Q_POST``
     and ``Q_DONE``), ``_inbox_word``, ``_records``, ``cma``, ``cores`` and
     ``_spin``. Waits with :meth:`~.waking.Waking._wait_counter`.
@@ -198,7 +199,7 @@ class SegmentSetup:
         self._segs = segs  # type: ignore[assignment]
         self._attach_peers(segs, deadline)
         self._watch = PeerWatch({r: int(s.q[Q_PID]) for r, s in enumerate(segs) if r != self.rank})
-        bases = [np.frombuffer(s.mm, np.uint8, 8).ctypes.data for s in segs]
+        self._bases = bases = [np.frombuffer(s.mm, np.uint8, 8).ctypes.data for s in segs]
         self._sleep_words = [b + Q_SLEEP * 8 for b in bases]
         self._counter_words = [[b + i * 8 for b in bases] for i in (Q_EPOCH, Q_POST, Q_DONE)]
         self._inbox_word = bases[self.rank] + Q_INBOX * 8
