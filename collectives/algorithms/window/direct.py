@@ -52,7 +52,7 @@ class Published(NamedTuple):
     @classmethod
     def read(cls, words: np.ndarray) -> "Published":
         """Load from int64 ``words``."""
-        return cls(*(int(w) for w in words[:len(cls._fields)]))
+        return cls._make(words[:len(cls._fields)].tolist())
 
     def whole(self) -> bool:
         """Whether the buffer lies wholly in its rank's shared pool."""
@@ -73,20 +73,30 @@ def _shared_part(window, buf: np.ndarray) -> tuple[int, int, int] | None:
     return window.shared_part(buf, adopt=True)
 
 
+def _published_words(st: WindowState) -> list[list[np.ndarray]]:
+    """Per half of the metadata block, every rank's int64 words there (made
+    once per window)."""
+    words = st.cache.get(_published_words)
+    if words is None:
+        words = st.remember(_published_words, [
+            [reg[h * PUBLISHED_BYTES:(h + 1) * PUBLISHED_BYTES].view(np.int64) for reg in st.regions]
+            for h in (0, 1)])
+    return words
+
+
 def publish(ctx, window, st: WindowState, buf: np.ndarray, collective: str) -> list[Published]:
     """Tell every rank where ``buf`` is and learn the same of every rank; one
     fence. ``reachable``: ``collective`` may read and write the buffer
     through direct access (see :func:`~.tuning.wants_huge_pages`)."""
-    meta_off = ((window.step(ctx.deadline) - 1) & 1) * PUBLISHED_BYTES
+    words = _published_words(st)[(window.step(ctx.deadline) - 1) & 1]
     part = _shared_part(window, buf)
     offset, first, end = part if part is not None else (0, 0, 0)
     reachable = (part is not None or not wants_huge_pages(collective)
                  or HUGE_PAGES not in window.features or window.huge_pages(buf))
-    Published(int(part is not None), offset, buf.__array_interface__["data"][0], int(reachable), first, end,
-              buf.nbytes).write(st.regions[ctx.rank][meta_off:meta_off + PUBLISHED_BYTES].view(np.int64))
+    Published(int(part is not None), offset, buf.ctypes.data, int(reachable), first, end,
+              buf.nbytes).write(words[ctx.rank])
     window.fence(ctx.deadline)
-    return [Published.read(st.regions[r][meta_off:meta_off + PUBLISHED_BYTES].view(np.int64))
-            for r in range(ctx.size)]
+    return [Published.read(w) for w in words]
 
 
 def direct(ctx, window, st: WindowState, buf: np.ndarray, nbytes: int, collective: str) -> "Readers | None":
