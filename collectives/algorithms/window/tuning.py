@@ -38,7 +38,7 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
     # collective:      (bytes,    power, huge)
     "allreduce":       (4 << 20,   0,    True),
     "reduce_scatter":  (16 << 20,  2,    True),
-    "allgather":       (2 << 20,   6,    True),
+    "allgather":       (2 << 20,   1,    True),
     "bcast":           (4 << 20,  -1,    False),
     "gather":          (2 << 20,   0,    False),
     "alltoall":        (4 << 20,   0,    False),
