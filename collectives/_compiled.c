@@ -63,12 +63,14 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__)
@@ -1716,6 +1718,37 @@ static PyObject *ext_copy(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* vm_move(pid, address, buffer, write) -> 0, or the errno of the first
+ * call that moved nothing: the whole buffer read from address in process
+ * pid (write false: process_vm_readv, the buffer writable) or written
+ * there (process_vm_writev), in as many calls as the kernel needs. */
+static PyObject *ext_vm_move(PyObject *Py_UNUSED(module), PyObject *args) {
+    int pid, write;
+    unsigned long long address;
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "iKOp", &pid, &address, &obj, &write)) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, write ? PyBUF_C_CONTIGUOUS : (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) < 0)
+        return NULL;
+    Py_ssize_t done = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (done < b.len) {
+        struct iovec mine = {(char *)b.buf + done, (size_t)(b.len - done)};
+        struct iovec theirs = {(void *)(uintptr_t)(address + (unsigned long long)done), (size_t)(b.len - done)};
+        ssize_t n = write ? process_vm_writev(pid, &mine, 1, &theirs, 1, 0)
+                          : process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
+        if (n <= 0) {
+            err = n < 0 ? errno : EIO;
+            break;
+        }
+        done += n;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(err);
+}
+
 /* recorder_time() -> (seconds, through the counter): the flight recorder's clock */
 static PyObject *ext_recorder_time(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     double t = recorder_seconds();
@@ -1731,6 +1764,9 @@ static PyMethodDef module_methods[] = {
      "recorder_time() -> (seconds, tsc): the flight recorder's clock (CLOCK_MONOTONIC's seconds) and whether it "
      "reads them through the time-stamp counter."},
     {"copy", ext_copy, METH_VARARGS, "copy(dst, src): dst = src (C-contiguous buffers of one length)."},
+    {"vm_move", ext_vm_move, METH_VARARGS,
+     "vm_move(pid, address, buffer, write) -> 0 or an errno: buffer read from address in process pid (write "
+     "false) or written there (cross-memory attach)."},
     {"reduce_into", native_reduce_into, METH_VARARGS,
      "reduce_into(out, srcs, dtype, op[, copies]): out = srcs[0] op srcs[1] op ..., also into each of copies."},
     {NULL, NULL, 0, NULL},

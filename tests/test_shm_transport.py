@@ -206,9 +206,14 @@ def test_window_fence_regions_and_alloc_locate():
         assert seen == [1, 2, 3] and located and private is None
 
 
-def cross_memory(comm):
+def cross_memory(comm, compiled_moves: bool):
     """Each rank writes its rank into the next rank's private array and reads
-    it back; a write to an unmapped address raises PeerLost."""
+    it back; a write to an unmapped address raises PeerLost, which names the
+    kernel's reason. ``compiled_moves`` False: through ctypes, not the
+    compiled extension."""
+    from collectives.transports.shm import cma
+    if not compiled_moves:
+        cma._vm_move = None
     w, r, p = comm.transport.window, comm.rank, comm.size
     mine = np.full(1000, -1, np.int64)
     addrs = np.zeros(p, np.int64)
@@ -221,16 +226,18 @@ def cross_memory(comm):
     w.read(nxt, int(addrs[nxt]) + 8 * 10, got)
     try:
         w.write(nxt, 8, got)
-        refused = False
-    except PeerLost:
-        refused = True
+        refused = ""
+    except PeerLost as e:
+        refused = str(e)
     comm.barrier()
     return "direct_access" in w.features, mine[10:15].tolist() == [prev] * 5, got.tolist() == [r] * 5, refused
 
 
-def test_window_reads_and_writes_private_memory():
-    for cma, written, read, refused in run_ranks(cross_memory, 3, timeout=60):
-        assert cma and written and read and refused
+@pytest.mark.parametrize("compiled_moves", [True, False])
+def test_window_reads_and_writes_private_memory(compiled_moves):
+    for r, (cma, written, read, refused) in enumerate(run_ranks(cross_memory, 3, compiled_moves, timeout=60)):
+        assert cma and written and read
+        assert f"rank {r}: cannot write 40 B to rank {(r + 1) % 3}'s memory (Bad address)" in refused, refused
 
 
 def _at_place(raw: np.ndarray, place: int, n: int) -> np.ndarray:
