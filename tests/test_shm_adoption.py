@@ -243,3 +243,45 @@ def test_one_rank_adopted_the_other_fresh_each_call(monkeypatch):
     assert [bad for bad, _ in got] == [[], []]
     assert got[0][1] and not got[1][1]
 
+
+
+def default_allgather_then_mismatch(comm, n: int):
+    """Allgather of ``n`` float32 in place at the default thresholds: the
+    buffer used again is adopted (the direct path publishes it) and every
+    call is right; then the last rank passes a larger buffer: every rank
+    raises, and no byte past any buffer changes."""
+    from collectives import MismatchedCollective
+    from collectives.bench.faults import guarded, intact
+    import time
+    r, p = comm.rank, comm.size
+    raw, x = guarded(n, "float32", -1)
+    bad = []
+    for call in range(4):
+        x[:] = -1
+        x[r * (n // p):(r + 1) * (n // p)] = r + call
+        comm.allgather(None, x)
+        if not np.array_equal(x, np.repeat(np.arange(p, dtype=np.float32) + call, n // p)):
+            bad.append(call)
+    adopted = comm.transport.window.shared_part(x) is not None
+    m = n + p if r == p - 1 else n
+    raw2, y = (raw, x) if m == n else guarded(m, "float32", 7)
+    t0 = time.monotonic()
+    try:
+        comm.allgather(None, y, timeout=10)
+        outcome = "ok"
+    except MismatchedCollective as exc:
+        outcome = str(exc)
+    return bad, adopted, outcome, time.monotonic() - t0, intact([raw, raw2], [n, m])
+
+
+def test_allgather_reads_adopted_buffers_directly_at_four_ranks_by_default(monkeypatch):
+    """4 ranks share 2 cores here: allgather takes the direct path from 4 MiB."""
+    monkeypatch.delenv("COLLECTIVES_WINDOW_DIRECT_BYTES", raising=False)
+    n = (4 << 20) // 4
+    got = run_ranks(default_allgather_then_mismatch, 4, n, timeout=120, comm_timeout=20)
+    for r, (bad, adopted, outcome, took, guards) in enumerate(got):
+        assert bad == [] and guards, (r, bad, guards)
+        assert adopted, f"rank {r}: the buffer was not adopted (the direct path did not run)"
+        assert outcome == (f"rank {r}: allgather #5: rank 3 has float32 x {n + 4}, ranks 0, 1, 2 have "
+                           f"float32 x {n}"), (r, outcome)
+        assert took < 10, (r, took)
