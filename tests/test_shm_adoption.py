@@ -285,3 +285,25 @@ def test_allgather_reads_adopted_buffers_directly_at_four_ranks_by_default(monke
         assert outcome == (f"rank {r}: allgather #5: rank 3 has float32 x {n + 4}, ranks 0, 1, 2 have "
                            f"float32 x {n}"), (r, outcome)
         assert took < 10, (r, took)
+
+
+def default_alltoall(comm, n: int):
+    """Alltoall of ``n`` float32 at the default thresholds, the same buffers
+    each call: right every call, and the send buffer adopted (the direct
+    path publishes it)."""
+    r, p = comm.rank, comm.size
+    send, recv = np.empty(n, np.float32), np.empty(n, np.float32)
+    b = n // p
+    bad = []
+    for call in range(4):
+        send[:] = np.repeat(np.arange(p, dtype=np.float32) * 100 + r + call, b)
+        comm.alltoall(send, recv)
+        if not np.array_equal(recv, np.repeat(np.arange(p, dtype=np.float32) + r * 100 + call, b)):
+            bad.append(call)
+    return bad, comm.transport.window.shared_part(send) is not None
+
+
+def test_alltoall_reads_directly_from_2_mib_at_four_ranks_by_default(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_WINDOW_DIRECT_BYTES", raising=False)
+    for r, (bad, adopted) in enumerate(run_ranks(default_alltoall, 4, (2 << 20) // 4, timeout=120)):
+        assert bad == [] and adopted, (r, bad, adopted)

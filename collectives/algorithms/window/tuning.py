@@ -41,7 +41,7 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
     "allgather":       (2 << 20,   1,    True),
     "bcast":           (4 << 20,  -1,    False),
     "gather":          (2 << 20,   0,    False),
-    "alltoall":        (4 << 20,   0,    False),
+    "alltoall":        (4 << 20,  -1,    False),
     "scatter":         (4 << 20,   0,    False),
 }
 
