@@ -56,6 +56,8 @@
  *       also into each of copies, with stores that bypass the cache.
  *   copy(dst, src): dst = src (buffers of one length), as every copy here:
  *       see copy_bytes.
+ *   vm_move(pid, address, buffer, write): the buffer read from (or written
+ *       to) address in another process, by cross-memory attach; 0 or errno.
  *
  * Reductions give the bits numpy's ufuncs give, applied in rank order.
  */

@@ -7,7 +7,9 @@ that (:func:`enabled`). What it offers (fences over shared epoch counters, the
 one-fence allreduce of small vectors, reductions on raw memory) is used by
 the shared-memory window; :func:`kernel_codes` says which dtype and op it can
 reduce, exactly as numpy's ufuncs would. :func:`copy` copies between
-buffers without the slow case of the C library's copy (see below).
+buffers without the slow case of the C library's copy (see below). Its
+``vm_move`` is the shared-memory transport's cross-memory copy, used
+whenever the extension is built (as :func:`copy` is).
 """
 
 from __future__ import annotations
