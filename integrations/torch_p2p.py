@@ -129,8 +129,7 @@ class PointToPoint:
             notice = self._notices.take(src, tag)
             return [notice, self.comm.irecv(as_numpy(buf), src, tag, timeout=self.timeout)]
 
-        finish = staged.finish if staged.copy_backs else None  # nothing to copy back: no no_grad() either
-        return self._p2p(f"recv from rank {src}", "recv", tensors, start, finish, source_rank=src,
+        return self._p2p(f"recv from rank {src}", "recv", tensors, start, staged.finisher, source_rank=src,
                          peer=("Src Rank", src))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
@@ -147,7 +146,7 @@ class PointToPoint:
         def receive() -> None:
             work.set_source_rank(self._receive_from_any(as_numpy(buf), tag))
 
-        return self._in_thread(work, receive, staged.finish if staged.copy_backs else None)
+        return self._in_thread(work, receive, staged.finisher)
 
     def _receive_from_any(self, buf: np.ndarray, tag: int) -> int:
         """Receive into ``buf`` the message with ``tag`` of whichever peer's notice

@@ -73,6 +73,12 @@ class Staged:
         for dst, src in self.copy_backs:
             dst.copy_(src)
 
+    @property
+    def finisher(self):
+        """:meth:`finish`, or None when there is nothing to copy back (the
+        work then skips it, and its ``no_grad()`` block)."""
+        return self.finish if self.copy_backs else None
+
 
 def check_cpu(tensors: Sequence[torch.Tensor]) -> None:
     """Refuse tensors that are not on the CPU (BadArgument)."""

@@ -8,10 +8,13 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
+import time
 
 import numpy as np
 import pytest
 
+from collectives import MismatchedCollective
+from collectives.bench.faults import guarded, intact
 from collectives.transports.shm import PAGE, SharedMemoryTransport
 from harness import run_ranks
 
@@ -250,9 +253,6 @@ def default_allgather_then_mismatch(comm, n: int):
     buffer used again is adopted (the direct path publishes it) and every
     call is right; then the last rank passes a larger buffer: every rank
     raises, and no byte past any buffer changes."""
-    from collectives import MismatchedCollective
-    from collectives.bench.faults import guarded, intact
-    import time
     r, p = comm.rank, comm.size
     raw, x = guarded(n, "float32", -1)
     bad = []
