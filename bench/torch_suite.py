@@ -1,7 +1,8 @@
 """PyTorch's own distributed test suite on the ``collectives`` backend, beside Gloo.
 
 ``python -m collectives.bench.torch_suite [--ranks 2,3,8] [--backend both]
-[-k PATTERN] [--jobs N] [--timeout S] [--json FILE] [--reference FILE]``
+[-k PATTERN] [--jobs N] [--timeout S] [--json FILE] [--reference FILE]
+[--start spawn|forkserver]``
 runs the CPU tests of ``torch.testing._internal.distributed.distributed_test``
 at each world size on both backends and prints, per world size and
 backend, the tests passed, failed, skipped and errored, and every test that
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from .torch_suite_rank import (BACKEND_ENV, GLOO_ONLY, MODULE as RANK_MODULE, PROFILE_ENV, SPAWN_ALL_ENV,
-                               TIMEOUT_ENV, first_line, gloo_only, suite_tests)
+                               START_ENV, START_METHODS, TIMEOUT_ENV, first_line, gloo_only, suite_tests)
 
 __all__ = ["TestResult", "GLOO_ONLY", "SuiteOptions", "run_suite", "suite_tests", "gloo_only", "first_line", "main"]
 
@@ -61,6 +62,9 @@ class SuiteOptions:
         logs: folder for the workers' logs (default: a new temporary folder).
         profile_checks: let the suite check our profiler events as it checks Gloo's.
         spawn_all: start the ranks of tests whose decorators skip them anyway.
+        start: how the ranks start, ``"spawn"`` (torch's way) or
+            ``"forkserver"`` (forked from a server that imported torch once;
+            see :data:`~.torch_suite_rank.START_METHODS`).
     """
 
     world_size: int
@@ -69,6 +73,7 @@ class SuiteOptions:
     logs: str | None = None
     profile_checks: bool = True
     spawn_all: bool = False
+    start: str = "spawn"
 
     def __post_init__(self) -> None:
         if self.timeout is None:
@@ -85,7 +90,7 @@ def suite_environment(backend: str, options: SuiteOptions, scratch: str) -> dict
     env.update({"BACKEND": "gloo", "WORLD_SIZE": str(options.world_size), "TEMP_DIR": scratch,
                 "INIT_METHOD": f"file://{init_file}", BACKEND_ENV: backend,
                 PROFILE_ENV: "1" if options.profile_checks else "0",
-                SPAWN_ALL_ENV: "1" if options.spawn_all else "0",
+                SPAWN_ALL_ENV: "1" if options.spawn_all else "0", START_ENV: options.start,
                 TIMEOUT_ENV: str(options.timeout), "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1"})
     return env
@@ -331,6 +336,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="do not check our profiler events (torch's lists unchanged)")
     ap.add_argument("--spawn-all", action="store_true",
                     help="start the ranks of tests whose decorators skip them anyway (no accelerators, world size)")
+    ap.add_argument("--start", default="spawn", choices=START_METHODS,
+                    help="how the ranks start: spawn (torch's way, default) or forkserver (torch imported once)")
     ap.add_argument("--list", action="store_true", help="list the selected tests and exit")
     ap.add_argument("-q", "--quiet", action="store_true", help="no line per test")
     return ap.parse_args(argv)
@@ -378,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     for world_size in [int(x) for x in args.ranks.split(",") if x]:
         options = SuiteOptions(world_size, timeout=args.timeout, jobs=args.jobs, logs=logs,
-                               profile_checks=not args.no_profile_checks, spawn_all=args.spawn_all)
+                               profile_checks=not args.no_profile_checks, spawn_all=args.spawn_all,
+                               start=args.start)
         results, wall = run_suite(tests, options, backends, progress=show)
         everything += results
         compared = _with_reference(results, reference, world_size)

@@ -19,13 +19,22 @@ import types
 import unittest
 from typing import Any
 
-__all__ = ["GLOO_ONLY", "GLOO_ONLY_CODE", "first_line", "gloo_only", "suite_tests", "worker"]
+__all__ = ["GLOO_ONLY", "GLOO_ONLY_CODE", "START_METHODS", "first_line", "gloo_only", "suite_tests", "worker"]
 
 SUITE = "torch.testing._internal.distributed.distributed_test"
 BACKEND_ENV = "COLLECTIVES_SUITE_BACKEND"
 PROFILE_ENV = "COLLECTIVES_SUITE_PROFILE_CHECKS"
 SPAWN_ALL_ENV = "COLLECTIVES_SUITE_SPAWN_ALL"
 TIMEOUT_ENV = "COLLECTIVES_SUITE_TIMEOUT"
+START_ENV = "COLLECTIVES_SUITE_START"
+#: How the ranks start: ``spawn`` (torch's way: each rank imports torch and
+#: the suite anew, about 5 s on 2 cores) or ``forkserver`` (each rank is
+#: forked from a server that imported torch once, with the test's own
+#: environment; the suite module is imported in the rank, as under spawn).
+START_METHODS = ("forkserver", "spawn")
+#: What the fork server imports once: torch and its test helpers, not the
+#: suite (which reads ``BACKEND`` and ``INIT_METHOD`` as it is imported).
+_SERVER_PRELOAD = ["torch", "torch.distributed", "torch.testing._internal.common_distributed"]
 MODULE = "collectives.bench.torch_suite_rank"
 
 #: Tests that cannot pass on another backend than Gloo, and the code of torch
@@ -132,7 +141,26 @@ def _suite_class() -> type:
     class TorchSuiteTest(TestDistBackend, DistributedTest._DistTestBase):
         def setUp(self) -> None:
             super().setUp()
-            self._spawn_processes()
+            if os.environ.get(START_ENV, "spawn") == "forkserver":
+                self._start_processes(_forkserver().Process)
+            else:
+                self._spawn_processes()
+
+        def _start_processes(self, proc: Any) -> None:
+            """torch's, with the rank's entry :func:`_rank_main` and this
+            test's environment (a fork server's children have the server's)."""
+            import torch.multiprocessing as mp
+
+            self.processes = []
+            environ = dict(os.environ)
+            for rank in range(int(self.world_size)):
+                parent_conn, child_conn = mp.Pipe()
+                process = proc(target=_rank_main, name=f"process {rank}",
+                               args=(environ, rank, self._current_test_name(), self.file_name, child_conn),
+                               kwargs={"fake_pg": getattr(self, "fake_pg", False)})
+                process.start()
+                self.pid_to_pipe[process.pid] = parent_conn
+                self.processes.append(process)
 
         @classmethod
         def _run(cls, rank: int, test_name: str, file_name: str, pipe: Any, **kwargs: Any) -> None:
@@ -144,12 +172,39 @@ def _suite_class() -> type:
     return TorchSuiteTest
 
 
+def _forkserver() -> Any:
+    """The fork server's context (torch's default start method set to spawn, as torch's driver does)."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.set_start_method("spawn")
+    except RuntimeError:
+        pass
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_SERVER_PRELOAD)
+    return ctx
+
+
+def _rank_main(environ: dict[str, str], rank: int, test_name: str, file_name: str, pipe: Any,
+               **kwargs: Any) -> None:
+    """A rank's process: the test's environment first, then torch's ``_run``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    _test_class()._run(rank, test_name, file_name, pipe, **kwargs)
+
+
+def _test_class() -> type:
+    """The suite's test class, made once per process."""
+    cls = globals().get("TorchSuiteTest")
+    if cls is None:
+        cls = globals()["TorchSuiteTest"] = _suite_class()
+    return cls
+
+
 def __getattr__(name: str) -> Any:
     # The spawned ranks find the test class by name in this module.
     if name == "TorchSuiteTest":
-        cls = _suite_class()
-        globals()[name] = cls
-        return cls
+        return _test_class()
     raise AttributeError(name)
 
 
@@ -262,7 +317,7 @@ def worker() -> None:
 
     timeout = float(os.environ[TIMEOUT_ENV])
     common_distributed.get_timeout = lambda test_id: timeout
-    cls = __getattr__("TorchSuiteTest")
+    cls = _test_class()
     for line in sys.stdin:
         name = line.strip()
         if not name:
