@@ -213,7 +213,8 @@ def test_explain_cli(capsys) -> None:
 def test_calibrate_on_shared_memory(tmp_path) -> None:
     out = tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, "-m", "collectives.cost_models.calibrate", "--transport", "shm",
-                           "-n", "2", "--quick", "--out", str(out), "--timeout", "120"],
+                           "-n", "2", "--quick", "--out", str(out), "--timeout", "120",
+                           "--stretch-ranks", "4"],  # one stretch job (the default runs 3 to 8 ranks: 30 s more)
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())

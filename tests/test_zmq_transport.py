@@ -7,6 +7,7 @@ and faults: a killed rank, an abort, strangers knocking on a rank's port.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -132,6 +133,29 @@ def receive_from_closed_peer(comm):
 
 def test_receive_from_a_peer_that_closed_raises_peer_lost():
     assert run_ranks(receive_from_closed_peer, 2, transport="zmq", timeout=30) == ["closed", (0, True)]
+
+
+def close_after_peer(comm, closed):
+    """Rank 0 closes while rank 1 drives nothing (its goodbye waits, unread, in
+    rank 1's socket); then rank 1 closes."""
+    t = comm.transport
+    if comm.rank == 0:
+        comm.close()
+        closed.set()
+        return None
+    assert closed.wait(20)
+    start = time.monotonic()
+    comm.close()
+    return sorted(t._said_bye), time.monotonic() - start
+
+
+def test_the_later_of_two_closing_ranks_hears_the_goodbye_and_does_not_linger():
+    """The goodbye rank 1 sends cannot reach rank 0 (closed): rank 1 hears rank
+    0's goodbye as it closes, so that socket does not linger (1 s) for it."""
+    closed = multiprocessing.get_context("fork").Event()
+    first, (heard, took) = run_ranks(close_after_peer, 2, closed, transport="zmq", timeout=30)
+    assert first is None and heard == [0]
+    assert took < 1.0, f"rank 1's close took {took:.2f} s: it waited for its socket to rank 0 to linger"
 
 
 def test_receive_without_sender_times_out():

@@ -29,8 +29,8 @@ from .lanes import Lanes
 from .options import bracket, job_secret, lanes_wanted, reuse_message_buffers
 from .progress import Progress
 from .requests import OWN_REQUESTS, LaneRequest, RecvRequest, SendRequest
-from .wire import (COPY_BELOW, HEADER, KIND_BYE, KIND_DATA, POLL_SLICE, SEGMENT_BYTES, ABORT_LINGER, PeerStatus,
-                   bytes_view, copy_error, log, older)
+from .wire import (BYE_GRACE, COPY_BELOW, HEADER, KIND_BYE, KIND_DATA, POLL_SLICE, SEGMENT_BYTES, ABORT_LINGER,
+                   PeerStatus, bytes_view, copy_error, log, older)
 
 _open_counts: collections.Counter = collections.Counter()
 _open_lock = threading.Lock()
@@ -431,6 +431,18 @@ class ZmqTransport(Progress, Failures, Diagnosis, Agreement, Transport):
             self._cv.notify_all()
 
 
+    def _hear_goodbyes(self, deadline: float) -> None:
+        """Take in the goodbyes of peers closing at about the same time (until
+        every peer said goodbye or ``deadline``): ours to a peer that said
+        goodbye need not be delivered, and it could not be (its sockets are
+        closing), so its socket does not linger (which made the second of two
+        ranks closing together wait a whole linger, 1 s)."""
+        peers = [p for p in self._dealers if p != self.rank]
+        try:
+            self._drive_until(lambda: all(p in self._said_bye for p in peers), deadline)
+        except CollectiveError:  # a peer lost or aborted meanwhile: its socket lingers as before
+            pass
+
     def close(self) -> None:
         """Say goodbye to the peers (after passing on an abort this rank
         adopted), close every socket and stop the threads (idempotent). A
@@ -444,14 +456,18 @@ class ZmqTransport(Progress, Failures, Diagnosis, Agreement, Transport):
                 origin, text, first = self._adopted
                 self._tell_abort(text, first, origin)
             self._broadcast(HEADER.pack(KIND_BYE, 0, 0, 0, 0, 0, 0))
+            if clean:
+                self._hear_goodbyes(time.monotonic() + BYE_GRACE)
             self._closed = True
             linger = 1.0 if clean else ABORT_LINGER
             if self._lanes is not None:
                 self._lanes.close(time.monotonic() + linger, bye=True)
-            for sock in [*self._dealers.values(), *self._monitors, self._router]:
+            gone = self._said_bye if clean else set()
+            socks = [(s, 0 if p in gone else linger) for p, s in self._dealers.items()]
+            for sock, wait in socks + [(s, linger) for s in [*self._monitors, self._router]]:
                 if sock is not None:
                     try:
-                        sock.close(int(linger * 1000))
+                        sock.close(int(wait * 1000))
                     except zmq.ZMQError:
                         pass
             if self._zap is not None and not self._zap.close():

@@ -35,6 +35,8 @@ YIELD_SECONDS = 0.0002
 QUERY_SECONDS = 0.4
 #: Seconds it then waits for the verdict of a lower rank diagnosing the same hang.
 DEFER_SECONDS = 0.5
+#: Seconds a clean close listens for the goodbyes of peers closing at about the same time.
+BYE_GRACE = 0.02
 #: Linger (seconds) of a broken transport's sockets when it closes: its abort must get out.
 ABORT_LINGER = 0.3
 #: Longest abort text sent.
