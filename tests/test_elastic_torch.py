@@ -3,6 +3,7 @@ broadcast_state, and examples/elastic_torch.py under the launcher."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -42,15 +43,22 @@ def _launch(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, float, 
     return proc, took, reports
 
 
-def _single_process_reference(steps: int = STEPS) -> np.ndarray:
-    """The example's single-process parameters, computed in a process of its
-    own: torch's thread pool, once used here, would hang the ranks that later
-    tests fork from this process."""
+@functools.lru_cache(maxsize=None)
+def _references(steps: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """The example's single-process parameters after each number of ``steps``,
+    computed in one process of its own (torch's thread pool, once used here,
+    would hang the ranks that later tests fork from this process), once per run."""
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(EXAMPLE)!r}); import elastic_torch as e; "
-            f"print(json.dumps(e.single_process_reference({steps}, {GLOBAL_BATCH}).tolist()))")
+            f"print(json.dumps([e.single_process_reference(n, {GLOBAL_BATCH}).tolist() for n in {list(steps)!r}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_DEADLINE,
                          check=True)
-    return np.array(json.loads(out.stdout.splitlines()[-1]))
+    return {n: np.array(v) for n, v in zip(steps, json.loads(out.stdout.splitlines()[-1]))}
+
+
+def _single_process_reference(steps: int = STEPS) -> np.ndarray:
+    """The example's single-process parameters after ``steps`` steps (computed
+    beside the neighbouring counts that :func:`test_the_check_tells_a_skipped_or_repeated_step_apart` uses)."""
+    return _references((STEPS - 1, STEPS, STEPS + 1))[steps]
 
 
 def _check_survivors(reports: dict[int, dict], survivors: list[int], epochs: tuple[int, ...]) -> None:
