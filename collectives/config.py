@@ -139,6 +139,8 @@ def _settings() -> dict[str, Setting]:
         Setting("SUITE_BACKEND", "str", None, "set by the torch suite's driver for its ranks", "benches"),
         Setting("SUITE_SPAWN_ALL", "bool", False, "set by the torch suite's driver for its ranks", "benches"),
         Setting("SUITE_PROFILE_CHECKS", "bool", True, "set by the torch suite's driver for its ranks", "benches"),
+        Setting("SUITE_START", "str", "spawn", "set by the torch suite's driver: how its ranks start", "benches",
+                ("spawn", "forkserver")),
     ]
     return {x.name: x for x in s}
 
