@@ -45,11 +45,37 @@ _WATCH_FLAG = "--watch"
 _DONE = b"done\n"
 
 
+#: Where :func:`free_port` looks first: above the well-known and registered
+#: ports most services use, below the kernel's ephemeral range.
+PORTS_FROM = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that is free right now on ``host``, chosen below the
+    kernel's ephemeral range where it can be. A port from that range may be
+    given meanwhile to any outgoing connection, even to one a rank makes to
+    that very port before its listener binds (a TCP self-connect), and the
+    listener then fails with "Address already in use"."""
+    lo, _ = ephemeral_ports()
+    tried = secrets.SystemRandom().sample(range(PORTS_FROM, lo), min(64, lo - PORTS_FROM)) if lo > PORTS_FROM else []
+    for port in tried + [0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host}")
 
 
 def rank_environment(rank: int, size: int, *, job: str, secret: str, master_port: int,

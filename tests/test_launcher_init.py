@@ -222,3 +222,21 @@ def test_detect_reads_local_and_node_ranks():
     torch = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "GROUP_RANK": "1"})
     assert (torch.local_rank, torch.node_rank) == (1, 1)
     assert detect_launch({}).local_rank is None
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_free():
+    """The launcher's ports (MASTER_PORT, the tests' stores) come from below the
+    kernel's ephemeral range: one from inside it could meanwhile become a
+    rank's own outgoing connection to it (a TCP self-connect)."""
+    import socket
+
+    from collectives.launcher import PORTS_FROM, ephemeral_ports, free_port
+
+    lo, hi = ephemeral_ports()
+    assert 0 < lo <= hi
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # drawn at random, not one sequence every process repeats
+    for port in ports:
+        assert PORTS_FROM <= port < lo or lo <= PORTS_FROM, port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free, as promised
