@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import replace
@@ -43,6 +42,7 @@ import numpy as np
 
 from collectives.cost_models.training import (SKYLAKE_BLOCKING, Cluster, Gemm, Link, Network, Node, allreduce_time,
                                               from_torch, layer_gemms, predict, profile_link)
+from collectives.launcher import free_port
 
 
 def build_model() -> Any:
@@ -100,12 +100,6 @@ def measure_torch_node(network: Network | None = None, batch: int = 32, size: in
     bandwidth = 2.0 * src.numel() * 4 / _best(lambda: dst.copy_(src), repeats)
     label = "network GEMMs" if network is not None else f"{size}^3 GEMM"
     return Node(f"this machine, torch 1 thread, rate of {label}", rate, bandwidth, SKYLAKE_BLOCKING)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(model: Any, batch: int, steps: int, warmup: int) -> float:
@@ -248,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
     single = _train(model, args.batch, args.steps, args.warmup)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(2, _free_port(), args, path), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), args, path), nprocs=2, join=True)
         with open(path) as fh:
             measured = json.load(fh)
     link, source = profile_link(args.transport)
