@@ -250,7 +250,7 @@ static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize
  * done reading. */
 enum { K_EPOCH = 0, K_POST = 1, K_DONE = 2, K_COUNT = 3 };
 /* Not counters: what a run reports when it stops for good. */
-enum { K_VERDICT = -1, K_ABORTED = -2 };
+enum { K_VERDICT = -1, K_ABORTED = -2, K_OUTSIDE = -3, K_LOST = -4 };
 
 /* Signature words (collectives.signature): the refused bit and the call
  * number's field in word 0. */
@@ -731,10 +731,16 @@ static PyObject *Window_step(WindowObject *w, PyObject *Py_UNUSED(ignored)) {
  * A Loc is arrays[idx] + a0 (idx >= 0) or, in the window, the absolute
  * address a0 in half 0 and a1 in half 1 (idx < 0). */
 
+/* A place: in the call's array idx (idx >= 0) at byte a0; in the window
+ * (idx -1) at address a0 in half 0, a1 in half 1; or (idx <= -2, a direct
+ * call's source only) in array PEER_ARRAY(idx) as rank a0 published it,
+ * at byte a1. */
 typedef struct {
     int idx;
     Py_ssize_t a0, a1;
 } Loc;
+
+#define PEER_ARRAY(idx) (-2 - (idx))
 
 typedef struct {
     Loc src, dst;
@@ -774,6 +780,13 @@ typedef struct {
     Py_ssize_t *rrel;
     int at;                       /* a run in pieces that waits while it reads: the copy, its byte, */
     Py_ssize_t at_byte, at_elem;  /* and the reduction's element it resumes at */
+    int direct;                   /* a direct call (see compile's direct): */
+    int *pids;                    /* every rank's process id */
+    uint64_t **metas;             /* every rank's metadata block, where it publishes its arrays */
+    unsigned char *readers;       /* the ranks that read this rank's arrays (waited for at the end) */
+    int shared[MAX_ARRAYS];       /* the arrays this rank publishes */
+    Py_ssize_t lens[MAX_ARRAYS];  /* the bytes of the run's arrays */
+    char *bounce;                 /* a buffer for cross-memory reads that would run skewed */
 } CallObject;
 
 static PyTypeObject CallType;
@@ -785,8 +798,12 @@ static inline char *where(const Loc *l, char *const *bases, int half) {
 
 static int parse_loc(PyObject *t, Loc *l, int narrays, Py_ssize_t *need, Py_ssize_t extent) {
     if (!PyArg_ParseTuple(t, "inn", &l->idx, &l->a0, &l->a1)) return -1;
-    if (l->idx >= narrays) {
+    if (l->idx >= narrays || (l->idx <= PEER_ARRAY(0) && PEER_ARRAY(l->idx) >= narrays)) {
         PyErr_SetString(PyExc_ValueError, "array index out of range");
+        return -1;
+    }
+    if (l->idx <= PEER_ARRAY(0) && (l->a0 < 0 || l->a1 < 0 || extent < 0)) {
+        PyErr_SetString(PyExc_ValueError, "negative rank, offset or length");
         return -1;
     }
     if (l->idx >= 0) {
@@ -889,6 +906,101 @@ static int map_pieces(CallObject *pl, PyObject *regions) {
     return 0;
 }
 
+/* Whether a copy list holds a peer's place (only a direct call's after
+ * copies may, as their source). */
+static int has_peer_place(const Copy *c, int n, int sources_too) {
+    for (int i = 0; i < n; i++)
+        if (c[i].dst.idx <= PEER_ARRAY(0) || (sources_too && c[i].src.idx <= PEER_ARRAY(0))) return 1;
+    return 0;
+}
+
+/* Refuse peers' places anywhere but as an after copy's source, and there
+ * outside a direct call or of a rank out of range (checked again once the
+ * direct part is parsed); -1 with the error set. */
+static int check_places(CallObject *pl, int direct) {
+    int bad = has_peer_place(pl->before, pl->nbefore, 1) || has_peer_place(pl->after, pl->nafter, !direct) ||
+              has_peer_place(pl->before2, pl->nbefore2, 1) || has_peer_place(pl->after2, pl->nafter2, 1);
+    if (pl->f) {
+        bad |= pl->rdst.idx <= PEER_ARRAY(0);
+        for (int i = 0; i < pl->nsrc; i++) bad |= pl->rsrc[i].idx <= PEER_ARRAY(0);
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "a peer's array is only a direct call's source after the post");
+        return -1;
+    }
+    return 0;
+}
+
+/* A sequence of size ints (0 or 1 each with flags) into out; -1 on error. */
+static int int_list(PyObject *seq, int size, int *out, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != size) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "%s: expected %d items", what, size);
+        return -1;
+    }
+    for (int i = 0; i < size; i++) {
+        out[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (PyErr_Occurred()) { Py_DECREF(fast); return -1; }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* compile's direct = (pids, metas, readers, shared): every rank's process
+ * id and metadata block (an address in this process), the ranks that read
+ * this rank's arrays, the arrays this rank publishes. -1 on error. */
+static int parse_direct(CallObject *pl, PyObject *direct) {
+    WindowObject *w = pl->window;
+    PyObject *pids, *metas, *readers, *shared;
+    if (!PyArg_ParseTuple(direct, "OOOO", &pids, &metas, &readers, &shared)) return -1;
+    if (pl->f || pl->two_steps) {
+        PyErr_SetString(PyExc_ValueError, "a direct call has one step and no reduction");
+        return -1;
+    }
+    pl->pids = PyMem_Calloc((size_t)w->size, sizeof(int));
+    pl->readers = PyMem_Calloc((size_t)w->size, 1);
+    if (!pl->pids || !pl->readers) { PyErr_NoMemory(); return -1; }
+    if (int_list(pids, w->size, pl->pids, "pids") < 0) return -1;
+    if (fill_addresses(metas, w->size, &pl->metas, "metas") < 0) return -1;
+    PyObject *fast = PySequence_Fast(readers, "readers must be a sequence of ranks");
+    if (!fast) return -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        long r = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (r < 0 || r >= w->size) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a reader's rank is out of range");
+            Py_DECREF(fast);
+            return -1;
+        }
+        pl->readers[r] = 1;
+    }
+    Py_DECREF(fast);
+    fast = PySequence_Fast(shared, "shared must be a sequence of array indices");
+    if (!fast) return -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        long j = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (j < 0 || j >= pl->narrays) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a shared array's index is out of range");
+            Py_DECREF(fast);
+            return -1;
+        }
+        pl->shared[j] = 1;
+        if (pl->need[j] < 0) pl->need[j] = 0;
+    }
+    Py_DECREF(fast);
+    for (int i = 0; i < pl->nafter; i++) {
+        const Loc *l = &pl->after[i].src;
+        if (l->idx <= PEER_ARRAY(0) && (l->a0 >= w->size || l->a0 == w->rank)) {
+            PyErr_SetString(PyExc_ValueError, "a peer's place names this rank or a rank out of range");
+            return -1;
+        }
+    }
+    pl->direct = 1;
+    pl->writes_window = 1;  /* the metadata block: free once every peer is done with the step before the last */
+    return 0;
+}
+
 /* Window.compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call
  *   before, after: [((idx, a0, a1), (idx, a0, a1), nbytes), ...]
  *   reduce: None or ((idx, a0, a1) dst, [(idx, a0, a1) src, ...], count, dtype, op)
@@ -897,8 +1009,9 @@ static int map_pieces(CallObject *pl, PyObject *regions) {
 static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     int narrays;
     Py_ssize_t piece = 0;
-    PyObject *before, *after, *reduce, *sources, *regions = Py_None, *then = Py_None;
-    if (!PyArg_ParseTuple(args, "iOOOO|nOO", &narrays, &before, &after, &reduce, &sources, &piece, &regions, &then))
+    PyObject *before, *after, *reduce, *sources, *regions = Py_None, *then = Py_None, *direct = Py_None;
+    if (!PyArg_ParseTuple(args, "iOOOO|nOOO", &narrays, &before, &after, &reduce, &sources, &piece, &regions, &then,
+                          &direct))
         return NULL;
     if (narrays < 0 || narrays > MAX_ARRAYS) {
         PyErr_SetString(PyExc_ValueError, "too many arrays");
@@ -916,6 +1029,12 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->at = 0;
     pl->at_byte = pl->at_elem = 0;
     pl->f = NULL;
+    pl->direct = 0;
+    pl->pids = NULL;
+    pl->metas = NULL;
+    pl->readers = NULL;
+    pl->bounce = NULL;
+    for (int i = 0; i < MAX_ARRAYS; i++) pl->shared[i] = 0;
     pl->stage = pl->half = 0;
     pl->step = 0;
     pl->sources = PyMem_Calloc((size_t)w->size, 1);
@@ -986,7 +1105,11 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
         pl->itemsize = ITEMSIZE[dtype];
         pl->f = f;
     }
-    if (piece > 0 && regions != Py_None && !pl->two_steps) {
+    if (check_places(pl, direct != Py_None) < 0 || (direct != Py_None && parse_direct(pl, direct) < 0)) {
+        Py_DECREF(pl);
+        return NULL;
+    }
+    if (piece > 0 && regions != Py_None && !pl->two_steps && !pl->direct) {
         int whole = map_pieces(pl, regions);
         if (whole < 0) {
             Py_DECREF(pl);
@@ -1006,6 +1129,10 @@ static void Call_dealloc(CallObject *pl) {
     PyMem_Free(pl->rsrc);
     PyMem_Free(pl->rrank);
     PyMem_Free(pl->rrel);
+    PyMem_Free(pl->pids);
+    PyMem_Free(pl->metas);
+    PyMem_Free(pl->readers);
+    PyMem_Free(pl->bounce);
     Py_XDECREF(pl->window);
     PyObject_Free(pl);
 }
@@ -1030,6 +1157,7 @@ static int take_buffers(CallObject *pl, PyObject *arrays, Py_buffer *views, char
             goto fail;
         }
         bases[i] = views[i].buf;
+        pl->lens[i] = views[i].len;
     }
     return 0;
 fail:
@@ -1125,6 +1253,90 @@ static PyObject *read_in_pieces(CallObject *pl, char *const *bases, uint64_t k) 
     return NULL;
 }
 
+/* A direct call's published words: per half of the metadata block, per
+ * array, its address and its bytes (64 bytes: MAX_ARRAYS pairs). */
+#define DIRECT_WORDS (2 * MAX_ARRAYS)
+
+static inline uint64_t *published(const CallObject *pl, int r) {
+    return pl->metas[r] + pl->half * DIRECT_WORDS;
+}
+
+/* Publish where this rank's shared arrays are (before the post). */
+static void publish_arrays(CallObject *pl, char *const *bases) {
+    uint64_t *words = published(pl, pl->window->rank);
+    for (int j = 0; j < MAX_ARRAYS; j++) {
+        int on = j < pl->narrays && pl->shared[j] && bases[j];
+        words[2 * j] = on ? (uint64_t)(uintptr_t)bases[j] : 0;
+        words[2 * j + 1] = on ? (uint64_t)pl->lens[j] : 0;
+    }
+}
+
+/* The kernel's cross-memory copy runs several times slower when the
+ * destination starts 1 to 31 bytes past the source's place in a 4 KiB page
+ * (see transports/shm/cma.py); such reads go through a bounce buffer
+ * placed like the source, BOUNCE_BYTES at a time. */
+#define SKEW_SLOW_BYTES 32
+#define BOUNCE_BYTES (256 << 10)
+
+/* Read n bytes at address ``from`` in process pid into ``to``, as many
+ * calls as the kernel needs; 0, or the errno of the first that moved nothing. */
+static int vm_read(int pid, uintptr_t from, char *to, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+        struct iovec mine = {to + done, n - done};
+        struct iovec theirs = {(void *)(from + done), n - done};
+        ssize_t got = process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
+        if (got <= 0) return got < 0 ? errno : EIO;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+/* vm_read, through the call's bounce buffer where the copy would run skewed;
+ * 0 or an errno (ENOMEM: no bounce buffer). */
+static int direct_read(CallObject *pl, int pid, uintptr_t from, char *to, size_t n) {
+    size_t skew = ((uintptr_t)to - from) & 4095;
+    if (skew == 0 || skew >= SKEW_SLOW_BYTES) return vm_read(pid, from, to, n);
+    if (!pl->bounce && !(pl->bounce = PyMem_RawMalloc(BOUNCE_BYTES + 4096))) return ENOMEM;
+    char *place = pl->bounce + ((from - (uintptr_t)pl->bounce) & 4095);
+    for (size_t a = 0; a < n; a += BOUNCE_BYTES) {
+        size_t m = n - a < BOUNCE_BYTES ? n - a : BOUNCE_BYTES;
+        int err = vm_read(pid, from + a, place, m);
+        if (err) return err;
+        memcpy(to + a, place, m);
+    }
+    return 0;
+}
+
+/* A direct call's copies after every rank posted: from peers' published
+ * arrays by cross-memory attach, each only inside the array as its rank
+ * published it; the rest as any call's. NULL when done, else why the run
+ * stopped: (rank, K_OUTSIDE, the bytes it published) or (rank, K_LOST, errno). */
+static PyObject *direct_after(CallObject *pl, char *const *bases) {
+    int err = 0, bad = -1, kind = 0;
+    uint64_t value = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < pl->nafter && bad < 0; i++) {
+        const Copy *c = &pl->after[i];
+        char *dst = where(&c->dst, bases, pl->half);
+        if (c->src.idx > PEER_ARRAY(0)) {
+            copy_bytes(dst, where(&c->src, bases, pl->half), (size_t)c->n);
+            continue;
+        }
+        int r = (int)c->src.a0, j = PEER_ARRAY(c->src.idx);
+        const uint64_t *words = published(pl, r);
+        uint64_t address = load_acquire(&words[2 * j]), nbytes = load_acquire(&words[2 * j + 1]);
+        if (!address || (uint64_t)c->src.a1 + (uint64_t)c->n > nbytes) {
+            bad = r, kind = K_OUTSIDE, value = nbytes;
+        } else if (c->n && (err = direct_read(pl, pl->pids[r], (uintptr_t)address + (uintptr_t)c->src.a1, dst,
+                                              (size_t)c->n))) {
+            bad = r, kind = K_LOST, value = (uint64_t)err;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return bad < 0 ? NULL : Py_BuildValue("(iiK)", bad, kind, (unsigned long long)value);
+}
+
 /* The call from its stage on: 1, wait until the half is free (when it
  * writes into the window), copy before, post with this call's signature
  * record; 2, wait for every rank's post, verify every record, copy after
@@ -1150,6 +1362,7 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             fill_in_pieces(pl, bases, k);
         } else {
             do_copies(pl->before, pl->nbefore, bases, pl->half);
+            if (pl->direct) publish_arrays(pl, bases);
             write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
         }
         publish(w, K_POST, k);
@@ -1172,6 +1385,9 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             pl->stage = 3;
             pl->at = 0;
             pl->at_byte = pl->at_elem = 0;
+        } else if (pl->direct) {
+            PyObject *failed = direct_after(pl, bases);
+            if (failed) return failed;
         } else {
             do_after(pl, bases, pl->half);
         }
@@ -1183,6 +1399,7 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
     }
     if (pl->stage == 0) {  /* the first step is done */
         publish(w, K_DONE, k);
+        if (pl->direct) pl->stage = 6;
         if (pl->two_steps) {
             k = pl->step = ++w->turn;
             pl->half = (int)((k - 1) & 1);
@@ -1204,6 +1421,11 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
         if (a) return stopped(a - 1, K_ABORTED);
         do_copies(pl->after2, pl->nafter2, bases, pl->half);
         publish(w, K_DONE, k);
+    }
+    if (pl->stage == 6) {  /* a direct call: its arrays stay as they are until every reader is done */
+        r = wait_for(w, K_DONE, k, pl->readers);
+        if (r < w->size) return late(r, K_DONE, k);
+        pl->stage = 0;
     }
     if (w->t_calls) {  /* its end, never before its start (the clock's anchor may move between) */
         double *row = w->t_calls + 8 * (pl->seq & w->t_mask), end = recorder_seconds();
@@ -1688,6 +1910,7 @@ static PyMethodDef Call_methods[] = {
 static PyMemberDef Call_members[] = {
     {"two_steps", T_INT, offsetof(CallObject, two_steps), READONLY, "1 when a second step follows the first"},
     {"piece", T_PYSSIZET, offsetof(CallObject, piece), READONLY, "bytes a piece (0: the call runs whole)"},
+    {"direct", T_INT, offsetof(CallObject, direct), READONLY, "1 when it reads peers' arrays straight from their memory"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1811,5 +2034,7 @@ PyMODINIT_FUNC PyInit__compiled(void) {
     PyModule_AddIntConstant(m, "K_DONE", K_DONE);
     PyModule_AddIntConstant(m, "K_VERDICT", K_VERDICT);
     PyModule_AddIntConstant(m, "K_ABORTED", K_ABORTED);
+    PyModule_AddIntConstant(m, "K_OUTSIDE", K_OUTSIDE);
+    PyModule_AddIntConstant(m, "K_LOST", K_LOST);
     return m;
 }

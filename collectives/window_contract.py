@@ -234,7 +234,8 @@ class SharedWindow(abc.ABC):
     # ------------------------------------------------ feature "compiled_calls"
 
     def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
-                sources: list[int], piece: int = 0, then: tuple | None = None) -> CompiledCall:
+                sources: list[int], piece: int = 0, then: tuple | None = None,
+                direct: tuple | None = None) -> CompiledCall:
         """A collective's one-step case (or two-step, with ``then``) as a
         :class:`CompiledCall` (feature ``"compiled_calls"``).
 
@@ -261,10 +262,25 @@ class SharedWindow(abc.ABC):
                 ``wait`` false, it neither waits for the posts nor copies
                 after). A call of two steps runs whole (``piece`` does not
                 apply).
+            direct: None, or ``(readers, shared)`` of a direct call (feature
+                ``"direct_access"`` too): before its post, each rank
+                publishes where its arrays ``shared`` (indices) are; once
+                every rank posted and every record agrees, ``after`` copies
+                may read peers' published arrays straight from their
+                memory, each only inside the array as its rank published it;
+                the run ends once every rank in ``readers`` (those that read
+                this rank's arrays) is done with the step. One step, no
+                reduction, never in pieces.
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==
-        0``, a1 on the others.
+        0``, a1 on the others; or, as a direct call's ``after`` source,
+        ``(-2 - i, rank, byte offset)`` in rank's published array i.
+
+        A run that stops for good reports ``(rank, kind, value)`` with a
+        negative kind: the records disagree (at rank), rank aborted, a
+        direct read would fall outside rank's published array (value: its
+        bytes), or the kernel refused one (value: the errno).
 
         Raises:
             NotImplementedError: the window does not offer ``"compiled_calls"``.

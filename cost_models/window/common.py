@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from collectives.algorithms.window.tuning import PIECE, PIECE_BYTES, compiled_piece, direct_from, one_fence_limit
+from collectives.algorithms.window.tuning import (PIECE, PIECE_BYTES, compiled_direct, compiled_piece, direct_from,
+                                                 one_fence_limit)
 
 from ..model import Params
 
@@ -12,8 +13,9 @@ __all__ = ["direct", "one_fence", "pieces", "filled"]
 
 
 def direct(collective: str, p: int, n: int, P: Params) -> bool:
-    """Whether ``collective`` reads peers' buffers directly at ``n`` bytes (as the implementation decides)."""
-    return n >= direct_from(collective, p, P.cores)
+    """Whether ``collective`` reads peers' buffers directly at ``n`` bytes (as the implementation decides:
+    through the pool from its ``DIRECT_FROM``, or in its direct compiled call below it)."""
+    return n >= direct_from(collective, p, P.cores) or compiled_direct(collective, n, p, P.cores)
 
 
 def one_fence(p: int, n: int, P: Params, limit: int | None = None) -> float | None:

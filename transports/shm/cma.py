@@ -172,6 +172,19 @@ class CrossMemory:
             if not moved:
                 self._lost(*(("read", part.nbytes, "from") if reading else ("write", part.nbytes, "to")), rank)
 
+    @property
+    def pids(self) -> list[int]:
+        """Every rank's process id."""
+        return self._pids
+
+    def refused(self, rank: int, err: int) -> None:
+        """Raise for a read of ``rank``'s memory that the kernel refused with errno ``err``.
+
+        Raises:
+            PeerLost: always.
+        """
+        raise PeerLost(f"rank {self._rank}: cannot read from rank {rank}'s memory ({os.strerror(err)})", rank)
+
     def _lost(self, what: str, nbytes: int, way: str, rank: int) -> None:
         err = ctypes.get_errno()
         raise PeerLost(f"rank {self._rank}: cannot {what} {nbytes} B {way} rank {rank}'s "

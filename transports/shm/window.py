@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from collectives import compiled, tracing
-from collectives.errors import BadArgument
+from collectives.errors import BadArgument, MismatchedCollective
 from collectives.signature import checks_enabled as signature_checks
 from collectives.window_contract import (ADOPTION, DIRECT_ACCESS, HUGE_PAGES, COMPILED_CALLS, POOL, SharedWindow,
                                          CompiledCall)
@@ -244,15 +244,26 @@ class ShmWindow(SharedWindow):
         compiled code stopped for good (kind K_VERDICT or K_ABORTED)."""
         rank, kind, value = late
         if kind < 0:
-            self._stopped(rank, kind, seq)
+            self._stopped(rank, kind, seq, value)
         q = self._peer_q[rank]
         if q[self._KINDS[kind]] < value:
             self._t._wait_counter(q, self._KINDS[kind], value, rank, deadline, "shared window", block_now=True)
 
-    def _stopped(self, rank: int, kind: int, seq: int | None) -> None:
-        """Raise why a compiled run stopped: the records' verdict, or a peer's abort."""
-        if kind == compiled.ext.K_ABORTED:
+    def _stopped(self, rank: int, kind: int, seq: int | None, value: int = 0) -> None:
+        """Raise why a compiled run stopped: the records' verdict, a peer's
+        abort, or a direct read refused (outside the peer's array, or by the kernel)."""
+        ext = compiled.ext
+        if kind == ext.K_ABORTED:
             raise self._t._aborted_error(rank)
+        if kind == ext.K_OUTSIDE:
+            raise MismatchedCollective(
+                f"rank {self._t.rank}: would read outside rank {rank}'s buffer, which holds {value} bytes "
+                f"(ranks disagree about the call)")
+        if kind == ext.K_LOST:  # the kernel refused: most often the peer is gone, which names it best
+            lost = self._t._lost_peer({rank})
+            if lost is not None:
+                raise lost
+            self._cross.refused(rank, value)
         if seq is None:
             now = self._records.current()
             seq = now[0] if now is not None else 0
@@ -275,12 +286,21 @@ class ShmWindow(SharedWindow):
     # ------------------------------------------------------------- compiled calls
 
     def compile(self, narrays: int, before: list, after: list, reduce: tuple | None,
-                sources: list[int], piece: int = 0, then: tuple | None = None) -> CompiledCall:
+                sources: list[int], piece: int = 0, then: tuple | None = None,
+                direct: tuple | None = None) -> CompiledCall:
         """A collective's small case in one compiled call (see
         :meth:`~collectives.window_contract.SharedWindow.compile` and
-        ``collectives._compiled``)."""
+        ``collectives._compiled``); a direct call publishes in each region's
+        metadata block and reads peers by cross-memory attach."""
         if self._compiled is None:
             raise NotImplementedError("the compiled window is off (COLLECTIVES_COMPILED=0, or a rank without it)")
+        if direct is not None:
+            if DIRECT_ACCESS not in self.features:
+                raise NotImplementedError("the window cannot reach peers' memory (no cross-memory attach)")
+            readers, shared = direct
+            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None,
+                                          (self._cross.pids, [reg.ctypes.data for reg in self._regions],
+                                           readers, shared))
         if then is not None:
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then)
         if piece <= 0:

@@ -14,8 +14,9 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import arr, first, compile_call, prepared_from, run_prepared, slot
+from .compiled_calls import arr, first, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
 from .state import budget, state_of, window_state
+from .tuning import compiled_direct
 
 __all__ = ["allgather"]
 
@@ -28,6 +29,14 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
     item = buf.itemsize
     if p == 1 or buf.nbytes >= window_direct_from("allgather", window, p) or not sum(counts):
         return None
+    if compiled_direct("allgather", buf.nbytes, p, window.cores):
+        starts = displs(counts)
+        after = [(peer(r, 0, starts[r] * item), arr(0, starts[r] * item), counts[r] * item)
+                 for r in range(p) if r != me and counts[r]]
+        readers = [r for r in range(p) if r != me and counts[me]]
+        made = compile_direct(window, 1, [], after, readers, [0])
+        if made is not None:
+            return prepared_from(made, first)
     parts = one_piece(st, counts, max(1, budget(st) // (p * item)))
     if parts is None:
         return None

@@ -13,8 +13,9 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import arr, first_two, compile_call, prepared_from, run_prepared, slot
+from .compiled_calls import arr, first_two, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
 from .state import budget, region, state_of, window_state
+from .tuning import compiled_direct
 
 __all__ = ["alltoall"]
 
@@ -25,7 +26,15 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     window, st = window_state(transport.window, p)
     item = sendbuf.itemsize
     b = sendbuf.size // p * item  # bytes per block
-    if p == 1 or not b or sendbuf.nbytes >= window_direct_from("alltoall", window, p) or b > budget(st) // p:
+    if p == 1 or not b or sendbuf.nbytes >= window_direct_from("alltoall", window, p):
+        return None
+    if compiled_direct("alltoall", sendbuf.nbytes, p, window.cores):
+        after = [(arr(0, me * b), arr(1, me * b), b)] + [(peer(r, 0, me * b), arr(1, r * b), b)
+                                                          for r in range(p) if r != me]
+        made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0])
+        if made is not None:
+            return prepared_from(made, first_two)
+    if b > budget(st) // p:
         return None
     before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
     before.append((arr(0, me * b), arr(1, me * b), b))

@@ -12,8 +12,9 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import arr, first, compile_call, prepared_from, run_prepared, slot
+from .compiled_calls import arr, first, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
 from .state import budget, state_of, window_state
+from .tuning import compiled_direct
 
 __all__ = ["bcast"]
 
@@ -27,7 +28,14 @@ def _prepare(transport, buf: np.ndarray, root: int):
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     n = buf.nbytes
-    if p == 1 or n == 0 or n >= window_direct_from("bcast", window, p) or n > budget(st):
+    if p == 1 or n == 0 or n >= window_direct_from("bcast", window, p):
+        return None
+    if compiled_direct("bcast", n, p, window.cores):
+        made = (compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0]) if me == root
+                else compile_direct(window, 1, [], [(peer(root, 0), arr(0), n)], [], []))
+        if made is not None:
+            return prepared_from(made, first)
+    if n > budget(st):
         return None
     here = (arr(0), slot(st, root), n)
     there = (slot(st, root), arr(0), n)

@@ -20,12 +20,12 @@ import numpy as np
 
 from ... import compiled
 from ...ops import Op
-from ...window_contract import COMPILED_CALLS
+from ...window_contract import COMPILED_CALLS, DIRECT_ACCESS
 from .state import DATA_OFFSET, WindowState, state_of
 from .tuning import PIECE, PIECED_FROM, compiled_piece
 
 __all__ = [
-    "arr", "slot", "other_half", "compile_call", "reduction", "first", "first_two", "no_arrays",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "reduction", "first", "first_two", "no_arrays",
     "prepared_from", "run_prepared",
 ]
 
@@ -39,6 +39,11 @@ def slot(st: WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, in
     """A place in ``rank``'s window region at ``byte_offset`` of the half in use."""
     base = st.regions[rank].ctypes.data + DATA_OFFSET + byte_offset
     return (-1, base, base + st.half)
+
+
+def peer(rank: int, index: int, byte_offset: int = 0) -> tuple[int, int, int]:
+    """A place in ``rank``'s array ``index`` as it published it (a direct call's source)."""
+    return (-2 - index, rank, byte_offset)
 
 
 def other_half(st: WindowState, rank: int, byte_offset: int = 0) -> tuple[int, int, int]:
@@ -68,6 +73,20 @@ def compile_call(window, narrays: int, before: list, after: list, reduce: tuple 
     else:
         size = compiled_piece(max(through, default=0), window.size, window.cores, pieced_from, piece)
         made = window.compile(narrays, before, after, reduce, sources, size)
+    settle = window.settle
+    return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
+
+
+def compile_direct(window, narrays: int, before: list, after: list, readers: list[int], shared: list[int]):
+    """``(run, settle)`` of a direct compiled call (see
+    :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
+    publishes its arrays ``shared``; ``after`` reads peers' arrays
+    (:func:`peer`) once every record agrees; the run ends once the ranks
+    ``readers`` are done reading this rank's. None where the window has no
+    compiled calls or cannot reach peers' memory (the same on every rank)."""
+    if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
+        return None
+    made = window.compile(narrays, before, after, None, [], direct=(readers, shared))
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 

@@ -16,8 +16,9 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs
-from .compiled_calls import arr, first_two, compile_call, prepared_from, run_prepared, slot
+from .compiled_calls import arr, first_two, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
 from .state import budget, region, state_of, window_state
+from .tuning import compiled_direct
 
 __all__ = ["gather"]
 
@@ -28,9 +29,21 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
     window, st = window_state(transport.window, p)
     item = sendbuf.itemsize
     total = sum(counts) * item
-    if p == 1 or not total or total >= window_direct_from("gather", window, p) or max(counts) * item > budget(st):
+    if p == 1 or not total or total >= window_direct_from("gather", window, p):
         return None
     starts = displs(list(counts))
+    if compiled_direct("gather", total, p, window.cores):
+        if me == root:
+            after = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
+            after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item)
+                      for r in range(p) if r != me and counts[r]]
+            made = compile_direct(window, 2, [], after, [], [])
+        else:
+            made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0])
+        if made is not None:
+            return prepared_from(made, first_two)
+    if max(counts) * item > budget(st):
+        return None
     if me == root:
         before = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
         sources = [r for r in range(p) if r != me and counts[r]]

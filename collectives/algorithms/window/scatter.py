@@ -16,8 +16,9 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import arr, first_two, compile_call, prepared_from, run_prepared, slot
+from .compiled_calls import arr, first_two, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
 from .state import budget, region, state_of, window_state
+from .tuning import compiled_direct
 
 __all__ = ["scatter"]
 
@@ -29,6 +30,16 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
     item = recvbuf.itemsize
     if p == 1 or not sum(counts) or sum(counts) * item >= window_direct_from("scatter", window, p):
         return None
+    if compiled_direct("scatter", sum(counts) * item, p, window.cores):
+        start, n = displs(counts)[me], counts[me]
+        if me == root:
+            made = compile_direct(window, 2, [], [(arr(0, start * item), arr(1), n * item)] if n else [],
+                                  [r for r in range(p) if r != me and counts[r]], [0])
+        else:
+            made = compile_direct(window, 2, [], [(peer(root, 0, start * item), arr(1), n * item)] if n else [],
+                                  [], [])
+        if made is not None:
+            return prepared_from(made, first_two)
     parts = one_piece(st, list(counts), max(1, budget(st) // (p * item)))
     if parts is None:
         return None

@@ -1,0 +1,260 @@
+"""The shared window's direct compiled calls (allgather, alltoall, scatter,
+bcast, gather read peers' buffers by cross-memory attach in one C call):
+right results in every block, nothing written outside a buffer, the path
+really taken; a mismatch, a read past a peer's buffer (signature checks off)
+and a peer gone before the read are errors on every rank, in bounded time,
+naming what happened."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from collectives import CollectiveError
+from collectives.algorithms.window.state import WindowState
+from collectives.algorithms.window.tuning import compiled_direct
+from collectives.bench.faults import guarded, intact
+from harness import run_ranks
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux")
+
+COLLECTIVES = ("allgather", "alltoall", "scatter", "bcast", "gather")
+BOUND = 5.0  # seconds: every failure here is found at the call's first synchronisation
+
+
+def _direct_runs(comm) -> int:
+    """How many of the window's prepared calls are direct compiled calls."""
+    st = comm.transport.window.kept.get(WindowState)
+    if st is None:
+        return 0
+    return sum(1 for v in st.cache.values() if getattr(getattr(v, "on_arrays", None), "__len__", None)
+               and getattr(getattr(v.on_arrays[0], "__self__", None), "direct", 0))
+
+
+def _counts(p: int, n: int, uneven: bool) -> list[int]:
+    """Per-rank block sizes: n each, or n, 0, 3n, n + 1, ... (one rank without any)."""
+    if not uneven:
+        return [n] * p
+    return [(n, 0, 3 * n, n + 1)[r % 4] for r in range(p)]
+
+
+def _one(comm, collective: str, counts: list[int], root: int) -> tuple[bool, bool]:
+    """One call on guarded buffers holding a ramp unique per rank and
+    element: (every element right, every guard intact)."""
+    p, r = comm.size, comm.rank
+    total = sum(counts)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int)
+
+    def ramp(rank: int, n: int, offset: int = 0) -> np.ndarray:
+        return (rank * 1_000_000 + offset + np.arange(n)).astype(np.float64)
+
+    raws, ns = [], []
+
+    def buf(values: np.ndarray) -> np.ndarray:
+        raw, view = guarded(values.size, "float64", 0)
+        view[:] = values
+        raws.append(raw)
+        ns.append(values.size)
+        return view
+
+    if collective == "allgather":
+        out = buf(np.zeros(total))
+        out[starts[r]:starts[r] + counts[r]] = ramp(r, counts[r])
+        comm.allgatherv(out[starts[r]:starts[r] + counts[r]].copy(), out, counts)
+        want = np.concatenate([ramp(q, counts[q]) for q in range(p)])
+    elif collective == "alltoall":
+        b = counts[0]
+        x, out = buf(ramp(r, b * p)), buf(np.zeros(b * p))
+        comm.alltoall(x, out)
+        want = np.concatenate([ramp(q, b, r * b) for q in range(p)])
+    elif collective == "scatter":
+        send = buf(ramp(root, total)) if r == root else None
+        out = buf(np.zeros(counts[r]))
+        comm.scatterv(send, out, counts, root)
+        want = ramp(root, counts[r], starts[r])
+    elif collective == "bcast":
+        out = buf(ramp(root, total) if r == root else np.zeros(total))
+        comm.bcast(out, root)
+        want = ramp(root, total)
+    else:  # gather
+        x = buf(ramp(r, counts[r]))
+        out = buf(np.zeros(total)) if r == root else None
+        comm.gatherv(x, out, counts, root)
+        want = np.concatenate([ramp(q, counts[q]) for q in range(p)]) if r == root else None
+    right = want is None or np.array_equal(out, want)
+    return right, intact(raws, ns)
+
+
+def every_case(comm, sizes: list[int]) -> dict:
+    """Every collective, even and uneven blocks, roots 0 and the last; each
+    case twice (the second from the prepared call)."""
+    bad, took = [], {}
+    for collective in COLLECTIVES:
+        for n in sizes:
+            for uneven in (False, True):
+                if uneven and collective in ("alltoall", "bcast"):
+                    continue
+                counts = _counts(comm.size, n, uneven)
+                for root in sorted({0, comm.size - 1}):
+                    for turn in range(2):
+                        before = _direct_runs(comm)
+                        right, guards = _one(comm, collective, counts, root)
+                        if not (right and guards):
+                            bad.append(f"{collective} counts={counts} root={root} turn={turn}: "
+                                       f"right={right} intact={guards}")
+                    took[collective] = took.get(collective, 0) + (_direct_runs(comm) > before)
+    return {"bad": bad, "direct": _direct_runs(comm), "took": took}
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_direct_calls_are_right_stay_in_their_buffers_and_are_taken(monkeypatch, p):
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")  # every size below the pool's direct path
+    for r, got in enumerate(run_ranks(every_case, p, [1, 7, 40_000], timeout=120)):
+        assert not got["bad"], f"rank {r}: " + "; ".join(got["bad"])
+        assert got["direct"] > 0, f"rank {r}: no direct compiled call was made"
+
+
+def test_the_default_sizes_take_the_direct_call_where_the_table_says():
+    """allgather, alltoall and scatter of 256 KiB at 2 ranks take it; bcast and gather do not."""
+    for collective in COLLECTIVES:
+        assert compiled_direct(collective, 256 << 10, 2, 2) == (collective in ("allgather", "alltoall", "scatter"))
+        assert not compiled_direct(collective, 64 << 10, 2, 2)
+
+    def run(comm):
+        before = _direct_runs(comm)
+        _one(comm, "allgather", [32 << 10] * comm.size, 0)  # 2 x 256 KiB of float64
+        return _direct_runs(comm) - before
+    assert run_ranks(run, 2, timeout=60) == [1, 1]
+
+
+def mismatched(comm, collective: str, n: int) -> tuple:
+    """Rank 1 passes one more element per block: every rank raises in this call."""
+    counts = [n + (comm.rank == 1)] * comm.size
+    t0 = time.monotonic()
+    try:
+        _, guards = _one(comm, collective, counts, 0)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message, guards = type(exc).__name__, str(exc), True
+    return outcome, message, time.monotonic() - t0, guards
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_a_mismatch_is_caught_on_every_rank_before_any_read(monkeypatch, collective):
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
+    for r, (outcome, message, elapsed, guards) in enumerate(
+            run_ranks(mismatched, 3, collective, 20_000, timeout=60, comm_timeout=10)):
+        assert outcome == "MismatchedCollective", f"rank {r}: {outcome}: {message}"
+        assert re.search(rf"rank {r}[:,] {collective} #1", message), f"rank {r}: {message}"
+        assert elapsed < BOUND, f"rank {r}: took {elapsed:.1f} s"
+        assert guards, f"rank {r}: a guard was written"
+
+
+def unchecked(comm) -> tuple:
+    """With signature checks off (for measuring only), rank 1's blocks are
+    larger: rank 1 would read past rank 0's buffer, and refuses to."""
+    n = 20_000 + 30_000 * comm.rank  # rank 1 reads 50,000 elements of rank 0's 40,000
+    raws = []
+    raw, x = guarded(n, "float64", comm.rank + 1)
+    raw_out, out = guarded(n * comm.size, "float64", 0)
+    raws = [raw, raw_out]
+    t0 = time.monotonic()
+    try:
+        comm.allgather(x, out)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    return outcome, message, time.monotonic() - t0, intact(raws, [n, n * comm.size])
+
+
+def test_a_read_past_a_peers_buffer_is_refused_even_with_checks_off(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
+    outcomes = run_ranks(unchecked, 2, timeout=60, comm_timeout=5)
+    for r, (outcome, message, elapsed, guards) in enumerate(outcomes):
+        assert guards, f"rank {r}: wrote outside its buffer"
+        assert outcome != "ok", f"rank {r}: a call with different sizes completed"
+        assert elapsed < 5 + BOUND, f"rank {r}: took {elapsed:.1f} s"
+    outcome, message = outcomes[1][:2]
+    assert outcome == "MismatchedCollective", message
+    assert "rank 1, allgather #1" in message and "would read outside rank 0's buffer" in message, message
+    assert "rank 1" in outcomes[0][1], outcomes[0][1]  # rank 0 learns of it from rank 1
+
+
+def peer_gone(comm) -> tuple:
+    """Rank 1 posts its allgather and is killed while it waits for rank 0;
+    rank 0 then makes the call: the read of rank 1's memory fails, and rank 0
+    names rank 1 as dead."""
+    x = np.arange(40_000, dtype=np.float64)
+    out = np.zeros(80_000)
+    comm.allgather(x, out)  # the prepared direct call, made on both ranks
+    if comm.rank == 1:
+        comm.allgather(x, out)  # rank 0 kills this process once its post is visible
+        return "not killed", "", 0.0
+    from transports.shm.layout import Q_PID, Q_POST
+    own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
+    deadline = time.monotonic() + 30
+    while peer[Q_POST] <= own[Q_POST]:  # rank 1's post of its second call (a step ahead of this rank)
+        assert time.monotonic() < deadline, "rank 1 never posted"
+        os.sched_yield()
+    pid = int(peer[Q_PID])
+    os.kill(pid, signal.SIGKILL)
+    from transports.shm.liveness import exited
+    while not exited(pid):  # its memory is gone once it is a zombie
+        assert time.monotonic() < deadline, "rank 1 did not exit"
+        os.sched_yield()
+    t0 = time.monotonic()
+    try:
+        comm.allgather(x, out)
+        return "ok", "", time.monotonic() - t0
+    except CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+def test_a_peer_gone_before_the_read_is_named_as_dead(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
+    outcomes = run_ranks(peer_gone, 2, timeout=60, comm_timeout=10, expect_errors=True)
+    assert not outcomes[1].ok, str(outcomes[1])  # killed
+    assert outcomes[0].ok, str(outcomes[0])
+    outcome, message, elapsed = outcomes[0].value
+    assert outcome == "PeerLost", f"{outcome}: {message}"
+    assert "rank 0, allgather #2" in message and "rank 1" in message and "died" in message, message
+    assert elapsed < BOUND, f"took {elapsed:.1f} s"
+
+
+def overwrite_at_once(comm, collective: str, rounds: int) -> list[str]:
+    """Each rank overwrites what others read from it as soon as the call
+    returns: a direct call must not return before its readers are done."""
+    p, r = comm.size, comm.rank
+    n = 60_000  # elements per block: each read takes far longer than an overwrite's start
+    send = np.zeros(n * p)
+    recv = np.zeros(n * p if collective == "alltoall" else n)
+    bad = []
+    for i in range(rounds):
+        send[:] = i * 10 + r
+        if collective == "scatter":
+            comm.scatter(send if r == 0 else None, recv, 0)
+            want = i * 10  # the root's value
+        else:
+            comm.alltoall(send, recv)
+            want = None
+        send[:] = -1.0  # at once
+        if collective == "scatter" and not np.all(recv == want):
+            bad.append(f"round {i}: {np.unique(recv)[:4]}")
+        if collective == "alltoall":
+            expect = np.repeat(np.arange(p) + i * 10, n)
+            if not np.array_equal(recv, expect):
+                bad.append(f"round {i}: {np.unique(recv)[:4]}")
+    return bad
+
+
+@pytest.mark.parametrize("collective", ["scatter", "alltoall"])
+def test_no_rank_returns_while_others_still_read_its_buffer(monkeypatch, collective):
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
+    for r, bad in enumerate(run_ranks(overwrite_at_once, 3, collective, 300, timeout=120)):
+        assert not bad, f"rank {r}: " + "; ".join(bad[:5])
