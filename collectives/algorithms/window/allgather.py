@@ -27,7 +27,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     item = buf.itemsize
-    if p == 1 or buf.nbytes >= window_direct_from("allgather", window, p) or not sum(counts):
+    if p == 1 or not sum(counts):
         return None
     if compiled_direct("allgather", buf.nbytes, p, window.cores):
         starts = displs(counts)
@@ -37,6 +37,8 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
         made = compile_direct(window, 1, [], after, readers, [0])
         if made is not None:
             return prepared_from(made, first)
+    if buf.nbytes >= window_direct_from("allgather", window, p):
+        return None  # the pool's direct path (the algorithm's body)
     parts = one_piece(st, counts, max(1, budget(st) // (p * item)))
     if parts is None:
         return None

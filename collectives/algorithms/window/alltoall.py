@@ -26,7 +26,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     window, st = window_state(transport.window, p)
     item = sendbuf.itemsize
     b = sendbuf.size // p * item  # bytes per block
-    if p == 1 or not b or sendbuf.nbytes >= window_direct_from("alltoall", window, p):
+    if p == 1 or not b:
         return None
     if compiled_direct("alltoall", sendbuf.nbytes, p, window.cores):
         after = [(arr(0, me * b), arr(1, me * b), b)] + [(peer(r, 0, me * b), arr(1, r * b), b)
@@ -34,6 +34,8 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
         made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0])
         if made is not None:
             return prepared_from(made, first_two)
+    if sendbuf.nbytes >= window_direct_from("alltoall", window, p):
+        return None  # the pool's direct path (the algorithm's body)
     if b > budget(st) // p:
         return None
     before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]

@@ -28,13 +28,15 @@ def _prepare(transport, buf: np.ndarray, root: int):
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     n = buf.nbytes
-    if p == 1 or n == 0 or n >= window_direct_from("bcast", window, p):
+    if p == 1 or n == 0:
         return None
     if compiled_direct("bcast", n, p, window.cores):
         made = (compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0]) if me == root
                 else compile_direct(window, 1, [], [(peer(root, 0), arr(0), n)], [], []))
         if made is not None:
             return prepared_from(made, first)
+    if n >= window_direct_from("bcast", window, p):
+        return None  # the pool's direct path (the algorithm's body)
     if n > budget(st):
         return None
     here = (arr(0), slot(st, root), n)

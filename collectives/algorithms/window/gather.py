@@ -29,7 +29,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
     window, st = window_state(transport.window, p)
     item = sendbuf.itemsize
     total = sum(counts) * item
-    if p == 1 or not total or total >= window_direct_from("gather", window, p):
+    if p == 1 or not total:
         return None
     starts = displs(list(counts))
     if compiled_direct("gather", total, p, window.cores):
@@ -42,6 +42,8 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
             made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0])
         if made is not None:
             return prepared_from(made, first_two)
+    if total >= window_direct_from("gather", window, p):
+        return None  # the pool's direct path (the algorithm's body)
     if max(counts) * item > budget(st):
         return None
     if me == root:

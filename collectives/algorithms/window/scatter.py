@@ -28,7 +28,7 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     item = recvbuf.itemsize
-    if p == 1 or not sum(counts) or sum(counts) * item >= window_direct_from("scatter", window, p):
+    if p == 1 or not sum(counts):
         return None
     if compiled_direct("scatter", sum(counts) * item, p, window.cores):
         start, n = displs(counts)[me], counts[me]
@@ -40,6 +40,8 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
                                   [], [])
         if made is not None:
             return prepared_from(made, first_two)
+    if sum(counts) * item >= window_direct_from("scatter", window, p):
+        return None  # the pool's direct path (the algorithm's body)
     parts = one_piece(st, list(counts), max(1, budget(st) // (p * item)))
     if parts is None:
         return None

@@ -14,7 +14,7 @@ __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
-    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "COMPILED_DIRECT_FROM", "compiled_direct",
+    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "COMPILED_DIRECT", "compiled_direct",
 ]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
@@ -46,34 +46,39 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 }
 
 
-#: From which size (bytes, the same on every rank) each collective's one
-#: compiled call reads peers' buffers by cross-memory attach (one copy, in
-#: C: publish, post, read, wait for the readers) rather than through the
-#: window (two copies), up to :func:`direct_from`: ``(where ranks have a
-#: core each, where they share cores)``, None: not by default. Where one
-#: rank reads from every other (gather) or every rank from one (bcast),
-#: the window's copies overlap and the direct read did not win; the numbers
-#: are in docs/shared-memory.md.
-COMPILED_DIRECT_FROM: dict[str, tuple[int | None, int | None]] = {
-    "allgather": (128 << 10, None),
-    "alltoall":  (128 << 10, 256 << 10),
-    "scatter":   (128 << 10, 128 << 10),
-    "bcast":     (None, None),
-    "gather":    (None, None),
+#: Where each collective's one compiled call reads peers' buffers by
+#: cross-memory attach (one copy, all in C: publish, post, read, wait for the
+#: readers) instead of going through the window (two copies) or the pool's
+#: direct path (:data:`DIRECT_FROM`): from ``from`` bytes up to (not
+#: including) ``until`` (None: no end), the same on every rank; ``(from,
+#: until)`` where ranks have a core each, then where they share cores; a
+#: ``from`` of None: never. Where one rank reads from every other (gather)
+#: or every rank from one (bcast), the window's copies overlap below 2 MiB
+#: and the direct read did not win there; the numbers are in
+#: docs/shared-memory.md.
+COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], tuple[int | None, int | None]]] = {
+    # collective:  (a core each,              ranks share cores)
+    "allgather":   ((128 << 10, 64 << 20),    (2 << 20, 64 << 20)),
+    "alltoall":    ((128 << 10, 64 << 20),    (256 << 10, None)),
+    "scatter":     ((128 << 10, None),        (128 << 10, None)),
+    "bcast":       ((4 << 20, 16 << 20),      (2 << 20, 4 << 20)),
+    "gather":      ((2 << 20, 64 << 20),      (2 << 20, 16 << 20)),
 }
 
 
 def compiled_direct(collective: str, nbytes: int, p: int, cores: int) -> bool:
     """Whether ``collective`` of ``nbytes`` at ``p`` ranks on ``cores`` cores
     (0: a core each) takes the direct compiled call (see
-    :data:`COMPILED_DIRECT_FROM`); ``COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES``,
-    when set, replaces the size for every collective (all ranks must agree)."""
-    if collective not in COMPILED_DIRECT_FROM or nbytes >= direct_from(collective, p, cores):
+    :data:`COMPILED_DIRECT`); ``COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES``,
+    when set, makes every one of them take it from that size on (all ranks
+    must agree)."""
+    if collective not in COMPILED_DIRECT:
         return False
     forced = config.get("WINDOW_COMPILED_DIRECT_BYTES")
-    if forced is None:
-        forced = COMPILED_DIRECT_FROM[collective][bool(cores) and p > cores]
-    return forced is not None and nbytes >= forced
+    if forced is not None:
+        return nbytes >= forced
+    start, until = COMPILED_DIRECT[collective][bool(cores) and p > cores]
+    return start is not None and nbytes >= start and (until is None or nbytes < until)
 
 
 def one_fence_limit(p: int) -> int:
