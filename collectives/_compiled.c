@@ -39,12 +39,20 @@
  *       its copies before its post, and after every rank's post (a call
  *       of two steps runs whole); then = (before, after, 0): it does not
  *       wait for the others' posts of the second step (nothing after).
+ *       With direct = (pids, metas, readers, shared), a direct call: every
+ *       rank publishes its arrays shared (address and bytes, in its
+ *       metadata block metas[rank]); after copies from peers' places
+ *       (PEER_ARRAY) read those arrays by cross-memory attach, each read
+ *       inside the array as published; the run ends once every rank in
+ *       readers is done with the step (see direct_after).
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
  *       for before resuming. A kind of K_VERDICT says the signatures
  *       disagree (at that rank), K_ABORTED that that rank aborted: the run
- *       is over then, nothing read from any peer.
+ *       is over then, nothing read from any peer; K_OUTSIDE that a direct
+ *       read would leave rank's published array (value: its bytes), K_LOST
+ *       that the kernel refused it (value: the errno).
  *
  * Signature records: beside its post counter (the same cache line, so a
  * peer reading the post reads them for free) every rank keeps the
@@ -1278,19 +1286,24 @@ static void publish_arrays(CallObject *pl, char *const *bases) {
 #define SKEW_SLOW_BYTES 32
 #define BOUNCE_BYTES (256 << 10)
 
-/* Read n bytes at address ``from`` in process pid into ``to``, as many
- * calls as the kernel needs; 0, or the errno of the first that moved nothing. */
-static int vm_read(int pid, uintptr_t from, char *to, size_t n) {
+/* Move n bytes between ``local`` and ``remote`` in process pid (write:
+ * process_vm_writev, out of local; else process_vm_readv, into it), in as
+ * many calls as the kernel needs; 0, or the errno of the first that moved
+ * nothing. */
+static int vm_move_bytes(int pid, uintptr_t remote, char *local, size_t n, int write) {
     size_t done = 0;
     while (done < n) {
-        struct iovec mine = {to + done, n - done};
-        struct iovec theirs = {(void *)(from + done), n - done};
-        ssize_t got = process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
+        struct iovec mine = {local + done, n - done};
+        struct iovec theirs = {(void *)(remote + done), n - done};
+        ssize_t got = write ? process_vm_writev(pid, &mine, 1, &theirs, 1, 0)
+                            : process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
         if (got <= 0) return got < 0 ? errno : EIO;
         done += (size_t)got;
     }
     return 0;
 }
+
+static int vm_read(int pid, uintptr_t from, char *to, size_t n) { return vm_move_bytes(pid, from, to, n, 0); }
 
 /* vm_read, through the call's bounce buffer where the copy would run skewed;
  * 0 or an errno (ENOMEM: no bounce buffer). */
@@ -1875,8 +1888,9 @@ static PyMethodDef Window_methods[] = {
     {"verify", (PyCFunction)Window_verify, METH_O,
      "verify(seq) -> int: -1 when every rank's signature record of call seq agrees, else a rank."},
     {"compile", (PyCFunction)Window_compile, METH_VARARGS,
-     "compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call: copies, post, wait, copies, "
-     "a reduction; in pieces of piece bytes (regions: every rank's (start, bytes))."},
+     "compile(narrays, before, after, reduce, sources[, piece, regions, then, direct]) -> Call: copies, post, "
+     "wait, copies, a reduction; in pieces of piece bytes (regions: every rank's (start, bytes)); direct: "
+     "(pids, metas, readers, shared), reading peers' published arrays."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1955,20 +1969,9 @@ static PyObject *ext_vm_move(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_buffer b;
     if (PyObject_GetBuffer(obj, &b, write ? PyBUF_C_CONTIGUOUS : (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) < 0)
         return NULL;
-    Py_ssize_t done = 0;
-    int err = 0;
+    int err;
     Py_BEGIN_ALLOW_THREADS
-    while (done < b.len) {
-        struct iovec mine = {(char *)b.buf + done, (size_t)(b.len - done)};
-        struct iovec theirs = {(void *)(uintptr_t)(address + (unsigned long long)done), (size_t)(b.len - done)};
-        ssize_t n = write ? process_vm_writev(pid, &mine, 1, &theirs, 1, 0)
-                          : process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
-        if (n <= 0) {
-            err = n < 0 ? errno : EIO;
-            break;
-        }
-        done += n;
-    }
+    err = vm_move_bytes(pid, (uintptr_t)address, b.buf, (size_t)b.len, write);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
     return PyLong_FromLong(err);
