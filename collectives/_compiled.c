@@ -1325,7 +1325,7 @@ static int direct_read(CallObject *pl, int pid, uintptr_t from, char *to, size_t
  * arrays by cross-memory attach, each only inside the array as its rank
  * published it; the rest as any call's. NULL when done, else why the run
  * stopped: (rank, K_OUTSIDE, the bytes it published) or (rank, K_LOST, errno). */
-static PyObject *direct_after(CallObject *pl, char *const *bases) {
+static PyObject *direct_reads(CallObject *pl, char *const *bases) {
     int err = 0, bad = -1, kind = 0;
     uint64_t value = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -1348,6 +1348,18 @@ static PyObject *direct_after(CallObject *pl, char *const *bases) {
     }
     Py_END_ALLOW_THREADS
     return bad < 0 ? NULL : Py_BuildValue("(iiK)", bad, kind, (unsigned long long)value);
+}
+
+/* direct_reads, then the abort inbox again: a peer that gave up on this
+ * call (a timeout) while this rank read from it has returned, and its
+ * caller may have changed the buffer under the read; its abort is written
+ * before that, so the run stops with K_ABORTED rather than completing with
+ * what it read. */
+static PyObject *direct_after(CallObject *pl, char *const *bases) {
+    PyObject *failed = direct_reads(pl, bases);
+    if (failed) return failed;
+    int a = aborted_by(pl->window, pl->seq);
+    return a ? stopped(a - 1, K_ABORTED) : NULL;
 }
 
 /* The call from its stage on: 1, wait until the half is free (when it

@@ -124,6 +124,9 @@ def test_the_default_sizes_take_the_direct_call_where_the_table_says():
     for collective in COLLECTIVES:
         assert compiled_direct(collective, 256 << 10, 2, 2) == (collective in ("allgather", "alltoall", "scatter"))
         assert not compiled_direct(collective, 64 << 10, 2, 2)
+        assert not compiled_direct(collective, 64 << 10, 4, 2)
+    assert compiled_direct("allgather", 4 << 20, 4, 2) and compiled_direct("alltoall", 2 << 20, 4, 2)
+    assert not compiled_direct("allgather", 64 << 20, 2, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
 
     def run(comm):
         before = _direct_runs(comm)

@@ -341,6 +341,7 @@ def _copies(comm, where: str):
 def test_timelines_show_the_shared_window_copies(tmp_path, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_TRACE", str(tmp_path))
     monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(1 << 30))  # the pieces' copies, not direct reads
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", str(1 << 50))  # nor a direct compiled call
     run_ranks(_copies, 3, str(tmp_path), timeout=90)
     for r in range(3):
         doc = json.loads((tmp_path / f"rank{r}.json").read_text())

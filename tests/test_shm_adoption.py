@@ -274,9 +274,15 @@ def default_allgather_then_mismatch(comm, n: int):
     return bad, adopted, outcome, time.monotonic() - t0, intact([raw, raw2], [n, m])
 
 
+#: Past every span of the direct compiled calls: the pool's direct path at its own default sizes.
+NO_COMPILED_DIRECT = str(1 << 50)
+
+
 def test_allgather_reads_adopted_buffers_directly_at_four_ranks_by_default(monkeypatch):
-    """4 ranks share 2 cores here: allgather takes the direct path from 4 MiB."""
+    """4 ranks share 2 cores here: allgather takes the pool's direct path
+    from 4 MiB (where the direct compiled call does not take it first)."""
     monkeypatch.delenv("COLLECTIVES_WINDOW_DIRECT_BYTES", raising=False)
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", NO_COMPILED_DIRECT)
     n = (4 << 20) // 4
     got = run_ranks(default_allgather_then_mismatch, 4, n, timeout=120, comm_timeout=20)
     for r, (bad, adopted, outcome, took, guards) in enumerate(got):
@@ -304,6 +310,8 @@ def default_alltoall(comm, n: int):
 
 
 def test_alltoall_reads_directly_from_2_mib_at_four_ranks_by_default(monkeypatch):
+    """The pool's direct path (where the direct compiled call does not take it first)."""
     monkeypatch.delenv("COLLECTIVES_WINDOW_DIRECT_BYTES", raising=False)
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", NO_COMPILED_DIRECT)
     for r, (bad, adopted) in enumerate(run_ranks(default_alltoall, 4, (2 << 20) // 4, timeout=120)):
         assert bad == [] and adopted, (r, bad, adopted)
