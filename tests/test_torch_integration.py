@@ -85,6 +85,37 @@ def _all_to_all(torch, dist, r, p, fails):
     _expect(torch, fails, "all_to_all_single uneven", recv, torch.arange(float(p)).repeat_interleave(r + 1))
 
 
+def _large(torch, dist, r, p, fails):
+    """Sizes the shared window's direct compiled calls take (cross-memory
+    reads of the peers' tensors), each twice (the second a prepared call):
+    every element checked, and the sent tensors unchanged."""
+    n = 1 << 18  # float32 elements per block: 1 MiB
+    ramp = torch.arange(float(n))
+    for turn in range(2):
+        mine = ramp + 1e6 * r + turn
+        o = torch.empty(n * p)
+        dist.all_gather_into_tensor(o, mine)
+        _expect(torch, fails, "all_gather_into_tensor 1 MiB", o, torch.cat([ramp + 1e6 * q + turn for q in range(p)]))
+        send = torch.cat([ramp + 1e6 * r + 1e3 * k + turn for k in range(p)])
+        recv = torch.empty(n * p)
+        dist.all_to_all_single(recv, send)
+        _expect(torch, fails, "all_to_all_single 1 MiB", recv, torch.cat([ramp + 1e6 * q + 1e3 * r + turn for q in range(p)]))
+        _expect(torch, fails, "all_to_all_single 1 MiB, its input", send,
+                torch.cat([ramp + 1e6 * r + 1e3 * k + turn for k in range(p)]))
+        chunks = [ramp + 1e3 * k + turn for k in range(p)] if r == 0 else None
+        got = torch.empty(n)
+        dist.scatter(got, chunks, src=0)
+        _expect(torch, fails, "scatter 1 MiB", got, ramp + 1e3 * r + turn)
+        big = torch.arange(float(4 * n)) + turn if r == p - 1 else torch.zeros(4 * n)
+        dist.broadcast(big, src=p - 1)
+        _expect(torch, fails, "broadcast 4 MiB", big, torch.arange(float(4 * n)) + turn)
+        parts = [torch.empty(2 * n) for _ in range(p)] if r == 0 else None
+        dist.gather(torch.arange(float(2 * n)) + r + turn, parts, dst=0)
+        if r == 0:
+            _expect(torch, fails, "gather 2 MiB", torch.stack(parts),
+                    torch.stack([torch.arange(float(2 * n)) + q + turn for q in range(p)]))
+
+
 def _barrier(torch, dist, r, p, fails):
     dist.barrier()
 
@@ -178,7 +209,7 @@ def check_collectives(torch, dist):
     r, p = dist.get_rank(), dist.get_world_size()
     fails = []
     for part in (_reductions, _gathers, _async, _objects, _new_group, _point_to_point, _barrier,
-                 _all_to_all, _rooted_objects):
+                 _all_to_all, _rooted_objects, _large):
         try:
             part(torch, dist, r, p, fails)
         except Exception as exc:
