@@ -922,9 +922,9 @@ static int has_peer_place(const Copy *c, int n, int sources_too) {
     return 0;
 }
 
-/* Refuse peers' places anywhere but as an after copy's source, and there
- * outside a direct call or of a rank out of range (checked again once the
- * direct part is parsed); -1 with the error set. */
+/* Refuse peers' places anywhere but as a direct call's after copies'
+ * sources (their ranks are checked with the direct part); -1 with the
+ * error set. */
 static int check_places(CallObject *pl, int direct) {
     int bad = has_peer_place(pl->before, pl->nbefore, 1) || has_peer_place(pl->after, pl->nafter, !direct) ||
               has_peer_place(pl->before2, pl->nbefore2, 1) || has_peer_place(pl->after2, pl->nafter2, 1);
@@ -939,7 +939,7 @@ static int check_places(CallObject *pl, int direct) {
     return 0;
 }
 
-/* A sequence of size ints (0 or 1 each with flags) into out; -1 on error. */
+/* A sequence of exactly size ints into out; -1 on error. */
 static int int_list(PyObject *seq, int size, int *out, const char *what) {
     PyObject *fast = PySequence_Fast(seq, what);
     if (!fast) return -1;

@@ -93,9 +93,9 @@ def _settings() -> dict[str, Setting]:
                 "machine costs every call 100 us or more", "shm"),
         Setting("WINDOW_DIRECT_BYTES", "bytes", None, "read peers' buffers directly from this size on, for every "
                 "collective (default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
-        Setting("WINDOW_COMPILED_DIRECT_BYTES", "bytes", None, "the one compiled call of a collective reads peers' "
-                "buffers by cross-memory attach from this size on, up to WINDOW_DIRECT_BYTES (default: per "
-                "collective, see docs/shared-memory.md); all ranks must agree", "shm"),
+        Setting("WINDOW_COMPILED_DIRECT_BYTES", "bytes", None, "allgather, alltoall, scatter, bcast and gather "
+                "read peers' buffers by cross-memory attach in one compiled call at every size from this one on "
+                "(default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
         Setting("WINDOW_PIECE_BYTES", "bytes", None, "every compiled call of two pieces or more moves its data "
                 "through the window in pieces of this size, a reader taking each piece once its writer has filled "
                 "it (0: none; unset: from a copy of 1 MiB where each rank has a core, see docs/shared-memory.md)",

@@ -95,11 +95,13 @@ def _large(torch, dist, r, p, fails):
         mine = ramp + 1e6 * r + turn
         o = torch.empty(n * p)
         dist.all_gather_into_tensor(o, mine)
-        _expect(torch, fails, "all_gather_into_tensor 1 MiB", o, torch.cat([ramp + 1e6 * q + turn for q in range(p)]))
+        _expect(torch, fails, "all_gather_into_tensor 1 MiB", o,
+                torch.cat([ramp + 1e6 * q + turn for q in range(p)]))
         send = torch.cat([ramp + 1e6 * r + 1e3 * k + turn for k in range(p)])
         recv = torch.empty(n * p)
         dist.all_to_all_single(recv, send)
-        _expect(torch, fails, "all_to_all_single 1 MiB", recv, torch.cat([ramp + 1e6 * q + 1e3 * r + turn for q in range(p)]))
+        _expect(torch, fails, "all_to_all_single 1 MiB", recv,
+                torch.cat([ramp + 1e6 * q + 1e3 * r + turn for q in range(p)]))
         _expect(torch, fails, "all_to_all_single 1 MiB, its input", send,
                 torch.cat([ramp + 1e6 * r + 1e3 * k + turn for k in range(p)]))
         chunks = [ramp + 1e3 * k + turn for k in range(p)] if r == 0 else None

@@ -10,8 +10,8 @@ Below each collective's ``DIRECT_FROM`` (see
 the window (copy in, fence, copy out) in pieces of at most ``PIECE_BYTES``
 per rank; from it on, ranks publish their buffers (one fence) and read
 each other's directly (one copy), with a closing fence; so do allgather,
-alltoall and scatter from their ``COMPILED_DIRECT_FROM`` on (one compiled
-call, cross-memory attach). Where the
+alltoall, scatter, bcast and gather in their spans of ``COMPILED_DIRECT``
+(one compiled call, cross-memory attach). Where the
 algorithms read directly only from buffers in huge pages
 (``DIRECT_FROM``'s ``huge``), the models assume such buffers, as
 calibration's are; on 4 KiB pages the pieces run instead.

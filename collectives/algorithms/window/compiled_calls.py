@@ -25,7 +25,8 @@ from .state import DATA_OFFSET, WindowState, state_of
 from .tuning import PIECE, PIECED_FROM, compiled_piece
 
 __all__ = [
-    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "reduction", "first", "first_two", "no_arrays",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "reduction", "first", "first_two",
+    "no_arrays",
     "prepared_from", "run_prepared",
 ]
 
