@@ -199,7 +199,7 @@ def peer_gone(comm) -> tuple:
     if comm.rank == 1:
         comm.allgather(x, out)  # rank 0 kills this process once its post is visible
         return "not killed", "", 0.0
-    from transports.shm.layout import Q_PID, Q_POST
+    from collectives.transports.shm.layout import Q_PID, Q_POST
     own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
     deadline = time.monotonic() + 30
     while peer[Q_POST] <= own[Q_POST]:  # rank 1's post of its second call (a step ahead of this rank)
@@ -207,7 +207,7 @@ def peer_gone(comm) -> tuple:
         os.sched_yield()
     pid = int(peer[Q_PID])
     os.kill(pid, signal.SIGKILL)
-    from transports.shm.liveness import exited
+    from collectives.transports.shm.liveness import exited
     while not exited(pid):  # its memory is gone once it is a zombie
         assert time.monotonic() < deadline, "rank 1 did not exit"
         os.sched_yield()
@@ -261,3 +261,49 @@ def test_no_rank_returns_while_others_still_read_its_buffer(monkeypatch, collect
     monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
     for r, bad in enumerate(run_ranks(overwrite_at_once, 3, collective, 300, timeout=120)):
         assert not bad, f"rank {r}: " + "; ".join(bad[:5])
+
+
+def peer_stopped(comm, limit: float) -> tuple:
+    """Rank 1 posts its allgather and is stopped (SIGSTOP) before it reads;
+    rank 0 then makes the call: it reads rank 1's buffer, waits for rank 1
+    to be done with its own, times out naming rank 1 and resumes it; rank 1
+    then finds rank 0's abort and raises without completing the call."""
+    x = np.arange(40_000, dtype=np.float64)
+    out = np.zeros(80_000)
+    comm.allgather(x, out)  # the prepared direct call, made on both ranks
+    t0 = time.monotonic()
+    if comm.rank == 1:
+        try:
+            comm.allgather(x, out)
+            return "ok", "", time.monotonic() - t0
+        except CollectiveError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+    from collectives.transports.shm.layout import Q_PID, Q_POST
+    own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
+    deadline = time.monotonic() + 30
+    while peer[Q_POST] <= own[Q_POST]:  # rank 1's post of its second call
+        assert time.monotonic() < deadline, "rank 1 never posted"
+        os.sched_yield()
+    pid = int(peer[Q_PID])
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        comm.allgather(x, out, timeout=limit)
+        got = "ok", "", time.monotonic() - t0
+    except CollectiveError as exc:
+        got = type(exc).__name__, str(exc), time.monotonic() - t0
+    os.kill(pid, signal.SIGCONT)
+    return got
+
+
+def test_a_peer_stopped_after_its_post_is_a_timeout_and_it_learns_of_it(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
+    limit = 2.0
+    outcomes = run_ranks(peer_stopped, 2, limit, timeout=60, comm_timeout=20)
+    outcome, message, elapsed = outcomes[0]
+    assert outcome == "CollectiveTimeout", f"rank 0: {outcome}: {message}"
+    assert "rank 0" in message and "allgather #2" in message and "rank 1" in message, message
+    assert limit <= elapsed < limit + BOUND, f"rank 0: took {elapsed:.1f} s"
+    outcome, message, elapsed = outcomes[1]
+    assert outcome != "ok", "rank 1 completed a call its peer had given up on"
+    assert "rank 1" in message and "allgather #2" in message and "rank 0" in message, f"{outcome}: {message}"
