@@ -1,9 +1,10 @@
 """allreduce through the shared window.
 
 * where ranks share cores, and at 2 ranks, from 16 KiB to a half of the
-  window (taken as PIECE_BYTES): one call of two steps, copy in, F, reduce this rank's 1/p
-  from p sources, copy it into the other half, F, copy the others' out:
-  T = copy(n) + 2F + (p-1)/p n gamma + copy(n/p) + copy((p-1)/p n).
+  window (taken as PIECE_BYTES): one call of two steps, copy in the
+  (p-1)/p the peers reduce, F, reduce this rank's 1/p from p sources into
+  the other half, F, copy every reduced block out:
+  T = copy((p-1)/p n) + 2F + (p-1)/p n gamma + copy(n).
 * n <= max(32 KiB, 1 MiB/p): copy(n) + F + (p-1) n gamma (every rank
   reduces all p vectors itself).
 * below its ``DIRECT_FROM``, in pieces: copy the (p-1)/p others reduce in,
@@ -29,7 +30,7 @@ def allreduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; two steps on shared cores or at 2 ranks; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
     if n < PIECE_BYTES and allreduce_two_steps(n, p, P.cores):
         share = (p - 1) / p * n
-        return P.copy(n) + 2 * P.fence + share * P.gamma + P.copy(n / p) + P.copy(share)
+        return P.copy(share) + 2 * P.fence + share * P.gamma + P.copy(n)
     small = one_fence(p, n, P)
     if small is not None:
         return small
