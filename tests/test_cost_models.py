@@ -395,13 +395,13 @@ def test_a_larger_message_never_costs_less() -> None:
 
 def test_anchored_predictions_follow_a_cheaper_path_in_proportion() -> None:
     MiB = 1 << 20
-    base = Params(cores=2)  # 4 ranks: the window's gather reads directly from 2 MiB
-    f = {n: predict("gather", "shared_window", 4, n, base) for n in (7 * MiB // 4, 2 * MiB)}
+    base = Params(cores=2)  # 4 ranks: the window's bcast reads directly from 2 MiB
+    f = {n: predict("bcast", "shared_window", 4, n, base) for n in (7 * MiB // 4, 2 * MiB)}
     assert f[2 * MiB] < f[7 * MiB // 4]  # one copy instead of two
-    P = Params(cores=2, anchors=(("gather", "shared_window", 4, 16, 30e-6),
-                                 ("gather", "shared_window", 4, 7 * MiB // 4, 800e-6),
-                                 ("gather", "shared_window", 4, 8 * MiB, 2500e-6)))
-    assert predict("gather", "shared_window", 4, 2 * MiB, P) == pytest.approx(800e-6 * f[2 * MiB] / f[7 * MiB // 4])
+    P = Params(cores=2, anchors=(("bcast", "shared_window", 4, 16, 30e-6),
+                                 ("bcast", "shared_window", 4, 7 * MiB // 4, 800e-6),
+                                 ("bcast", "shared_window", 4, 8 * MiB, 2500e-6)))
+    assert predict("bcast", "shared_window", 4, 2 * MiB, P) == pytest.approx(800e-6 * f[2 * MiB] / f[7 * MiB // 4])
 
 
 def test_a_chain_sends_one_piece_hop_by_hop_and_pipelines_the_rest() -> None:
@@ -426,7 +426,8 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
         assert direct(collective, 4, at, P)
         assert direct(collective, 4, at - 1, P) == compiled_direct(collective, at - 1, 4, 2)  # its compiled call
     assert direct("scatter", 4, 128 << 10, P) and not direct("scatter", 4, (128 << 10) - 1, P)
-    assert not direct("gather", 4, (2 << 20) - 1, P)
+    assert direct("gather", 4, 512 << 10, P) and not direct("gather", 4, (512 << 10) - 1, P)
+    assert direct("bcast", 4, 2 << 20, P) and not direct("bcast", 4, (2 << 20) - 1, P)
     small, large = (predict("allreduce", "shared_window", 2, n, P) for n in (4 * MiB - 4, 4 * MiB))
     assert large < small  # the single copy of the direct path costs less in the model too
     monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(MiB))
@@ -473,18 +474,18 @@ def test_a_failed_stretch_job_is_tried_once_more_but_not_one_stopped_at_its_time
 
 
 def test_beyond_the_last_anchor_a_path_switch_is_not_a_trend() -> None:
-    """The window's gather at 3 ranks on 2 cores reads directly from 2 MiB:
+    """The window's bcast at 3 ranks on 2 cores reads directly from 2 MiB:
     anchors just below and above that switch rise far more than the formula
     does between them; beyond them the prediction scales from the last anchor
     in proportion, not with that rise's slope (which once predicted a 64 MiB
     scatter at twice its measured time and chose binomial)."""
     base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=20e9, fence=1e-6, cores=2)
-    below, above, far = (2 << 20) - 12, 8 << 20, 64 << 20
-    f = {n: predict("gather", "shared_window", 3, n, base) for n in (below, above, far)}
+    below, above, far = (2 << 20) - 12, 4 << 20, 64 << 20
+    f = {n: predict("bcast", "shared_window", 3, n, base) for n in (below, above, far)}
     assert f[above] - f[below] < 0.5 * f[below]  # the cheaper direct path starts in between
-    anchored = Params(**{**base.__dict__, "anchors": (("gather", "shared_window", 3, below, f[below]),
-                                                     ("gather", "shared_window", 3, above, 3 * f[above]))})
-    assert predict("gather", "shared_window", 3, far, anchored) == pytest.approx(3 * f[far])
+    anchored = Params(**{**base.__dict__, "anchors": (("bcast", "shared_window", 3, below, f[below]),
+                                                     ("bcast", "shared_window", 3, above, 3 * f[above]))})
+    assert predict("bcast", "shared_window", 3, far, anchored) == pytest.approx(3 * f[far])
 
 
 def _profile_with_anchors(tmp_path, digests: dict[str, str] | None):

@@ -52,17 +52,17 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: direct path (:data:`DIRECT_FROM`): from ``from`` bytes up to (not
 #: including) ``until`` (None: no end), the same on every rank; ``(from,
 #: until)`` where ranks have a core each, then where they share cores; a
-#: ``from`` of None: never. Where one rank reads from every other (gather)
-#: or every rank from one (bcast), the window's copies overlap below 2 MiB
-#: and the direct read did not win there; the numbers are in
-#: docs/shared-memory.md.
+#: ``from`` of None: never. Where one rank reads from every other (gather,
+#: with a core each) or every rank from one (bcast), the window's copies
+#: overlap below 2 MiB and the direct read did not win there; the numbers
+#: are in docs/shared-memory.md.
 COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], tuple[int | None, int | None]]] = {
     # collective:  (a core each,              ranks share cores)
     "allgather":   ((128 << 10, 64 << 20),    (2 << 20, 64 << 20)),
     "alltoall":    ((128 << 10, 64 << 20),    (256 << 10, None)),
     "scatter":     ((128 << 10, None),        (128 << 10, None)),
     "bcast":       ((4 << 20, 16 << 20),      (2 << 20, 4 << 20)),
-    "gather":      ((2 << 20, 64 << 20),      (2 << 20, 16 << 20)),
+    "gather":      ((2 << 20, 64 << 20),      (512 << 10, 16 << 20)),
 }
 
 
