@@ -792,7 +792,7 @@ typedef struct {
     int *pids;                    /* every rank's process id */
     uint64_t **metas;             /* every rank's metadata block, where it publishes its arrays */
     unsigned char *readers;       /* the ranks that read this rank's arrays (waited for at the end) */
-    int shared[MAX_ARRAYS];       /* the arrays this rank publishes */
+    unsigned char shared[MAX_ARRAYS];  /* the arrays this rank publishes */
     Py_ssize_t lens[MAX_ARRAYS];  /* the bytes of the run's arrays */
     char *bounce;                 /* a buffer for cross-memory reads that would run skewed */
 } CallObject;
@@ -956,6 +956,24 @@ static int int_list(PyObject *seq, int size, int *out, const char *what) {
     return 0;
 }
 
+/* Mark flags[k] for every k in the sequence seq (each in [0, limit)); -1
+ * with the error set (out_of_range: the message for a k outside). */
+static int mark_list(PyObject *seq, int limit, unsigned char *flags, const char *what, const char *out_of_range) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        long k = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (k < 0 || k >= limit) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, out_of_range);
+            Py_DECREF(fast);
+            return -1;
+        }
+        flags[k] = 1;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
 /* compile's direct = (pids, metas, readers, shared): every rank's process
  * id and metadata block (an address in this process), the ranks that read
  * this rank's arrays, the arrays this rank publishes. -1 on error. */
@@ -972,31 +990,13 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
     if (!pl->pids || !pl->readers) { PyErr_NoMemory(); return -1; }
     if (int_list(pids, w->size, pl->pids, "pids") < 0) return -1;
     if (fill_addresses(metas, w->size, &pl->metas, "metas") < 0) return -1;
-    PyObject *fast = PySequence_Fast(readers, "readers must be a sequence of ranks");
-    if (!fast) return -1;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
-        long r = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (r < 0 || r >= w->size) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a reader's rank is out of range");
-            Py_DECREF(fast);
-            return -1;
-        }
-        pl->readers[r] = 1;
-    }
-    Py_DECREF(fast);
-    fast = PySequence_Fast(shared, "shared must be a sequence of array indices");
-    if (!fast) return -1;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
-        long j = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (j < 0 || j >= pl->narrays) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a shared array's index is out of range");
-            Py_DECREF(fast);
-            return -1;
-        }
-        pl->shared[j] = 1;
-        if (pl->need[j] < 0) pl->need[j] = 0;
-    }
-    Py_DECREF(fast);
+    if (mark_list(readers, w->size, pl->readers, "readers must be a sequence of ranks",
+                  "a reader's rank is out of range") < 0 ||
+        mark_list(shared, pl->narrays, pl->shared, "shared must be a sequence of array indices",
+                  "a shared array's index is out of range") < 0)
+        return -1;
+    for (int j = 0; j < pl->narrays; j++)
+        if (pl->shared[j] && pl->need[j] < 0) pl->need[j] = 0;  /* taken, to be published */
     for (int i = 0; i < pl->nafter; i++) {
         const Loc *l = &pl->after[i].src;
         if (l->idx <= PEER_ARRAY(0) && (l->a0 >= w->size || l->a0 == w->rank)) {
@@ -1072,22 +1072,11 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
         }
         pl->two_steps = 1;
     }
-    PyObject *fast = PySequence_Fast(sources, "sources must be a sequence of ranks");
-    if (!fast) {
+    if (mark_list(sources, w->size, pl->sources, "sources must be a sequence of ranks",
+                  "a source rank is out of range") < 0) {
         Py_DECREF(pl);
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
-        long r = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (r < 0 || r >= w->size) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a source rank is out of range");
-            Py_DECREF(fast);
-            Py_DECREF(pl);
-            return NULL;
-        }
-        pl->sources[r] = 1;
-    }
-    Py_DECREF(fast);
     if (reduce != Py_None) {
         PyObject *dst, *srcs;
         int dtype, op;
@@ -1303,18 +1292,16 @@ static int vm_move_bytes(int pid, uintptr_t remote, char *local, size_t n, int w
     return 0;
 }
 
-static int vm_read(int pid, uintptr_t from, char *to, size_t n) { return vm_move_bytes(pid, from, to, n, 0); }
-
-/* vm_read, through the call's bounce buffer where the copy would run skewed;
+/* A cross-memory read (vm_move_bytes), through the call's bounce buffer where the copy would run skewed;
  * 0 or an errno (ENOMEM: no bounce buffer). */
 static int direct_read(CallObject *pl, int pid, uintptr_t from, char *to, size_t n) {
     size_t skew = ((uintptr_t)to - from) & 4095;
-    if (skew == 0 || skew >= SKEW_SLOW_BYTES) return vm_read(pid, from, to, n);
+    if (skew == 0 || skew >= SKEW_SLOW_BYTES) return vm_move_bytes(pid, from, to, n, 0);
     if (!pl->bounce && !(pl->bounce = PyMem_RawMalloc(BOUNCE_BYTES + 4096))) return ENOMEM;
     char *place = pl->bounce + ((from - (uintptr_t)pl->bounce) & 4095);
     for (size_t a = 0; a < n; a += BOUNCE_BYTES) {
         size_t m = n - a < BOUNCE_BYTES ? n - a : BOUNCE_BYTES;
-        int err = vm_read(pid, from + a, place, m);
+        int err = vm_move_bytes(pid, from + a, place, m, 0);
         if (err) return err;
         memcpy(to + a, place, m);
     }
