@@ -106,12 +106,16 @@ def _stage_device(buf: Any, writable: bool, what: str, stages: list) -> np.ndarr
     reasons = []
     for stage in device_stagers():
         try:
-            host, write_back = stage(buf, writable)
+            host, finish = stage(buf, writable)
         except TransportUnavailable as exc:
             reasons.append(str(exc))
             continue
-        stages.append(write_back)
-        check_dtype(host.dtype)
+        try:
+            check_dtype(host.dtype)
+        except BaseException:
+            finish(False)
+            raise
+        stages.append(finish)
         return host.reshape(-1)
     why = "; ".join(reasons) or "no device plugin is installed"
     raise BadArgument(f"{what} ({type(buf).__name__}) lives in device memory, and no GPU is usable: {why}")
@@ -121,8 +125,9 @@ def flat(buf: Any, *, writable: bool, what: str = "buffer", stages: list | None 
     """:func:`as_array` flattened to one dimension (still a view).
 
     With ``stages`` (a list), device arrays are accepted: the result is a
-    host copy and a write-back callable is appended to ``stages``, to be
-    called once the collective is done.
+    host copy and its finish is appended to ``stages``, to be called once
+    the collective is over: ``finish(True)`` copies the result back,
+    ``finish(False)`` (a failed call) only frees the host copy.
     """
     if type(buf) is np.ndarray and buf.ndim == 1:  # the common case: as_array's checks, cheaper
         flags = buf.flags
@@ -137,6 +142,8 @@ def element_count(buf: Any) -> int:
     """Number of elements of ``buf`` (host or device) without copying it."""
     if type(buf) is np.ndarray:
         return buf.size
+    if _torch_tensor(buf):  # (a CUDA tensor that requires grad has no array interface)
+        return buf.numel()
     iface = getattr(buf, "__cuda_array_interface__", None)
     if iface is not None:
         return math.prod(int(d) for d in iface["shape"])

@@ -59,6 +59,29 @@ _HEAD = struct.Struct("<4Q")
 CHECKED = ROOTED | {"bcast"}
 
 
+def _release(stages: list[Callable[[bool], None]]) -> None:
+    """Free staged device buffers' host copies, writing nothing back (a call
+    that failed or never ran); a failure here does not hide the call's own."""
+    for finish in stages:
+        try:
+            finish(False)
+        except Exception as exc:
+            _call_log.warning("a staged device buffer was not released: %s", exc)
+
+
+def _write_back(stages: list[Callable[[bool], None]]) -> None:
+    """Copy a completed call's results into its staged device buffers; every
+    one is finished even when one fails (the first failure is raised)."""
+    failed = None
+    for finish in stages:
+        try:
+            finish(True)
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
 class _Refused(Exception):
     """A refusal the peers learn only through an abort (a non-root's own
     arguments, over messages)."""
@@ -81,6 +104,8 @@ class CallExecution:
         self._fast.seq = value
 
     def _check_open(self) -> None:
+        if self._planner.stages:  # staged by a call that never ran
+            _release(self._planner.stages)
         self._planner.stages = []
         if self._broken is not None:
             raise self._again()
@@ -101,10 +126,13 @@ class CallExecution:
         self._check_open()
         try:
             plan = make(*args)
-        except BadArgument as exc:
-            what = make.__name__.removesuffix("v")
-            if not str(exc).startswith("rank "):
-                exc.args = (f"rank {self.rank}, {what}: {exc}",)
+        except BaseException as exc:
+            _release(self._planner.stages)
+            self._planner.stages = []
+            if isinstance(exc, BadArgument):
+                what = make.__name__.removesuffix("v")
+                if not str(exc).startswith("rank "):
+                    exc.args = (f"rank {self.rank}, {what}: {exc}",)
             raise
         plan.write_backs, self._planner.stages = self._planner.stages, []
         return plan
@@ -222,13 +250,14 @@ class CallExecution:
         except BaseException as exc:
             if tracer is not None:
                 tracer.end(start, _now(), "failed")
+            _release(plan.write_backs)
             raise self._failed(plan.collective, plan.algo.name, seq, exc, start, timeout, plan.refusal) from None
         if tracer is not None:
             tracer.end(start, _now(), "completed")
         if plan.finalize is not None:
             plan.finalize()
-        for write_back in plan.write_backs:
-            write_back()
+        if plan.write_backs:
+            _write_back(plan.write_backs)
         if rec is not None:
             rec.finish(seq, _now())
         return plan.result

@@ -47,7 +47,8 @@ class Plan:
         args: the algorithm's arguments (after ``ctx``); None when refused.
         result: what the call returns.
         finalize: run after the algorithm (``avg``'s division), or None.
-        write_backs: copies back into staged device buffers.
+        write_backs: staged device buffers' finishes (``finish(True)`` copies the
+            result back, ``finish(False)`` only frees the host copy).
         sig: the call's signature, without its sequence number.
         root: the root of a rooted collective, else None.
         refusal: why this rank refuses the call (None: it does not).
@@ -60,7 +61,7 @@ class Plan:
                  refusal: str | None = None) -> None:
         self.collective, self.algo, self.args, self.result = collective, algo, args, result
         self.finalize, self.sig, self.root, self.refusal = finalize, sig, root, refusal
-        self.write_backs: list[Callable[[], None]] = []
+        self.write_backs: list[Callable[[bool], None]] = []
 
     @property
     def itemsize(self) -> int:
@@ -93,7 +94,7 @@ class Planner:
         self.rank, self.size, self.transport = rank, size, transport
         self.choose = choose
         self.capabilities = frozenset(transport.capabilities)
-        self.stages: list[Callable[[], None]] = []
+        self.stages: list[Callable[[bool], None]] = []
         self._ok_dtypes: set[np.dtype] = set()
         self._algorithms: dict[tuple[str, str], Algorithm] = {}
         self._ops: dict[tuple[str, np.dtype], Op] = {}

@@ -150,15 +150,23 @@ def algorithm(collective: str, name: str) -> Algorithm:
 DEVICE_GROUP = "collectives.devices"
 
 
+_device_stagers: list[Callable] | None = None
+
+
 def device_stagers() -> list[Callable]:
-    """Every installed device-memory plugin's ``stage(buf, writable)`` (see buffers.flat)."""
-    found = []
-    for ep in entry_points(group=DEVICE_GROUP):
-        try:
-            found.append(ep.load())
-        except ImportError:
-            continue
-    return found
+    """Every installed device-memory plugin's ``stage(buf, writable)`` (see
+    buffers.flat), found once per process: reading the entry points of every
+    installed distribution costs milliseconds."""
+    global _device_stagers
+    if _device_stagers is None:
+        found = []
+        for ep in entry_points(group=DEVICE_GROUP):
+            try:
+                found.append(ep.load())
+            except ImportError:
+                continue
+        _device_stagers = found
+    return _device_stagers
 
 
 def _transport_entry_points() -> dict[str, str]:

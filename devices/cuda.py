@@ -20,12 +20,13 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from collectives import config
 from ..errors import BadArgument, TransportUnavailable
+from ..ops import BFLOAT16
 
 __all__ = ["CudaError", "CudaRuntime", "runtime", "probe", "device_pointer", "DevicePointer",
            "PinnedBuffer", "Stream"]
@@ -34,7 +35,8 @@ _CDEF = """
 typedef int cudaError_t;
 typedef void *cudaStream_t;
 typedef struct { char reserved[64]; } cudaIpcMemHandle_t;
-struct cudaPointerAttributes { int type; int device; void *devicePointer; void *hostPointer; };
+struct cudaPointerAttributes { int type; int device; void *devicePointer; void *hostPointer;
+                               long reserved[8]; char slack[256]; };
 
 const char *cudaGetErrorName(cudaError_t error);
 const char *cudaGetErrorString(cudaError_t error);
@@ -62,6 +64,11 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr);
 cudaError_t cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t handle, unsigned int flags);
 cudaError_t cudaIpcCloseMemHandle(void *devPtr);
 """
+
+# cudaPointerAttributes: CUDA 13 appends ``long reserved[8]`` to the four fields
+# of CUDA 11, and the runtime writes all of it; ``slack`` keeps a later
+# runtime's additions inside the allocation too (a struct declared short is a
+# heap overflow on every call).
 
 SUCCESS = 0
 ERROR_NOT_READY = 600
@@ -159,6 +166,19 @@ class CudaRuntime:
 
     def set_device(self, device: int) -> None:
         self.check("cudaSetDevice", self.lib.cudaSetDevice(device))
+
+    def current_device(self) -> int:
+        return self._int_out("cudaGetDevice", self.lib.cudaGetDevice)
+
+    def synchronize_device(self) -> None:
+        """Wait for all work queued on the current device, on every stream."""
+        self.check("cudaDeviceSynchronize", self.lib.cudaDeviceSynchronize())
+
+    def synchronize_stream(self, stream: int) -> None:
+        """Wait for the work queued on ``stream`` (a handle as an integer; 1 is
+        the legacy default stream, 2 the per-thread one)."""
+        handle = self.ffi.cast("cudaStream_t", stream)
+        self.check("cudaStreamSynchronize", self.lib.cudaStreamSynchronize(handle))
 
     def properties(self, device: int) -> dict[str, Any]:
         """Compute capability, multiprocessors, PCI bus id and memory of ``device``."""
@@ -260,22 +280,48 @@ class PinnedBuffer:
 
 @dataclass(frozen=True)
 class DevicePointer:
-    """Where a device array's data is: pointer, bytes, dtype, shape, device."""
+    """Where a device array's data is: pointer, bytes, dtype, shape, and the
+    stream its producer named (``__cuda_array_interface__`` version 3):
+    ``producer_stream`` is that stream's handle, None when the producer said
+    no wait is needed, and ``named_stream`` is False when it said nothing
+    (version 2, as torch tensors do), so that every stream must be waited for."""
 
     ptr: int
     nbytes: int
     dtype: np.dtype
     shape: tuple[int, ...]
     readonly: bool
+    producer_stream: int | None = None
+    named_stream: bool = False
+
+
+def _interface(buf: Any) -> tuple[dict, np.dtype | None]:
+    """``buf.__cuda_array_interface__``, and the dtype where its typestr does
+    not say it (torch's bfloat16 is ``<V2``). Torch tensors are read detached
+    (a tensor that requires grad has no interface of its own)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor):
+        t = buf.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).__cuda_array_interface__, np.dtype(BFLOAT16)
+        try:
+            return t.__cuda_array_interface__, None
+        except KeyError:  # a dtype torch has no typestr for (float8, ...)
+            raise BadArgument(f"device tensors of {t.dtype} are not supported") from None
+    try:
+        iface = buf.__cuda_array_interface__
+    except AttributeError:
+        raise BadArgument(f"{type(buf).__name__} has no __cuda_array_interface__") from None
+    except Exception as exc:
+        raise BadArgument(f"{type(buf).__name__}'s __cuda_array_interface__ failed: {exc}") from None
+    return iface, None
 
 
 def device_pointer(buf: Any) -> DevicePointer:
     """Describe a device array from ``__cuda_array_interface__`` (CuPy, torch
     CUDA tensors, Numba). Raises BadArgument for non-contiguous arrays."""
-    iface = getattr(buf, "__cuda_array_interface__", None)
-    if iface is None:
-        raise BadArgument(f"{type(buf).__name__} has no __cuda_array_interface__")
-    dtype = np.dtype(iface["typestr"])
+    iface, dtype = _interface(buf)
+    dtype = np.dtype(iface["typestr"]) if dtype is None else dtype
     shape = tuple(int(s) for s in iface["shape"])
     strides = iface.get("strides")
     if strides is not None:
@@ -287,7 +333,10 @@ def device_pointer(buf: Any) -> DevicePointer:
             raise BadArgument("device array is not contiguous; pass a contiguous array")
     ptr, readonly = iface["data"]
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return DevicePointer(int(ptr), nbytes, dtype, shape, bool(readonly))
+    named = int(iface.get("version", 0)) >= 3 and "stream" in iface
+    stream = iface.get("stream") if named else None
+    return DevicePointer(int(ptr), nbytes, dtype, shape, bool(readonly),
+                         None if stream is None else int(stream), named)
 
 
 _runtime: CudaRuntime | None = None
@@ -338,32 +387,119 @@ def runtime() -> CudaRuntime:
     return _runtime
 
 
-def stage(buf: Any, writable: bool) -> tuple[np.ndarray, Any]:
-    """A host copy of device array ``buf`` in pinned memory, and its write-back.
+class _OnDevice:
+    """Make ``device`` current for a block, and restore the caller's after."""
 
-    Returns ``(host, write_back)``: ``host`` is a 1-D numpy array holding the
-    device data (copied on a stream); ``write_back()`` copies ``host`` back
-    to the device when ``writable`` (results), then frees the pinned memory.
-    Raises TransportUnavailable when no GPU is usable.
+    def __init__(self, rt: CudaRuntime, device: int | None) -> None:
+        self.rt, self.device, self.before = rt, device, None
+
+    def __enter__(self) -> None:
+        if self.device is not None:
+            before = self.rt.current_device()
+            if before != self.device:
+                self.rt.set_device(self.device)
+                self.before = before
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.before is not None:
+            self.rt.set_device(self.before)
+
+
+def _wait_for_producer(rt: CudaRuntime, d: DevicePointer) -> None:
+    """Order the copy out after the work that wrote the array: its producer's
+    stream where it named one, else every stream of the device."""
+    if not d.named_stream:
+        rt.synchronize_device()
+    elif d.producer_stream is not None:
+        rt.synchronize_stream(d.producer_stream)
+
+
+class _PinnedPool:
+    """Pinned host buffers kept for reuse, and one copy stream per device.
+
+    ``cudaMallocHost`` costs about 0.7 ms per MiB (44 ms for 64 MiB on an
+    H200 host), and creating a stream costs too: paid on every call, they
+    were most of a staged collective's time. Buffers are kept by capacity
+    (powers of two, at least 64 KiB) up to ``COLLECTIVES_CUDA_PINNED_CACHE_BYTES``
+    in all; a buffer is handed to one caller at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[PinnedBuffer]] = {}
+        self._kept = 0
+        self._streams: dict[int | None, Stream] = {}
+
+    @staticmethod
+    def capacity(nbytes: int) -> int:
+        return max(1 << 16, 1 << max(0, nbytes - 1).bit_length())
+
+    def take(self, rt: CudaRuntime, nbytes: int) -> PinnedBuffer:
+        cap = self.capacity(nbytes)
+        with self._lock:
+            kept = self._free.get(cap)
+            if kept:
+                self._kept -= cap
+                return kept.pop()
+        return PinnedBuffer(rt, cap)
+
+    def give(self, buf: PinnedBuffer) -> None:
+        cap = len(buf.array)
+        with self._lock:
+            if self._kept + cap <= config.get("CUDA_PINNED_CACHE_BYTES"):
+                self._free.setdefault(cap, []).append(buf)
+                self._kept += cap
+                return
+        buf.close()
+
+    def stream(self, rt: CudaRuntime, device: int | None) -> Stream:
+        """This device's copy stream (every use ends with its synchronization)."""
+        with self._lock:
+            found = self._streams.get(device)
+            if found is None:
+                found = self._streams[device] = Stream(rt)
+            return found
+
+
+_pool = _PinnedPool()
+
+
+def stage(buf: Any, writable: bool) -> tuple[np.ndarray, Callable[[bool], None]]:
+    """A host copy of device array ``buf`` in pinned memory, and its finish.
+
+    Returns ``(host, finish)``: ``host`` is a 1-D numpy array holding the
+    device data, copied once the work that wrote it is done (see
+    :func:`_wait_for_producer`). ``finish(True)`` copies ``host`` back to
+    the device when ``writable`` (results), and waits for that copy;
+    ``finish(False)`` (a failed call) leaves the device array as it was.
+    Either returns the pinned memory to the pool. Raises
+    TransportUnavailable when no GPU is usable, BadArgument for an array
+    that cannot be staged.
     """
     rt = runtime()
     d = device_pointer(buf)
     if writable and d.readonly:
         raise BadArgument("device array is read-only, but the result is written into it")
-    pinned = PinnedBuffer(rt, d.nbytes)
-    stream = Stream(rt)
-    if d.nbytes:
-        rt.memcpy(pinned.array.ctypes.data, d.ptr, d.nbytes, MEMCPY_DEVICE_TO_HOST, stream)
-        stream.synchronize()
-    host = pinned.array.view(d.dtype)
-
-    def write_back() -> None:
+    device = rt.pointer_device(d.ptr) if d.nbytes else None
+    with _OnDevice(rt, device):
+        stream = _pool.stream(rt, device)
+        pinned = _pool.take(rt, d.nbytes)
         try:
-            if writable and d.nbytes:
-                rt.memcpy(d.ptr, pinned.array.ctypes.data, d.nbytes, MEMCPY_HOST_TO_DEVICE, stream)
+            if d.nbytes:
+                _wait_for_producer(rt, d)
+                rt.memcpy(pinned.array.ctypes.data, d.ptr, d.nbytes, MEMCPY_DEVICE_TO_HOST, stream)
                 stream.synchronize()
-        finally:
-            stream.close()
-            pinned.close()
+        except BaseException:
+            _pool.give(pinned)
+            raise
+    host = pinned.array[:d.nbytes].view(d.dtype)
 
-    return host, write_back
+    def finish(commit: bool = True) -> None:
+        try:
+            if commit and writable and d.nbytes:
+                with _OnDevice(rt, device):
+                    rt.memcpy(d.ptr, pinned.array.ctypes.data, d.nbytes, MEMCPY_HOST_TO_DEVICE, stream)
+                    stream.synchronize()
+        finally:
+            _pool.give(pinned)
+
+    return host, finish

@@ -91,6 +91,17 @@ def test_device_arrays_refused_before_anything_is_sent():
         assert host == [2.0] * 4
 
 
+def test_pointer_attributes_hold_what_the_runtime_writes():
+    """CUDA 13's cudaPointerAttributes is 88 bytes (four fields and
+    ``long reserved[8]``); declared shorter, every cudaPointerGetAttributes
+    overflows the heap."""
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef(cuda._CDEF)
+    assert ffi.sizeof("struct cudaPointerAttributes") >= 4 + 4 + 8 + 8 + 8 * 8 + 128
+
+
 def test_device_pointer_reads_the_cuda_array_interface():
     d = cuda.device_pointer(FakeDeviceArray(6))
     assert (d.ptr, d.nbytes, d.dtype, d.shape) == (0x10000, 24, np.dtype(np.float32), (6,))
