@@ -4,7 +4,11 @@ device skip with the reason."""
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -91,15 +95,37 @@ def test_device_arrays_refused_before_anything_is_sent():
         assert host == [2.0] * 4
 
 
-def test_pointer_attributes_hold_what_the_runtime_writes():
-    """CUDA 13's cudaPointerAttributes is 88 bytes (four fields and
-    ``long reserved[8]``); declared shorter, every cudaPointerGetAttributes
-    overflows the heap."""
+CUDA_HEADERS = sorted(glob.glob("/usr/local/cuda*/include/driver_types.h"), reverse=True)
+CC = shutil.which("cc") or shutil.which("gcc")
+
+
+@pytest.mark.skipif(not CUDA_HEADERS or CC is None, reason="no CUDA headers or no C compiler")
+def test_cuda_structs_hold_what_the_runtime_writes(tmp_path):
+    """Every struct the runtime fills, against the installed headers: the
+    fields where the header has them, and at least the header's size (a
+    struct declared short is a heap overflow on every call: CUDA 13 added
+    ``long reserved[8]`` to cudaPointerAttributes)."""
     import cffi
 
     ffi = cffi.FFI()
     ffi.cdef(cuda._CDEF)
-    assert ffi.sizeof("struct cudaPointerAttributes") >= 4 + 4 + 8 + 8 + 8 * 8 + 128
+    checks = {"struct cudaPointerAttributes": ("type", "device", "devicePointer", "hostPointer"),
+              "cudaIpcMemHandle_t": ("reserved",)}
+    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <driver_types.h>", "int main(void) {"]
+    for ctype, fields in checks.items():
+        lines.append(f'  printf("sizeof {ctype} %zu\\n", sizeof({ctype}));')
+        lines += [f'  printf("offsetof {ctype}.{f} %zu\\n", offsetof({ctype}, {f}));' for f in fields]
+    src, exe = tmp_path / "layout.c", tmp_path / "layout"
+    src.write_text("\n".join(lines + ["  return 0;", "}"]))
+    subprocess.run([CC, f"-I{os.path.dirname(CUDA_HEADERS[0])}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True, timeout=60)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=30).stdout
+    c = {k: int(v) for k, v in (line.rsplit(" ", 1) for line in out.splitlines())}
+    for ctype, fields in checks.items():
+        assert ffi.sizeof(ctype) >= c[f"sizeof {ctype}"], ctype
+        for f in fields:
+            assert ffi.offsetof(ctype, f) == c[f"offsetof {ctype}.{f}"], f"{ctype}.{f}"
+    assert ffi.sizeof("cudaIpcMemHandle_t") == c["sizeof cudaIpcMemHandle_t"]
 
 
 def test_device_pointer_reads_the_cuda_array_interface():
