@@ -111,6 +111,14 @@ def check_collectives(comm, torch):
     expect("alltoall", recv, torch.cat([everyone[q] + r for q in range(p)]), recv_whole)
     expect("alltoall (input kept)", send, blocks, send_whole)
 
+    x, whole = _guarded(torch, n, f32, everyone[r])  # nonblocking: staged now, written back at the wait
+    recv, recv_whole = _guarded(torch, p * n, f32, torch.zeros(p * n))
+    handles = [comm.iallreduce(x), comm.iallgather(everyone[r].to(f32).cuda(), recv)]
+    for h in handles:
+        h.wait()
+    expect("iallreduce", x, sum(everyone), whole)
+    expect("iallgather", recv, torch.cat(everyone), recv_whole)
+
     try:  # CuPy arrays (their interface names their producer's stream)
         import cupy
     except ImportError:
