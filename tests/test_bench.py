@@ -6,6 +6,7 @@ are skipped, and under a launcher the bench runs as the job's ranks."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -231,6 +232,20 @@ def test_the_call_floor_bench_takes_ranks_and_rooted_calls():
     bad = subprocess.run([sys.executable, "-m", "collectives.bench.call_floor", "--calls", "alltoall"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--calls takes" in bad.stderr, bad.stderr
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_the_copy_floors_bench_measures_every_way():
+    from collectives.bench import copy_floors
+
+    got = copy_floors.measure([64 << 10, 100_000], iters=20, rounds=3)
+    assert set(got) == {(w, n) for w in copy_floors.WAYS for n in (64 << 10, 100_000)}
+    assert all(us > 0 for us in got.values()), got
+    res = subprocess.run([sys.executable, "-m", "collectives.bench.copy_floors", "--sizes", "64K", "--iters", "10",
+                          "--rounds", "1"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line and not line.startswith("#")]
+    assert rows[0] == ["bytes", *copy_floors.WAYS] and rows[1][0] == "65536" and len(rows[1]) == 11, res.stdout
 
 
 # -- Open MPI beside MPICH: its own venv, and every row naming its MPI ------------------------------
