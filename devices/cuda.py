@@ -421,7 +421,8 @@ class _PinnedPool:
     H200 host), and creating a stream costs too: paid on every call, they
     were most of a staged collective's time. Buffers are kept by capacity
     (powers of two, at least 64 KiB) up to ``COLLECTIVES_CUDA_PINNED_CACHE_BYTES``
-    in all; a buffer is handed to one caller at a time."""
+    in all (a larger one is allocated at its size and freed after its call);
+    a buffer is handed to one caller at a time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -435,6 +436,8 @@ class _PinnedPool:
 
     def take(self, rt: CudaRuntime, nbytes: int) -> PinnedBuffer:
         cap = self.capacity(nbytes)
+        if cap > config.get("CUDA_PINNED_CACHE_BYTES"):
+            return PinnedBuffer(rt, nbytes)  # never kept: no more than it needs
         with self._lock:
             kept = self._free.get(cap)
             if kept:
@@ -445,7 +448,7 @@ class _PinnedPool:
     def give(self, buf: PinnedBuffer) -> None:
         cap = len(buf.array)
         with self._lock:
-            if self._kept + cap <= config.get("CUDA_PINNED_CACHE_BYTES"):
+            if cap == self.capacity(cap) and self._kept + cap <= config.get("CUDA_PINNED_CACHE_BYTES"):
                 self._free.setdefault(cap, []).append(buf)
                 self._kept += cap
                 return

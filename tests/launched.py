@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import traceback
 from typing import Any, Callable
 
 __all__ = ["clean_env", "environment_without", "results", "run_torch_checks", "SUITE_SETTINGS", "suite_settings",
-           "LAUNCH_NAMES"]
+           "LAUNCH_NAMES", "collectives_run", "run_checked"]
 
 #: Variables of the test process's own launch that must not reach the ranks.
 _DROP = ("COLLECTIVES_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
@@ -57,6 +58,28 @@ def results(stdout: str) -> list[dict]:
         obj, _ = decoder.raw_decode(stdout, at + len("RESULT "))
         found.append(obj)
         at = stdout.find("RESULT ", at + 1)
+    return found
+
+
+def collectives_run(p: int, script: str, *args: str, deadline: float) -> list[str]:
+    """The command that runs ``script args`` as ``p`` ranks under our
+    launcher, which stops them 10 s before ``deadline``."""
+    return [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(deadline - 10),
+            script, *args]
+
+
+def run_checked(argv: list[str], p: int, deadline: float, env: dict[str, str] | None = None) -> list[dict]:
+    """Run a job whose ranks each print one RESULT with its ``failures``;
+    assert it ended well, every rank of ``p`` reported and none failed.
+    Returns the RESULT objects."""
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=deadline,
+                         env=clean_env() if env is None else env)
+    out = res.stdout + res.stderr
+    found = results(res.stdout)
+    assert res.returncode == 0, out[-4000:]
+    assert sorted(r["rank"] for r in found) == list(range(p)), out[-4000:]
+    failures = [f"rank {r['rank']}: {f}" for r in found for f in r["failures"]]
+    assert not failures, "\n".join(failures)
     return found
 
 

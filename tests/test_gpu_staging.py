@@ -21,7 +21,7 @@ import traceback
 
 import pytest
 
-from launched import clean_env, results as rank_results
+from launched import clean_env, collectives_run, run_checked
 
 HERE = os.path.abspath(__file__)
 DEADLINE = 150
@@ -278,15 +278,8 @@ def gpu():
         pytest.skip(f"no usable GPU: {why}")
 
 
-def _run(p, *checks):
-    argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10),
-            HERE, *checks]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=clean_env())
-    out = res.stdout + res.stderr
-    results = rank_results(res.stdout)
-    assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
-    failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
-    assert not failures, "\n".join(failures)
+def _run(p, *checks, env=None):
+    run_checked(collectives_run(p, HERE, *checks, deadline=DEADLINE), p, DEADLINE, {**clean_env(), **(env or {})})
 
 
 def test_collectives_on_device_buffers(gpu):
@@ -295,6 +288,13 @@ def test_collectives_on_device_buffers(gpu):
 
 def test_collectives_on_device_buffers_three_ranks(gpu):
     _run(3, "collectives")
+
+
+def test_pinned_memory_kept_or_not(gpu):
+    """With no pinned memory kept, every staged buffer is allocated at its
+    size and freed after its call; with little kept, some are reused."""
+    _run(2, "collectives", env={"COLLECTIVES_CUDA_PINNED_CACHE_BYTES": "0"})
+    _run(2, "collectives", env={"COLLECTIVES_CUDA_PINNED_CACHE_BYTES": "256K"})
 
 
 def test_copy_out_waits_for_the_producer(gpu):

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import traceback
 
 import pytest
 
-from launched import environment_without, results as rank_results
+from launched import collectives_run, environment_without, run_checked
 
 HERE = os.path.abspath(__file__)
 DEADLINE = 150  # the first job builds the FFI target (about 30 s)
@@ -238,14 +236,8 @@ def test_jax_adapter_matches_single_process(p, ffi):
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     if not ffi:
         env["COLLECTIVES_JAX_FFI"] = "0"  # the ordered io_callback
-    argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10), HERE]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=env)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
-    results = rank_results(res.stdout)
-    assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
-    failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
-    assert not failures, "\n".join(failures)
+    argv = collectives_run(p, HERE, deadline=DEADLINE)
+    results = run_checked(argv, p, DEADLINE, env)
     if _can_build_ffi():  # the FFI call ran, unless turned off
         assert all(r["ffi"] == ffi for r in results), [r["why"] for r in results]
 

@@ -32,7 +32,7 @@ import sys
 
 import pytest
 
-from launched import clean_env, results as rank_results, run_torch_checks
+from launched import clean_env, collectives_run, run_checked, run_torch_checks
 
 HERE = os.path.abspath(__file__)
 DEADLINE = 150
@@ -295,15 +295,8 @@ def _run(p, *checks, torchrun=False, env=None):
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(p),
                 HERE, *checks]
     else:
-        argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10),
-                HERE, *checks]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=env or clean_env())
-    out = res.stdout + res.stderr
-    results = rank_results(res.stdout)
-    assert res.returncode == 0, out[-4000:]
-    assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
-    failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
-    assert not failures, "\n".join(failures)
+        argv = collectives_run(p, HERE, *checks, deadline=DEADLINE)
+    run_checked(argv, p, DEADLINE, env)
 
 
 @pytest.fixture(scope="module")

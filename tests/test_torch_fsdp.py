@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
 
 import pytest
 
-from launched import clean_env, results as rank_results, run_torch_checks
+from launched import collectives_run, run_checked, run_torch_checks
 
 HERE = os.path.abspath(__file__)
 DEADLINE = 150
@@ -124,15 +123,7 @@ def main(names):
 
 
 def _run(p, *checks):
-    argv = [sys.executable, "-m", "collectives.cli", "run", "-n", str(p), "--timeout", str(DEADLINE - 10),
-            HERE, *checks]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE, env=clean_env())
-    out = res.stdout + res.stderr
-    results = rank_results(res.stdout)
-    assert res.returncode == 0, out[-4000:]
-    assert sorted(r["rank"] for r in results) == list(range(p)), out[-4000:]
-    failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
-    assert not failures, "\n".join(failures)
+    run_checked(collectives_run(p, HERE, *checks, deadline=DEADLINE), p, DEADLINE)
 
 
 @pytest.fixture(scope="module")
