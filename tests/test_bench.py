@@ -246,6 +246,7 @@ def test_the_copy_floors_bench_measures_every_way():
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line.split() for line in res.stdout.splitlines() if line and not line.startswith("#")]
     assert rows[0] == ["bytes", *copy_floors.WAYS] and rows[1][0] == "65536" and len(rows[1]) == 11, res.stdout
+    assert copy_floors.tcp_exchange(1 << 20, rounds=3) > 0
 
 
 # -- Open MPI beside MPICH: its own venv, and every row naming its MPI ------------------------------
