@@ -196,9 +196,7 @@ def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[i
     else:
         with _stdout_to_stderr():  # the ranks' progress lines are not part of the table
             status = launch(cmd, ns.nprocs, transport=ns.transport if peer == "ours" else None, prefix=False,
-                            timeout=ns.timeout)
-        if status in (128 + 2, 128 + 15, 128 + 1):  # the launcher was stopped (SIGINT, SIGTERM, SIGHUP)
-            raise KeyboardInterrupt
+                            timeout=ns.timeout)  # a stop signal raises LaunchStopped (a KeyboardInterrupt)
     if status != 0 or not os.path.exists(out):
         print(f"collectives bench: the {peer} sweep failed (status {status})", file=sys.stderr)
         return None
@@ -367,9 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 described.update(alive_at_end=alive, loadavg_after=os.getloadavg()[0])
                 print(f"# background load: {alive} of {n_load} still running at the end of the sweeps; stopping them",
                       file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("collectives bench: stopped", file=sys.stderr)
-        return 130
+        return getattr(exc, "status", 130)  # LaunchStopped knows its signal
     if got is None:
         return 1
     rows, ours = got

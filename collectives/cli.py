@@ -100,9 +100,12 @@ def run_main(argv: Sequence[str]) -> int:
     common = dict(transport=ns.transport, prefix=not ns.no_prefix, timeout=ns.timeout,
                   on_failure=ns.on_failure, bind=ns.bind)
     if ns.nnodes == 1:
-        from .launcher import launch
+        from .launcher import LaunchStopped, launch
 
-        return launch(cmd, ns.nprocs, **common)
+        try:
+            return launch(cmd, ns.nprocs, **common)
+        except LaunchStopped as stopped:
+            return stopped.status
     from .multinode import launch_nodes
 
     try:
@@ -178,7 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         print(f"collectives {name}: not available in this installation ({exc})", file=sys.stderr)
         return 2
-    return int(mod.main(rest) or 0)
+    from .launcher import LaunchStopped
+
+    try:
+        return int(mod.main(rest) or 0)
+    except LaunchStopped as stopped:  # a job it ran was stopped by a signal to this process: so is it
+        print(f"collectives {name}: stopped ({stopped})", file=sys.stderr)
+        return stopped.status
 
 
 if __name__ == "__main__":

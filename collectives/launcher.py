@@ -30,7 +30,8 @@ import threading
 import time
 from typing import IO, Callable, Iterable, Sequence
 
-__all__ = ["launch", "run_processes", "rank_environment", "free_port", "rank_cpus", "cpu_shares", "shell_status"]
+__all__ = ["launch", "LaunchStopped", "run_processes", "rank_environment", "free_port", "rank_cpus", "cpu_shares",
+           "shell_status"]
 
 GRACE_SECONDS = 3.0
 BIND_CHOICES = ("auto", "core", "none")
@@ -410,6 +411,18 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
+class LaunchStopped(KeyboardInterrupt):
+    """:func:`launch` got a stop signal (:data:`STOP_SIGNALS`) and stopped
+    every rank: the caller stops too, as it would have without the launcher's
+    handlers (a program that runs jobs one after another must not take it
+    for one job's failure and go on). ``status`` is what a shell reports,
+    128 + the signal; ``collectives run`` exits with it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"the launcher got {_signal_name(signum)} and stopped every rank")
+        self.signum, self.status = signum, 128 + signum
+
+
 def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
            prefix: bool = True, timeout: float | None = None, bind: str | None = None,
            on_failure: str = "stop") -> int:
@@ -429,9 +442,12 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
     Returns:
         0 if every rank succeeded, else the status of the first rank seen to
         fail (not the lowest-numbered) as a shell reports it (128 + N if
-        signal N killed it); 128 + N if the launcher got signal N (SIGTERM,
-        SIGINT, SIGHUP); 124 on timeout; 127 or 126 if ``command`` could not
-        be started.
+        signal N killed it); 124 on timeout; 127 or 126 if ``command`` could
+        not be started.
+
+    Raises:
+        LaunchStopped: the launcher got a stop signal (SIGTERM, SIGINT,
+            SIGHUP); every rank was stopped first.
 
     Several nodes: :func:`collectives.multinode.launch_nodes`.
     """
@@ -445,10 +461,13 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
             for r in range(nprocs)]
     received, restore = _record_stop_signals()
     try:
-        return run_processes(command, envs, list(range(nprocs)), cpus, prefix,
-                             lambda procs: _supervise(procs, timeout, received, on_failure))
+        status = run_processes(command, envs, list(range(nprocs)), cpus, prefix,
+                               lambda procs: _supervise(procs, timeout, received, on_failure))
     finally:
         restore()
+    if received:
+        raise LaunchStopped(received[0])
+    return status
 
 
 def run_processes(command: Sequence[str], envs: Sequence[dict[str, str]], labels: Sequence[int],

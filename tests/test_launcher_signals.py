@@ -83,9 +83,10 @@ class Job:
     """``collectives run ARGS`` with its output read by threads, so that no
     read blocks the test: lines arrive on a queue, each wait has a deadline."""
 
-    def __init__(self, args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
+                 argv: list[str] | None = None) -> None:
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "collectives.cli", "run", *args],
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "collectives.cli", "run", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, cwd=tmp_path, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -155,8 +156,8 @@ def start(tmp_path):
     (ranks and their children name tmp_path; watchdogs name their launcher)."""
     jobs: list[Job] = []
 
-    def start_job(args: list[str], env: dict[str, str] | None = None) -> Job:
-        jobs.append(Job(args, tmp_path, env))
+    def start_job(args: list[str], env: dict[str, str] | None = None, argv: list[str] | None = None) -> Job:
+        jobs.append(Job(args, tmp_path, env, argv))
         return jobs[-1]
 
     yield start_job
@@ -217,6 +218,39 @@ def test_ranks_die_with_their_launcher_even_without_the_watchdog(tmp_path, start
     assert job.proc.wait(timeout=END_SECONDS) == -signal.SIGKILL
     ranks = [pid for pid, _ in up.values()]
     assert _wait_gone(ranks, GONE_SECONDS) == [], "ranks outlived their launcher"
+
+
+# A program that runs jobs one after another through the launcher's function
+# (calibrate's stretch jobs, the bench's sweeps, each retried or followed by
+# the next when it fails).
+DRIVER = """\
+import sys
+from collectives.launcher import launch
+for job in range(2):
+    print("job", job, flush=True)
+    print("status", launch([sys.executable, {rank!r}], 2, prefix=False), flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_a_program_that_launches_jobs(tmp_path, start, sig):
+    """The stop signal the launcher's handlers took during a job stops the
+    program too, once every rank is stopped: ``launch`` raises LaunchStopped
+    rather than returning a status the program would take for that job's
+    failure (calibrate ran its next stretch job after a SIGTERM)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(rank=_rank_script(tmp_path)))
+    job = start([], argv=[sys.executable, str(driver)])
+    up = job.ranks_up(2)
+    t0 = time.monotonic()
+    job.proc.send_signal(sig)
+    rc = job.wait()
+    out = job.output()
+    assert time.monotonic() - t0 < END_SECONDS
+    lines = out.splitlines()
+    assert rc != 0 and "job 1" not in lines and not [x for x in lines if x.startswith("status ")], out
+    assert f"LaunchStopped: the launcher got {sig.name} and stopped every rank" in out, out
+    assert [p for p in _pids(up) if _alive(p)] == [], "ranks or their children outlived the launcher"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
