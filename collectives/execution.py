@@ -104,8 +104,6 @@ class CallExecution:
         self._fast.seq = value
 
     def _check_open(self) -> None:
-        if self._planner.stages:  # staged by a call that never ran
-            _release(self._planner.stages)
         self._planner.stages = []
         if self._broken is not None:
             raise self._again()
