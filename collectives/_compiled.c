@@ -84,6 +84,7 @@
 #include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <emmintrin.h>
 #endif
 
@@ -1168,6 +1169,37 @@ static void release_buffers(CallObject *pl, Py_buffer *views) {
         if (views[i].obj) PyBuffer_Release(&views[i]);
 }
 
+/* Bytes from which a copy between buffers that do not overlap is one
+ * ``rep movsb`` where the processor says it is fast (ERMS): glibc's memmove
+ * takes it too from a few KiB on, but on AMD processors stops at the size
+ * of a core's L2 cache (1 MiB here) and copies with vector stores above,
+ * which read every destination line first. Into a window half that other
+ * ranks read two steps before, that read waits on their caches: a 4-rank
+ * bcast of 1 MiB on 2 cores spent 120 us in the root's copy against 20 us
+ * for 1020 KiB (docs/shared-memory.md, "Copies"). */
+#define REP_MOVSB_FROM 4096
+static int use_rep_movsb = 0;  /* set by set_rep_movsb (collectives.compiled, at import) */
+
+static int has_fast_rep_movsb(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (b >> 9) & 1;  /* CPUID.(EAX=7, ECX=0):EBX bit 9: ERMS */
+#else
+    return 0;
+#endif
+}
+
+static inline void copy_apart(char *dst, const char *src, size_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (n >= REP_MOVSB_FROM && use_rep_movsb) {
+        __asm__ __volatile__("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 /* memmove, but for a destination 1 to 63 bytes past the source's place in
  * a 4 KiB page: there the string-copy instruction glibc uses from a few KiB
  * on runs about ten times slower on some processors (it stalls on 4 KiB
@@ -1176,8 +1208,12 @@ static void release_buffers(CallObject *pl, Py_buffer *views) {
  * moves, no string instruction) copies those at full speed. */
 static void copy_bytes(char *dst, const char *src, size_t n) {
     size_t ahead = (size_t)((uintptr_t)dst - (uintptr_t)src) & 4095;
-    if (n < 1024 || ahead == 0 || ahead >= 64 || (dst < src + n && src < dst + n)) {
+    if (dst < src + n && src < dst + n) {
         memmove(dst, src, n);
+        return;
+    }
+    if (n < 1024 || ahead == 0 || ahead >= 64) {
+        copy_apart(dst, src, n);
         return;
     }
     size_t i = 0;
@@ -1976,6 +2012,15 @@ static PyObject *ext_vm_move(PyObject *Py_UNUSED(module), PyObject *args) {
     return PyLong_FromLong(err);
 }
 
+/* set_rep_movsb(on) -> bool: copies from REP_MOVSB_FROM bytes on are one
+ * rep movsb when on and the processor has ERMS; whether they now are */
+static PyObject *ext_set_rep_movsb(PyObject *Py_UNUSED(module), PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    use_rep_movsb = on && has_fast_rep_movsb();
+    return PyBool_FromLong(use_rep_movsb);
+}
+
 /* recorder_time() -> (seconds, through the counter): the flight recorder's clock */
 static PyObject *ext_recorder_time(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     double t = recorder_seconds();
@@ -1991,6 +2036,9 @@ static PyMethodDef module_methods[] = {
      "recorder_time() -> (seconds, tsc): the flight recorder's clock (CLOCK_MONOTONIC's seconds) and whether it "
      "reads them through the time-stamp counter."},
     {"copy", ext_copy, METH_VARARGS, "copy(dst, src): dst = src (C-contiguous buffers of one length)."},
+    {"set_rep_movsb", ext_set_rep_movsb, METH_O,
+     "set_rep_movsb(on) -> bool: large copies by one rep movsb where the processor has ERMS (x86-64); "
+     "whether they now are."},
     {"vm_move", ext_vm_move, METH_VARARGS,
      "vm_move(pid, address, buffer, write) -> 0 or an errno: buffer read from address in process pid (write "
      "false) or written there (cross-memory attach)."},

@@ -101,6 +101,8 @@ def _settings() -> dict[str, Setting]:
                 "it (0: none; unset: from a copy of 1 MiB where each rank has a core, see docs/shared-memory.md)",
                 "shm"),
         Setting("COMPILED", "bool", True, "use the C fast path when it is built", "shm"),
+        Setting("COPY_REP_MOVSB", "bool", True, "compiled copies of 4 KiB and more are one rep movsb where the "
+                "processor has fast string copies (x86-64 ERMS); 0: the C library's memcpy (to measure)", "shm"),
         # TCP
         Setting("ZMQ_LANES", "bool", True, "carry the data of TCP jobs on direct lanes (not over ZeroMQ)", "tcp"),
         Setting("ZMQ_REUSE_BUFFERS", "bool", True, "let glibc reuse libzmq's receive buffers", "tcp"),

@@ -330,9 +330,18 @@ def test_window_collectives_with_and_without_the_compiled_path(monkeypatch, comp
     assert run_ranks(allreduce_cases, p, timeout=90) == [[]] * p
 
 
+@pytest.fixture(params=[True, False], ids=["rep_movsb", "memcpy"])
+def copy_instruction(request):
+    """Each copy test with the large copies' rep movsb on (where the processor
+    has it) and off, restored after."""
+    compiled.ext.set_rep_movsb(request.param)
+    yield request.param
+    compiled.ext.set_rep_movsb(compiled.rep_movsb)
+
+
 @needs_compiled
-@pytest.mark.parametrize("n", [0, 1, 63, 64, 1023, 1024, 1025, 4097, 65536 + 17])
-def test_copy_gives_the_bytes_at_every_distance_within_a_page(n):
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 1023, 1024, 1025, 4095, 4096, 4097, 65536 + 17, (1 << 20) + 3])
+def test_copy_gives_the_bytes_at_every_distance_within_a_page(n, copy_instruction):
     rng = np.random.default_rng(n)
     arena = np.zeros(2 * n + 6 * 4096, np.uint8)
     page = (-arena.ctypes.data) % 4096
@@ -348,11 +357,18 @@ def test_copy_gives_the_bytes_at_every_distance_within_a_page(n):
 
 
 @needs_compiled
-def test_copy_handles_overlap_other_dtypes_and_mismatches():
+def test_copy_handles_overlap_other_dtypes_and_mismatches(copy_instruction):
     a = np.arange(5000, dtype=np.uint8)
     want = a[:4000].copy()
     compiled.copy(a[16:4016], a[:4000])  # overlapping, 16 bytes ahead: memmove's semantics
     assert np.array_equal(a[16:4016], want)
+    big = np.random.default_rng(3).integers(0, 256, 1 << 17, dtype=np.uint8)
+    for shift in (1, 64, 4096, -1, -64, -4096):  # large overlapping copies, either way: never a forward string copy
+        b = big.copy()
+        lo, n = 8192, len(big) - 16384
+        want = b[lo:lo + n].copy()
+        compiled.copy(b[lo + shift:lo + shift + n], b[lo:lo + n])
+        assert np.array_equal(b[lo + shift:lo + shift + n], want), shift
     ml_dtypes = pytest.importorskip("ml_dtypes")
     b = np.arange(100, dtype=ml_dtypes.bfloat16)
     out = np.zeros_like(b)
