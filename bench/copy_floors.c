@@ -4,6 +4,10 @@
  * (size, way): "FLOOR <way> <bytes> <microseconds per move>", each the
  * median of its rounds' means.
  *
+ * Every copy is the library's (collectives/_compiled.c, copy_bytes): one
+ * rep movsb from 4 KiB on where the processor has ERMS, unless the
+ * environment says COLLECTIVES_COPY_REP_MOVSB=0 (then memcpy).
+ *
  * Ways (two processes, A and B, on a shared-memory barrier; buffers
  * written once before the rounds, as a benchmark's are):
  *   memcpy        A copies within its own memory (no second process involved)
@@ -17,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -24,6 +29,33 @@
 #include <unistd.h>
 
 #define PIECE (64 << 10)
+
+static int rep_movsb;
+
+static int use_rep_movsb(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    const char *off = getenv("COLLECTIVES_COPY_REP_MOVSB");
+    if (off && (!strcmp(off, "0") || !strcasecmp(off, "false") || !strcasecmp(off, "no") || !strcasecmp(off, "off")))
+        return 0;
+    unsigned a, b, c, d;
+    __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0));
+    if (a < 7) return 0;
+    __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return (b >> 9) & 1;
+#else
+    return 0;
+#endif
+}
+
+static void copy(char *dst, const char *src, size_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (rep_movsb && n >= 4096) {
+        __asm__ __volatile__("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
 
 static double now(void) {
     struct timespec t;
@@ -52,6 +84,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     size_t n = (size_t)atol(argv[1]);
+    rep_movsb = use_rep_movsb();
     int iters = atoi(argv[2]), rounds = atoi(argv[3]);
     Shared *sh = mmap(0, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     char *win = mmap(0, 2 * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -81,7 +114,7 @@ int main(int argc, char **argv) {
                 meet(sh->arrive, me, step);
                 double t0 = now();
                 if (w == 0 && me == 0) {
-                    memcpy(into, mine, n);
+                    copy(into, mine, n);
                 } else if ((w == 1 && me == 1) || w == 2) {
                     struct iovec l = {into, n}, rem = {mine, n};  /* the peer's buffer is at the same address */
                     if (process_vm_readv(pids[1 - me], &l, 1, &rem, 1, 0) != (ssize_t)n) {
@@ -90,22 +123,22 @@ int main(int argc, char **argv) {
                     }
                 } else if (w == 3) {
                     if (me == 0) {
-                        memcpy(half, mine, n);
+                        copy(half, mine, n);
                         __atomic_store_n(&sh->progress[0], step * (long)(n + 1), __ATOMIC_RELEASE);
                     } else {
                         while (__atomic_load_n(&sh->progress[0], __ATOMIC_ACQUIRE) < step * (long)(n + 1)) {}
-                        memcpy(into, half, n);
+                        copy(into, half, n);
                     }
                 } else if (w == 4) {
                     for (size_t a = 0; a < n; a += PIECE) {
                         size_t k = n - a < PIECE ? n - a : PIECE;
                         long mark = step * (long)(n + 1) + (long)(a + k);
                         if (me == 0) {
-                            memcpy(half + a, mine + a, k);
+                            copy(half + a, mine + a, k);
                             __atomic_store_n(&sh->progress[0], mark, __ATOMIC_RELEASE);
                         } else {
                             while (__atomic_load_n(&sh->progress[0], __ATOMIC_ACQUIRE) < mark) {}
-                            memcpy(into + a, half + a, k);
+                            copy(into + a, half + a, k);
                         }
                     }
                 }
