@@ -395,13 +395,13 @@ def test_a_larger_message_never_costs_less() -> None:
 
 def test_anchored_predictions_follow_a_cheaper_path_in_proportion() -> None:
     MiB = 1 << 20
-    base = Params(cores=2)  # 4 ranks: the window's bcast reads directly from 2 MiB
-    f = {n: predict("bcast", "shared_window", 4, n, base) for n in (7 * MiB // 4, 2 * MiB)}
-    assert f[2 * MiB] < f[7 * MiB // 4]  # one copy instead of two
+    base = Params(cores=2)  # 4 ranks: the window's bcast reads directly from 4 MiB
+    f = {n: predict("bcast", "shared_window", 4, n, base) for n in (7 * MiB // 2, 4 * MiB)}
+    assert f[4 * MiB] < f[7 * MiB // 2]  # one copy instead of two
     P = Params(cores=2, anchors=(("bcast", "shared_window", 4, 16, 30e-6),
-                                 ("bcast", "shared_window", 4, 7 * MiB // 4, 800e-6),
-                                 ("bcast", "shared_window", 4, 8 * MiB, 2500e-6)))
-    assert predict("bcast", "shared_window", 4, 2 * MiB, P) == pytest.approx(800e-6 * f[2 * MiB] / f[7 * MiB // 4])
+                                 ("bcast", "shared_window", 4, 7 * MiB // 2, 800e-6),
+                                 ("bcast", "shared_window", 4, 16 * MiB, 2500e-6)))
+    assert predict("bcast", "shared_window", 4, 4 * MiB, P) == pytest.approx(800e-6 * f[4 * MiB] / f[7 * MiB // 2])
 
 
 def test_a_chain_sends_one_piece_hop_by_hop_and_pipelines_the_rest() -> None:
@@ -419,15 +419,18 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
     MiB = 1 << 20
     assert direct_from("allreduce", 2, 2) == 4 * MiB and direct_from("allreduce", 4, 2) == 4 * MiB
     assert direct_from("allreduce", 8, 0) == 4 * MiB  # a core each
-    assert direct_from("bcast", 2, 2) == 4 * MiB and direct_from("bcast", 4, 2) == 2 * MiB  # sooner
+    assert direct_from("alltoall", 2, 2) == 4 * MiB and direct_from("alltoall", 4, 2) == 2 * MiB  # sooner
+    assert direct_from("gather", 2, 2) == 2 * MiB and direct_from("gather", 4, 2) == 8 * MiB  # later
+    assert direct_from("bcast", 4, 2) == 4 * MiB and direct_from("bcast", 8, 2) == 4 * MiB  # the window up to there
     P = Params(cores=2)
     for collective in DIRECT_FROM:
         at = direct_from(collective, 4, 2)
         assert direct(collective, 4, at, P)
         assert direct(collective, 4, at - 1, P) == compiled_direct(collective, at - 1, 4, 2)  # its compiled call
-    assert direct("scatter", 4, 128 << 10, P) and not direct("scatter", 4, (128 << 10) - 1, P)
-    assert direct("gather", 4, 512 << 10, P) and not direct("gather", 4, (512 << 10) - 1, P)
-    assert direct("bcast", 4, 2 << 20, P) and not direct("bcast", 4, (2 << 20) - 1, P)
+    assert direct("scatter", 4, 4 << 20, P) and not direct("scatter", 4, (4 << 20) - 1, P)
+    assert direct("alltoall", 4, 2 << 20, P) and not direct("alltoall", 4, (2 << 20) - 1, P)  # the pool's
+    assert direct("gather", 4, 8 << 20, P) and not direct("gather", 4, (8 << 20) - 1, P)
+    assert direct("bcast", 4, 4 << 20, P) and not direct("bcast", 4, (4 << 20) - 1, P)
     small, large = (predict("allreduce", "shared_window", 2, n, P) for n in (4 * MiB - 4, 4 * MiB))
     assert large < small  # the single copy of the direct path costs less in the model too
     monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(MiB))

@@ -39,8 +39,8 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
     "allreduce":       (4 << 20,   0,    True),
     "reduce_scatter":  (16 << 20,  2,    True),
     "allgather":       (2 << 20,   1,    True),
-    "bcast":           (4 << 20,  -1,    False),
-    "gather":          (2 << 20,   0,    False),
+    "bcast":           (4 << 20,   0,    False),
+    "gather":          (2 << 20,   2,    False),
     "alltoall":        (4 << 20,  -1,    False),
     "scatter":         (4 << 20,   0,    False),
 }
@@ -54,15 +54,18 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: until)`` where ranks have a core each, then where they share cores; a
 #: ``from`` of None: never. Where one rank reads from every other (gather,
 #: with a core each) or every rank from one (bcast), the window's copies
-#: overlap below 2 MiB and the direct read did not win there; the numbers
-#: are in docs/shared-memory.md.
+#: overlap below 2 MiB and the direct read did not win there. Where ranks
+#: share cores, only scatter's from 4 MiB: since the window's copies are one
+#: ``rep movsb`` each, they beat the compiled direct reads of the others at
+#: 4 ranks on 2 cores, and the pool's direct path beats them above; the
+#: numbers are in docs/shared-memory.md.
 COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], tuple[int | None, int | None]]] = {
     # collective:  (a core each,              ranks share cores)
-    "allgather":   ((128 << 10, 64 << 20),    (2 << 20, 64 << 20)),
-    "alltoall":    ((128 << 10, 64 << 20),    (256 << 10, None)),
-    "scatter":     ((128 << 10, None),        (128 << 10, None)),
-    "bcast":       ((4 << 20, 16 << 20),      (2 << 20, 4 << 20)),
-    "gather":      ((2 << 20, 64 << 20),      (512 << 10, 16 << 20)),
+    "allgather":   ((128 << 10, 64 << 20),    (None, None)),
+    "alltoall":    ((128 << 10, 64 << 20),    (None, None)),
+    "scatter":     ((128 << 10, None),        (4 << 20, None)),
+    "bcast":       ((4 << 20, 16 << 20),      (None, None)),
+    "gather":      ((2 << 20, 64 << 20),      (None, None)),
 }
 
 
