@@ -125,11 +125,12 @@ def test_the_default_sizes_take_the_direct_call_where_the_table_says():
         assert compiled_direct(collective, 256 << 10, 2, 2) == (collective in ("allgather", "alltoall", "scatter"))
         assert not compiled_direct(collective, 64 << 10, 2, 2)
         assert not compiled_direct(collective, 64 << 10, 4, 2)
-    # where ranks share cores, from 1 MiB on only scatter's: the window's copies and the pool's direct path
-    # win for the others (docs/shared-memory.md, "Tuning")
+    # where ranks share cores, from 1 MiB on only alltoall's and scatter's: the window's copies and the
+    # pool's direct path win for the others (docs/shared-memory.md, "Tuning")
     assert compiled_direct("alltoall", 256 << 10, 4, 2) and compiled_direct("gather", 512 << 10, 4, 2)
     assert compiled_direct("scatter", 128 << 10, 4, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
-    assert not any(compiled_direct(c, n, 4, 2) for c in ("allgather", "alltoall", "bcast", "gather")
+    assert compiled_direct("alltoall", 64 << 20, 4, 2)
+    assert not any(compiled_direct(c, n, 4, 2) for c in ("allgather", "bcast", "gather")
                    for n in (1 << 20, 4 << 20, 64 << 20))
     assert not compiled_direct("allgather", 64 << 20, 2, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
 
