@@ -188,22 +188,32 @@ class CostModel:
         collective, name: the algorithm it describes.
         func: ``func(p, n, P) -> seconds``.
         summary: first line of its docstring.
+        call: whether a call also costs :attr:`Params.call` (the message
+            path's fixed work, which calibration fits on message
+            algorithms); False for a compiled call's (the shared window's).
     """
 
     collective: str
     name: str
     func: Callable[[int, int, Params], float]
     summary: str
+    call: bool = True
+
+    def fixed(self, P: Params) -> float:
+        """Seconds of the call's fixed work added to the formula."""
+        return P.call if self.call else 0.0
 
 
 MODELS: dict[tuple[str, str], CostModel] = {}
 
 
-def cost_model(collective: str, name: str) -> Callable:
-    """Decorator: register ``func(p, n, P)`` as the formula of (collective, name)."""
+def cost_model(collective: str, name: str, call: bool = True) -> Callable:
+    """Decorator: register ``func(p, n, P)`` as the formula of (collective,
+    name); ``call`` False: its calls do not cost :attr:`Params.call` (see
+    :class:`CostModel`)."""
     def deco(func: Callable[[int, int, Params], float]) -> Callable:
         summary = (func.__doc__ or "").strip().split("\n")[0]
-        MODELS[(collective, name)] = CostModel(collective, name, func, summary)
+        MODELS[(collective, name)] = CostModel(collective, name, func, summary, call)
         return func
     return deco
 
@@ -260,7 +270,7 @@ def _switches(model: CostModel, p: int, lo: int, hi: int, f_lo: float, f_hi: flo
 
 def _formula(model: CostModel, p: int, nbytes: int, P: Params) -> float:
     """The formula with the fixed call cost and the sharing of cores."""
-    seconds = float(model.func(p, nbytes, P)) + P.call
+    seconds = float(model.func(p, nbytes, P)) + model.fixed(P)
     if P.stretch:
         terms = _terms(model, p, nbytes, P, seconds)
         return sum(f * t for f, t in zip(P.stretch_at(p), terms))
@@ -287,7 +297,7 @@ def _stretch_row(t: Any) -> tuple[int, float, float, float, float]:
 
 def _terms(model: CostModel, p: int, nbytes: int, P: Params,
            total: float) -> tuple[float, float, float, float]:
-    latency = float(model.func(p, nbytes, P.latency_only())) + P.call
+    latency = float(model.func(p, nbytes, P.latency_only())) + model.fixed(P)
     fences = float(model.func(p, nbytes, P.fence_only()))
     local = float(model.func(p, nbytes, P.local_only()))
     return max(latency - fences, 0.0), max(total - latency - local, 0.0), fences, local
@@ -304,7 +314,7 @@ def split_terms(collective: str, name: str, p: int, nbytes: int, params: Params,
     model = MODELS[(collective, name)]
     P = replace(params, stretch=(), cores=0).for_dtype(dtype)
     nbytes = int(nbytes) - int(nbytes) % P.itemsize
-    total = float(model.func(int(p), nbytes, P)) + P.call
+    total = float(model.func(int(p), nbytes, P)) + model.fixed(P)
     return _terms(model, int(p), nbytes, P, total)
 
 

@@ -7,7 +7,7 @@ from ..model import Params, cost_model
 from .common import direct
 
 
-@cost_model("allgather", "shared_window")
+@cost_model("allgather", "shared_window", call=False)
 def allgather(p: int, n: int, P: Params) -> float:
     """2F + (p-1) copy(b)."""
     if p == 1 or n == 0:

@@ -25,7 +25,7 @@ from collectives.algorithms.window.tuning import PIECE_BYTES, allreduce_two_step
 from .common import direct, one_fence, pieces
 
 
-@cost_model("allreduce", "shared_window")
+@cost_model("allreduce", "shared_window", call=False)
 def allreduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; two steps on shared cores or at 2 ranks; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
     if n < PIECE_BYTES and allreduce_two_steps(n, p, P.cores):

@@ -7,7 +7,7 @@ from ..model import Params, cost_model
 from .common import direct, filled, pieces
 
 
-@cost_model("alltoall", "shared_window")
+@cost_model("alltoall", "shared_window", call=False)
 def alltoall(p: int, n: int, P: Params) -> float:
     """2 copy((p-1)/p n) + F per piece; direct 2F + copy((p-1)/p n)."""
     if p == 1 or n == 0:

@@ -7,7 +7,7 @@ from ..model import Params, cost_model
 from .common import direct, filled
 
 
-@cost_model("bcast", "shared_window")
+@cost_model("bcast", "shared_window", call=False)
 def bcast(p: int, n: int, P: Params) -> float:
     """2F + copy(n)."""
     if p == 1 or n == 0:

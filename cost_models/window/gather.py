@@ -9,7 +9,7 @@ from ..model import Params, cost_model
 from .common import direct, pieces
 
 
-@cost_model("gather", "shared_window")
+@cost_model("gather", "shared_window", call=False)
 def gather(p: int, n: int, P: Params) -> float:
     """copy(n/p) + F per piece + copy((p-1)/p n); direct 2F + copy(n/p)."""
     if p == 1 or n == 0:

@@ -14,7 +14,7 @@ from collectives.algorithms.window.tuning import PIECE_BYTES, reduce_one_fence_l
 from .common import one_fence, pieces
 
 
-@cost_model("reduce", "shared_window")
+@cost_model("reduce", "shared_window", call=False)
 def reduce(p: int, n: int, P: Params) -> float:
     """copy(n) + F + (p-1) n gamma small; 2F per piece (or two steps on shared cores) + 2 copy((p-1)/p n) + (p-1)/p n gamma."""
     share = (p - 1) / p * n

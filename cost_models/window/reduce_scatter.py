@@ -7,7 +7,7 @@ from ..model import Params, cost_model
 from .common import direct
 
 
-@cost_model("reduce_scatter", "shared_window")
+@cost_model("reduce_scatter", "shared_window", call=False)
 def reduce_scatter(p: int, n: int, P: Params) -> float:
     """2F + (p-1) copy(b) + (p-1) b gamma."""
     if p == 1:

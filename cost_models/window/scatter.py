@@ -7,7 +7,7 @@ from ..model import Params, cost_model
 from .common import direct, filled, pieces
 
 
-@cost_model("scatter", "shared_window")
+@cost_model("scatter", "shared_window", call=False)
 def scatter(p: int, n: int, P: Params) -> float:
     """copy((p-1)/p n) + F per piece + copy(n/p); direct 2F + copy(n/p)."""
     if p == 1 or n == 0:
