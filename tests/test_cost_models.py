@@ -7,7 +7,6 @@ import math
 import subprocess
 import sys
 import time
-
 from dataclasses import replace
 
 import numpy as np
