@@ -101,12 +101,8 @@ _ext_copy = ext.copy if ext is not None else None
 def _set_copy_instruction() -> bool:
     """Let the compiled copies of 4 KiB and more be one ``rep movsb`` where
     the processor has fast string copies (ERMS), unless
-    ``COLLECTIVES_COPY_REP_MOVSB=0``; whether they are. glibc's memcpy takes
-    that instruction too, from a few KiB up to a size it sets per processor:
-    on AMD the size of a core's L2 cache (1 MiB here), above which it copies
-    with vector stores that first read every destination line. Copied into a
-    window half that other ranks read two steps before, each such read waits
-    on their caches (docs/shared-memory.md, "Copies")."""
+    ``COLLECTIVES_COPY_REP_MOVSB=0``; whether they are. Why: ``copy_apart``
+    in ``_compiled.c`` and docs/shared-memory.md, "Copies"."""
     from . import config
 
     return bool(ext.set_rep_movsb(bool(config.get("COPY_REP_MOVSB")))) if ext is not None else False
