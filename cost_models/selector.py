@@ -105,7 +105,9 @@ class Explanation:
                  f"params ({P.source}): a message {P.messages()}, gamma={P.gamma * 1e9:.4f} ns/B, "
                  f"memory {P.mem_bandwidth / 1e9:.2f} GB/s, fence={P.fence * 1e6:.2f} us, "
                  f"overhead={P.overhead * 1e6:.2f} us/msg, call={P.call * 1e6:.2f} us, "
-                 f"cores={P.cores or 'one per rank'}, segment={P.segment_bytes} B",
+                 f"cores={P.cores or 'one per rank'}, "
+                 f"{'' if P.cma_faster else 'cross-memory reads slower than the window, '}"
+                 f"segment={P.segment_bytes} B",
                  f"{'algorithm':40s} {'predicted':>14s}  formula"]
         for c in self.candidates:
             t = f"{c.seconds * 1e6:11.2f} us" if c.runnable else f"{'(needs ' + ','.join(sorted(c.needs)) + ')':>14s}"

@@ -520,3 +520,45 @@ def closed_communicators_unmap(comm, rounds: int) -> list[str]:
 def test_a_closed_communicator_leaves_nothing_mapped(p):
     for r, bad in enumerate(run_ranks(closed_communicators_unmap, p, 4, timeout=120)):
         assert not bad, f"rank {r}: {bad[:3]}"
+
+
+def _race_rank(rank: int, size: int, job: str, options: dict, out) -> None:
+    t = SharedMemoryTransport.open(rank, size, job=job, timeout=20, options=options)
+    try:
+        out.put((rank, t.cma_faster, t.cores, dict(t.copy_race)))
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("p,settings", [(2, (None, None)), (3, (None, None, None)), (2, ("1", "0")),
+                                        (2, ("0", "1")), (3, (None, "0", "0"))])
+def test_the_copy_race_is_one_answer_on_every_rank(p, settings):
+    """Every rank takes rank 0's answer: its setting, else the race it ran
+    with rank 1 (only where the ranks have a core each); a peer's setting
+    does not count."""
+    job = "race" + secrets.token_hex(4)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_race_rank, daemon=True,
+                         args=(r, p, job, {} if s is None else {"shm_cma_faster": s}, out))
+             for r, s in enumerate(settings)]
+    start = time.monotonic()
+    for proc in procs:
+        proc.start()
+    got = sorted(out.get(timeout=60) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0, f"a rank exited with {proc.exitcode}"
+    assert time.monotonic() - start < 60
+    answers = {faster for _, faster, _, _ in got}
+    assert len(answers) == 1, f"ranks disagree: {got}"
+    timed = [times for _, _, _, times in got if times]
+    if settings[0] is not None:
+        assert answers == {settings[0] == "1"} and not timed
+    elif got[0][2] >= p:  # a core each: rank 0 raced, and only rank 0 keeps the times
+        assert len(timed) == 1 and got[0][3] == timed[0]
+        race = timed[0]
+        assert all(race[k] > 0 for k in ("copy_in_ns", "copy_out_ns", "read_ns")), race
+        assert answers == {race["read_ns"] < race["copy_in_ns"] + race["copy_out_ns"]}
+    else:  # ranks share cores: no race, the table for shared cores holds whatever the answer
+        assert answers == {True} and not timed

@@ -13,7 +13,10 @@ sender; default 1 MiB for up to 4 ranks, less above), ``shm_window_bytes``
 ``COLLECTIVES_SHM_ALLOC_BYTES`` (sparse pool, default 1 GiB of address
 space per rank), ``shm_cma`` / ``COLLECTIVES_SHM_CMA`` (0 turns off
 reading and writing peers' private memory, see :mod:`.cma`; it is used
-only when every rank may reach every other), ``shm_adopt`` /
+only when every rank may reach every other), ``shm_cma_faster`` /
+``COLLECTIVES_SHM_CMA_FASTER`` (1 or 0: whether such a read beats the
+window's two copies; default: raced at startup, see :mod:`.copy_race`),
+``shm_adopt`` /
 ``COLLECTIVES_SHM_ADOPT`` (0 keeps the pages of buffers used again and
 again private: see :mod:`.pages`).
 """
@@ -34,7 +37,7 @@ from collectives.arithmetic import pow2_floor
 from collectives.errors import BadArgument, CollectiveTimeout, PeerLost
 from collectives.waiting import Backoff
 
-from . import cma
+from . import cma, copy_race
 from .layout import (CPU_WORDS, MAGIC, MiB, Q_ALLOC, Q_ATTACHED, Q_CMA, Q_CPUS, Q_DONE, Q_EPOCH, Q_INBOX,
                      Q_MAGIC, Q_COMPILED, Q_PID, Q_POST, Q_PROBE, Q_RING, Q_SECRET, Q_SIZE, Q_SLEEP, Q_WINDOW, SHM_DIR,
                      WINDOW_HEADER_BYTES, Layout, Segment, align, default_ring_bytes, segment_path)
@@ -94,6 +97,7 @@ class Settings(NamedTuple):
     secret: int   # identifies the job's segments (from ``options["secret"]``, else the job id)
     cma: bool     # whether to try cross-memory attach
     adopt: bool   # whether to move buffers used again and again into the pool
+    cma_faster: bool | None  # rank 0's: whether a cross-memory read beats the window's copies (None: measure)
 
 
 def settings(size: int, job: str, options: dict[str, Any]) -> Settings:
@@ -113,8 +117,10 @@ def settings(size: int, job: str, options: dict[str, Any]) -> Settings:
                           f"window {window} B (at least 64 KiB), pool {pool} B")
     cma_on = _env_int(options, "shm_cma", 1) != 0
     adopt = _env_int(options, "shm_adopt", 1) != 0
+    faster = _env_int(options, "shm_cma_faster", -1)
     secret = int.from_bytes(hashlib.sha1(str(options.get("secret", job)).encode()).digest()[:8], "little")
-    return Settings(Layout(size, ring, window + WINDOW_HEADER_BYTES, pool), secret, cma_on, adopt)
+    return Settings(Layout(size, ring, window + WINDOW_HEADER_BYTES, pool), secret, cma_on, adopt,
+                    None if faster < 0 else faster != 0)
 
 
 def _create(job: str, rank: int, size: int, layout: Layout, secret: int, probe_address: int) -> Segment:
@@ -179,19 +185,20 @@ def unlink_all(job: str, size: int) -> None:
 class SegmentSetup:
     """The rendezvous; mixed into :class:`~.transport.SharedMemoryTransport`.
 
-    Reads ``rank``, ``size``, ``_job``, ``_layout``, ``_secret`` and
-    ``_cma_wanted``; sets ``_segs`` (every rank's :class:`~.layout.Segment`),
+    Reads ``rank``, ``size``, ``_job``, ``_layout``, ``_secret``,
+    ``_cma_wanted`` and ``_cma_faster_wanted``; sets ``_segs`` (every rank's :class:`~.layout.Segment`),
     ``_probe`` (the word peers probe), ``_watch``, ``_bases`` (every
     segment's address), ``_sleep_words``,
     ``_counter_words`` (addresses of every rank's ``Q_EPOCH``, ``Q_POST``
-    and ``Q_DONE``), ``_inbox_word``, ``_records``, ``cma``, ``cores`` and
-    ``_spin``. Waits with :meth:`~.waking.Waking._wait_counter`.
+    and ``Q_DONE``), ``_inbox_word``, ``_records``, ``cma``, ``cores``,
+    ``cma_faster`` (:mod:`.copy_race`) and ``_spin``. Waits with :meth:`~.waking.Waking._wait_counter`.
     """
 
     def _rendezvous(self, deadline: float) -> None:
         """Create this rank's segment, map every peer's, wait until every rank
         mapped every other, unlink this rank's name, agree on cross-memory
-        attach and count the cores."""
+        attach, count the cores and race a cross-memory read against the
+        window's copies."""
         self._probe = np.array([MAGIC], np.uint64)
         own = _create(self._job, self.rank, self.size, self._layout, self._secret, self._probe.ctypes.data)
         segs: list[Segment | None] = [None] * self.size
@@ -213,6 +220,7 @@ class SegmentSetup:
         os.unlink(own.path)
         self._probe_cma(deadline)
         self._count_cores()
+        self.cma_faster = copy_race.race(self, deadline, self._cma_faster_wanted)
 
     def _attach_peers(self, segs: list, deadline: float) -> None:
         """Map every peer's segment into ``segs`` as it appears."""

@@ -72,7 +72,7 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
             job: an id shared by the ranks of one job; names derive from it.
             timeout: default timeout of waits and of the rendezvous, seconds.
             options: ``shm_ring_bytes``, ``shm_window_bytes``,
-                ``shm_alloc_bytes``, ``shm_cma``, ``shm_adopt``, ``secret``
+                ``shm_alloc_bytes``, ``shm_cma``, ``shm_cma_faster``, ``shm_adopt``, ``secret``
                 (all optional; see :mod:`.segments`).
 
         Returns:
@@ -88,10 +88,12 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         if size < 1 or not 0 <= rank < size:
             raise BadArgument(f"rank {rank} is not in a world of {size} ranks")
         s = segments.settings(size, job, options)
-        return cls(rank, size, job, float(timeout), s.layout, s.secret, s.cma, s.adopt, options.get("rank_pids"))
+        return cls(rank, size, job, float(timeout), s.layout, s.secret, s.cma, s.adopt, options.get("rank_pids"),
+                   s.cma_faster)
 
     def __init__(self, rank: int, size: int, job: str, timeout: float, layout: Layout, secret: int,
-                 cma: bool = True, adopt: bool = True, rank_pids: list[int] | None = None) -> None:
+                 cma: bool = True, adopt: bool = True, rank_pids: list[int] | None = None,
+                 cma_faster: bool | None = None) -> None:
         self.rank, self.size, self.timeout = rank, size, timeout
         self._rank_pids = rank_pids  # known processes of the ranks (a shrink's): their death ends the rendezvous
         self._layout = layout
@@ -109,6 +111,9 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._next_check = 0.0
         self.cma = False
         self._cma_wanted = cma
+        self._cma_faster_wanted = cma_faster
+        self.cma_faster = True  # until the rendezvous races the two (copy_race)
+        self.copy_race: dict[str, int] = {}  # rank 0's times when it did
         self.cores = len(affinity())  # until the rendezvous tells every rank's
         self._spin = spin_seconds(size, self.cores)
         self._yield = yield_seconds()
@@ -123,8 +128,8 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._pool = Pool(layout.pool)
         self._window = ShmWindow(self, adopt)
         log.info("rank %d: shared memory of job %s up: %d ranks on %d cores, rings of %d B, a window of %d B, "
-                 "cross-memory attach %s, compiled calls %s", rank, job, size, self.cores, layout.ring, layout.window,
-                 "on" if self.cma else "off", "on" if "compiled_calls" in self._window.features else "off")
+                 "cross-memory attach %s%s, compiled calls %s", rank, job, size, self.cores, layout.ring, layout.window,
+                 "on" if self.cma else "off", "" if self.cma_faster else " (slower than the window's copies)", "on" if "compiled_calls" in self._window.features else "off")
 
     def begin_call(self, seq: int, sig: signature.Sig, refusal: str | None = None) -> None:
         """Publish this rank's record of call ``seq`` (peers check it before

@@ -51,7 +51,9 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: readers) instead of going through the window (two copies) or the pool's
 #: direct path (:data:`DIRECT_FROM`): from ``from`` bytes up to (not
 #: including) ``until`` (None: no end), the same on every rank; ``(from,
-#: until)`` where ranks have a core each, then where they share cores; a
+#: until)`` where ranks have a core each and the read beats the window's two
+#: copies, then where it does not (the rendezvous races them once,
+#: ``transports/shm/copy_race.py``), then where ranks share cores; a
 #: ``from`` of None: never. Where one rank reads from every other (gather,
 #: with a core each) or every rank from one (bcast), the window's copies
 #: overlap below 2 MiB and the direct read did not win there. Where ranks
@@ -61,19 +63,20 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: alltoall's at 3 and 8); below 1 MiB, where the copies did not change,
 #: the spans stay as they were measured. The numbers are in
 #: docs/shared-memory.md.
-COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], tuple[int | None, int | None]]] = {
-    # collective:  (a core each,              ranks share cores)
-    "allgather":   ((128 << 10, 64 << 20),    (None, None)),
-    "alltoall":    ((128 << 10, 64 << 20),    (256 << 10, None)),
-    "scatter":     ((128 << 10, None),        (128 << 10, None)),
-    "bcast":       ((4 << 20, 16 << 20),      (None, None)),
-    "gather":      ((2 << 20, 64 << 20),      (512 << 10, 1 << 20)),
+COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], ...]] = {
+    # collective:  (a core each,              the read slower,    ranks share cores)
+    "allgather":   ((128 << 10, 64 << 20),    (None, None),       (None, None)),
+    "alltoall":    ((128 << 10, 64 << 20),    (None, None),       (256 << 10, None)),
+    "scatter":     ((128 << 10, None),        (4 << 20, None),    (128 << 10, None)),
+    "bcast":       ((4 << 20, 16 << 20),      (None, None),       (None, None)),
+    "gather":      ((2 << 20, 64 << 20),      (None, None),       (512 << 10, 1 << 20)),
 }
 
 
-def compiled_direct(collective: str, nbytes: int, p: int, cores: int) -> bool:
+def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_faster: bool = True) -> bool:
     """Whether ``collective`` of ``nbytes`` at ``p`` ranks on ``cores`` cores
-    (0: a core each) takes the direct compiled call (see
+    (0: a core each) takes the direct compiled call, ``cma_faster`` saying
+    whether a cross-memory read beats the window's two copies (see
     :data:`COMPILED_DIRECT`); ``COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES``,
     when set, makes every one of them take it from that size on (all ranks
     must agree)."""
@@ -82,7 +85,8 @@ def compiled_direct(collective: str, nbytes: int, p: int, cores: int) -> bool:
     forced = config.get("WINDOW_COMPILED_DIRECT_BYTES")
     if forced is not None:
         return nbytes >= forced
-    start, until = COMPILED_DIRECT[collective][bool(cores) and p > cores]
+    column = 2 if cores and p > cores else (0 if cma_faster else 1)
+    start, until = COMPILED_DIRECT[collective][column]
     return start is not None and nbytes >= start and (until is None or nbytes < until)
 
 
