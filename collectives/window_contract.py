@@ -160,10 +160,10 @@ class SharedWindow(abc.ABC):
         cores: cores the window's ranks share between them (0: not known,
             each rank taken to have one of its own); algorithms scale
             their switch points with the ranks per core.
-        cma_faster: whether one read of a peer's private memory (the
+        cma_from: bytes from which one read of a peer's private memory (the
             ``direct_access`` feature) beats two copies through the window
-            between ranks with a core each (the same on every rank);
-            algorithms take their direct compiled calls by it.
+            between ranks with a core each (the same on every rank; 0: at
+            every size); algorithms take their direct compiled calls by it.
         size: the ranks that share the window (one region each).
         kept: a dict the window algorithms keep what they make for this
             window in (:mod:`collectives.algorithms.window.state`: views
@@ -174,7 +174,7 @@ class SharedWindow(abc.ABC):
     features: frozenset[str] = frozenset()
     capacity: int
     cores: int = 0
-    cma_faster: bool = True
+    cma_from: int = 0
     size: int = 1
     kept: dict
 

@@ -63,7 +63,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     extra, anchors = rank_count_measurements(comm, quick) if comm.size > 1 else ([], [])
     latency.probe("at the end")
     name, p, cores = comm.transport.name, comm.size, comm.transport.cores or host_cores()
-    cma_faster = bool(getattr(comm.transport, "cma_faster", True))
+    cma_from = int(getattr(comm.transport, "cma_from", 0))
     comm.close()
     if comm.rank != 0:
         return 0
@@ -77,7 +77,7 @@ def rank_main(out: str | None, quick: bool) -> int:
     params = replace(params, exchange=fit_exchange(EXCHANGE_BYTES, exchanges, params))
     overhead, call = fit_overheads(probes, params, p)
     params = replace(params, overhead=overhead, call=call, cores=cores if name == "shm" else 0,
-                     cma_faster=cma_faster if name == "shm" else True)
+                     cma_from=cma_from if name == "shm" else 0)
     if p > 1:
         params = replace(params, stretch=((p, *fit_stretch(probes + extra, params, p)),),
                          anchors=tuple(anchors))

@@ -50,8 +50,8 @@ class Params:
             receives at once) over that of a one-way message (see :meth:`xmsg`).
         call: seconds of one collective call's fixed work (checks, choice, plan).
         cores: cores the ranks share on one host (0: every rank has its own).
-        cma_faster: whether one cross-memory read beat the window's two
-            copies between ranks with a core each, as the shared-memory
+        cma_from: bytes from which one cross-memory read beat the window's
+            two copies between ranks with a core each, as the shared-memory
             transport raced them at calibration (picks the window's direct
             compiled calls, see ``tuning.COMPILED_DIRECT``).
         stretch: measured ``(p, message-latency factor, message-byte factor,
@@ -77,7 +77,7 @@ class Params:
     exchange: float = 1.0
     call: float = 0.0
     cores: int = 0
-    cma_faster: bool = True
+    cma_from: int = 0
     stretch: tuple[tuple[int, float, float, float, float], ...] = ()
     anchors: tuple[tuple[str, str, int, int, float], ...] = ()
     source: str = "defaults"
@@ -169,7 +169,7 @@ class Params:
                 "gamma_by_dtype": dict(self.gamma_by_dtype), "mem_bandwidth": self.mem_bandwidth,
                 "fence": self.fence, "segment_bytes": self.segment_bytes, "overhead": self.overhead,
                 "exchange": self.exchange,
-                "call": self.call, "cores": self.cores, "cma_faster": self.cma_faster,
+                "call": self.call, "cores": self.cores, "cma_from": self.cma_from,
                 "stretch": [list(t) for t in self.stretch],
                 "anchors": [list(t) for t in self.anchors],
                 "protocol": [list(t) for t in self.protocol], "source": self.source}
@@ -178,7 +178,7 @@ class Params:
     def from_dict(cls, d: dict[str, Any]) -> "Params":
         """Inverse of :meth:`as_dict` (unknown keys ignored)."""
         known = {k: d[k] for k in ("alpha", "beta", "gamma", "mem_bandwidth", "fence", "segment_bytes",
-                                   "overhead", "exchange", "call", "cores", "cma_faster", "source") if k in d}
+                                   "overhead", "exchange", "call", "cores", "cma_from", "source") if k in d}
         return cls(**known, gamma_by_dtype=dict(d.get("gamma_by_dtype", {})),
                    protocol=tuple(tuple(t) for t in d.get("protocol", ())),
                    stretch=tuple(_stretch_row(t) for t in d.get("stretch", ()) if len(t) in (4, 5)),

@@ -106,7 +106,7 @@ class Explanation:
                  f"memory {P.mem_bandwidth / 1e9:.2f} GB/s, fence={P.fence * 1e6:.2f} us, "
                  f"overhead={P.overhead * 1e6:.2f} us/msg, call={P.call * 1e6:.2f} us, "
                  f"cores={P.cores or 'one per rank'}, "
-                 f"{'' if P.cma_faster else 'cross-memory reads slower than the window, '}"
+                 f"{f'cross-memory reads from {P.cma_from} B, ' if P.cma_from else ''}"
                  f"segment={P.segment_bytes} B",
                  f"{'algorithm':40s} {'predicted':>14s}  formula"]
         for c in self.candidates:

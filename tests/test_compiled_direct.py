@@ -18,6 +18,7 @@ import pytest
 from collectives import CollectiveError
 from collectives.algorithms.window.state import WindowState
 from collectives.algorithms.window.tuning import compiled_direct
+from collectives.transports.shm.copy_race import NEVER
 from collectives.bench.faults import guarded, intact
 from harness import run_ranks
 
@@ -121,23 +122,25 @@ def test_direct_calls_are_right_stay_in_their_buffers_and_are_taken(monkeypatch,
 
 def test_the_default_sizes_take_the_direct_call_where_the_table_says():
     """With a core each, allgather, alltoall and scatter of 256 KiB at 2 ranks take it where a
-    cross-memory read beats the window's two copies; bcast and gather do not; where the read is
-    slower, only scatter from 4 MiB."""
+    cross-memory read beats the window's two copies; bcast and gather do not; below the size from
+    which the read wins, only scatter from 4 MiB (where the other path reads directly too)."""
     for collective in COLLECTIVES:
         assert compiled_direct(collective, 256 << 10, 2, 2) == (collective in ("allgather", "alltoall", "scatter"))
-        assert not compiled_direct(collective, 256 << 10, 2, 2, cma_faster=False)
+        assert not compiled_direct(collective, 256 << 10, 2, 2, cma_from=1 << 20)
         assert not compiled_direct(collective, 64 << 10, 2, 2)
         assert not compiled_direct(collective, 64 << 10, 4, 2)
-    assert [c for c in COLLECTIVES if any(compiled_direct(c, n, 2, 2, cma_faster=False)
+    assert [c for c in COLLECTIVES if any(compiled_direct(c, n, 2, 2, cma_from=NEVER)
                                           for n in (1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20))] == ["scatter"]
-    assert compiled_direct("scatter", 4 << 20, 2, 2, False) and not compiled_direct("scatter", 2 << 20, 2, 2, False)
+    assert compiled_direct("scatter", 4 << 20, 2, 2, NEVER) and not compiled_direct("scatter", 2 << 20, 2, 2, NEVER)
+    # from the size the race found on, the table for a read that wins
+    assert compiled_direct("alltoall", 1 << 20, 2, 2, 1 << 20) and not compiled_direct("alltoall", 512 << 10, 2, 2, 1 << 20)
     # where ranks share cores, from 1 MiB on only alltoall's and scatter's: the window's copies and the
     # pool's direct path win for the others (docs/shared-memory.md, "Tuning"); the race does not count there
-    for faster in (True, False):
-        assert compiled_direct("alltoall", 256 << 10, 4, 2, faster) and compiled_direct("gather", 512 << 10, 4, 2, faster)
-        assert compiled_direct("scatter", 128 << 10, 4, 2, faster) and compiled_direct("scatter", 64 << 20, 4, 2, faster)
-        assert compiled_direct("alltoall", 64 << 20, 4, 2, faster)
-        assert not any(compiled_direct(c, n, 4, 2, faster) for c in ("allgather", "bcast", "gather")
+    for cma_from in (0, 1 << 20, NEVER):
+        assert compiled_direct("alltoall", 256 << 10, 4, 2, cma_from) and compiled_direct("gather", 512 << 10, 4, 2, cma_from)
+        assert compiled_direct("scatter", 128 << 10, 4, 2, cma_from) and compiled_direct("scatter", 64 << 20, 4, 2, cma_from)
+        assert compiled_direct("alltoall", 64 << 20, 4, 2, cma_from)
+        assert not any(compiled_direct(c, n, 4, 2, cma_from) for c in ("allgather", "bcast", "gather")
                        for n in (1 << 20, 4 << 20, 64 << 20))
     assert not compiled_direct("allgather", 64 << 20, 2, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
 
@@ -145,7 +148,7 @@ def test_the_default_sizes_take_the_direct_call_where_the_table_says():
 def _allgather_direct_runs(comm) -> tuple:
     before = _direct_runs(comm)
     _one(comm, "allgather", [32 << 10] * comm.size, 0)  # 2 x 256 KiB of float64
-    return comm.transport.cma_faster, _direct_runs(comm) - before
+    return comm.transport.cma_from, _direct_runs(comm) - before
 
 
 @pytest.mark.parametrize("faster", ["1", "0"])
@@ -154,7 +157,7 @@ def test_the_race_picks_the_direct_call(monkeypatch, faster):
     monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", faster)
     if (os.cpu_count() or 1) < 2 or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores")
-    want = (faster == "1", int(faster == "1"))
+    want = (0 if faster == "1" else NEVER, int(faster == "1"))
     assert run_ranks(_allgather_direct_runs, 2, timeout=60) == [want, want]
 
 

@@ -525,7 +525,7 @@ def test_a_closed_communicator_leaves_nothing_mapped(p):
 def _race_rank(rank: int, size: int, job: str, options: dict, out) -> None:
     t = SharedMemoryTransport.open(rank, size, job=job, timeout=20, options=options)
     try:
-        out.put((rank, t.cma_faster, t.cores, dict(t.copy_race)))
+        out.put((rank, t.cma_from, t.cores, dict(t.copy_race)))
     finally:
         t.close()
 
@@ -536,6 +536,7 @@ def test_the_copy_race_is_one_answer_on_every_rank(p, settings):
     """Every rank takes rank 0's answer: its setting, else the race it ran
     with rank 1 (only where the ranks have a core each); a peer's setting
     does not count."""
+    from collectives.transports.shm.copy_race import NEVER, RACE_SIZES
     job = "race" + secrets.token_hex(4)
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
@@ -550,15 +551,17 @@ def test_the_copy_race_is_one_answer_on_every_rank(p, settings):
         proc.join(30)
         assert proc.exitcode == 0, f"a rank exited with {proc.exitcode}"
     assert time.monotonic() - start < 60
-    answers = {faster for _, faster, _, _ in got}
+    answers = {cma_from for _, cma_from, _, _ in got}
     assert len(answers) == 1, f"ranks disagree: {got}"
     timed = [times for _, _, _, times in got if times]
     if settings[0] is not None:
-        assert answers == {settings[0] == "1"} and not timed
+        assert answers == {0 if settings[0] == "1" else NEVER} and not timed
     elif got[0][2] >= p:  # a core each: rank 0 raced, and only rank 0 keeps the times
-        assert len(timed) == 1 and got[0][3] == timed[0]
-        race = timed[0]
-        assert all(race[k] > 0 for k in ("copy_in_ns", "copy_out_ns", "read_ns")), race
-        assert answers == {race["read_ns"] < race["copy_in_ns"] + race["copy_out_ns"]}
+        assert len(timed) == 1 and got[0][3] == timed[0] and sorted(timed[0]) == list(RACE_SIZES)
+        wins = [t["read_ns"] < t["copy_in_ns"] + t["copy_out_ns"] for t in timed[0].values()]
+        assert all(t[k] > 0 for t in timed[0].values() for k in ("copy_in_ns", "copy_out_ns", "read_ns"))
+        # from the smallest size from which the read won at every size raced
+        want = next((0 if i == 0 else RACE_SIZES[i] for i in range(len(wins)) if all(wins[i:])), NEVER)
+        assert answers == {want}, (timed[0], answers)
     else:  # ranks share cores: no race, the table for shared cores holds whatever the answer
-        assert answers == {True} and not timed
+        assert answers == {0} and not timed

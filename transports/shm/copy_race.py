@@ -1,21 +1,21 @@
-"""Whether one cross-memory read beats the window's two copies on this host.
+"""From which size one cross-memory read beats the window's two copies here.
 
 Between two ranks with a core each, a message either goes through the
 shared window (the sender copies it in, the receiver copies it out) or the
 receiver reads it from the sender's private memory in one system call
-(cross-memory attach). Which is faster depends on the host, not the
-library: a kernel that pins the sender's pages one at a time pays about
-0.25 us per 4 KiB page (a 1 MiB read in 73 us here, against 19 for a
-copy in user space), so the window's two copies win; where the caches
-hand lines between cores slowly, each copy costs more than the pinning
-and the single read wins. The rendezvous measures it once (:func:`race`):
-rank 1 fills 256 KiB of its window region and of its private memory,
+(cross-memory attach). Which is faster depends on the host and its state,
+not the library. A kernel that pins the sender's pages one at a time pays
+about 0.2 us per 4 KiB page: on the 2-core test machines a 1 MiB read took
+70 us against 35 for both copies, and the window won 2 to 3 times over
+from 128 KiB to 1 MiB; minutes later, on the same machine, the read won
+from 1 MiB. The rendezvous measures it once (:func:`race`): rank 1 fills
+256 KiB, then 1 MiB, of its window region and of its private memory;
 rank 0 times its copy out of the one and its read of the other, three
-rounds, and tells every rank. The window's algorithms then take their
-direct compiled calls only where the read won
+rounds each, and tells every rank from which size the read won. The
+window's algorithms take their direct compiled calls only from there
 (:func:`~collectives.algorithms.window.tuning.compiled_direct`).
-``shm_cma_faster`` / ``COLLECTIVES_SHM_CMA_FASTER`` (1 or 0, rank 0's
-counts) sets the answer instead.
+``shm_cma_faster`` / ``COLLECTIVES_SHM_CMA_FASTER`` (1: from every size,
+0: from none; rank 0's counts) sets the answer instead.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ import numpy as np
 from collectives import compiled
 
 from . import cma
-from .layout import (Q_PID, Q_RACE_BUFFER, Q_RACE_COPY_IN, Q_RACE_DONE, Q_RACE_ROUND, Q_RACE_VERDICT,
-                     WINDOW_HEADER_BYTES)
+from .layout import (Q_PID, Q_RACE_BUFFER, Q_RACE_COPY_IN, Q_RACE_DONE, Q_RACE_FROM, Q_RACE_ROUND,
+                     Q_RACE_VERDICT, WINDOW_HEADER_BYTES)
 from .pages import PAGE
 
-__all__ = ["race", "RACE_BYTES", "ROUNDS", "FASTER", "SLOWER", "MEASURING"]
+__all__ = ["race", "RACE_SIZES", "ROUNDS", "NEVER"]
 
-RACE_BYTES = 256 << 10  # bytes each round moves both ways (in the L2 cache of one core)
-ROUNDS = 3              # the fastest of each is kept
-MEASURING, FASTER, SLOWER = 1, 2, 3  # rank 0's Q_RACE_VERDICT (0 until it knows)
+RACE_SIZES = (256 << 10, 1 << 20)  # bytes raced (those the window holds), in increasing size
+ROUNDS = 3                         # rounds per size; the fastest of each is kept
+NEVER = 1 << 62                    # the answer where the read won at no size
+MEASURING, DECIDED = 1, 2          # rank 0's Q_RACE_VERDICT (0 until then)
 _WHAT = "shared-memory rendezvous (copy race)"
 
 
@@ -50,82 +51,93 @@ def _ns(t0: float) -> int:
     return int((time.perf_counter() - t0) * 1e9)
 
 
-def race(t, deadline: float, forced: bool | None) -> bool:
-    """Agree whether a cross-memory read is faster than the window's two copies.
+def race(t, deadline: float, forced: bool | None) -> int:
+    """Agree from which size a cross-memory read beats the window's two copies.
 
     ``t`` is the transport in its rendezvous (its segments mapped, ``cma``
-    and ``cores`` agreed). Rank 0 decides: ``forced`` when set, else a
-    measurement with rank 1 when both may read each other's memory, have a
-    core each and the window holds the bytes; else the answer is True (the
-    direct calls' tables hold for it). Returns the agreed answer.
+    and ``cores`` agreed). Rank 0 decides: 0 where ``forced`` is True,
+    :data:`NEVER` where it is False; else it races with rank 1 when both
+    may read each other's memory and have a core each: the smallest raced
+    size from which the read won at every raced size (0 when it won at
+    the smallest, :data:`NEVER` when it lost at the largest); else 0 (the
+    direct calls' tables hold). Returns the agreed bytes.
     """
     q = [s.q for s in t._segs]
+    sizes = [n for n in RACE_SIZES if WINDOW_HEADER_BYTES + n <= t._layout.window]
     if t.rank == 0:
-        measure = (forced is None and t.cma and t.size >= 2 and t.cores >= t.size
-                   and t._layout.window >= WINDOW_HEADER_BYTES + RACE_BYTES)
-        if measure:
+        if forced is None and t.cma and t.size >= 2 and t.cores >= t.size and sizes:
             q[0][Q_RACE_VERDICT] = MEASURING
             t._wake_all()
-            faster = _reader(t, q, deadline)
+            wins = _reader(t, q, sizes, deadline)
+            start = 0
+            for n, won in zip(sizes, wins):
+                if not won:
+                    start = NEVER
+                elif start == NEVER:
+                    start = n
         else:
-            faster = True if forced is None else forced
-        q[0][Q_RACE_VERDICT] = FASTER if faster else SLOWER
+            start = NEVER if forced is False else 0
+        q[0][Q_RACE_FROM] = start
+        q[0][Q_RACE_VERDICT] = DECIDED  # after the answer (x86 keeps stores in order)
         t._wake_all()
-        return faster
-    t._wait_counter(q[0], Q_RACE_VERDICT, MEASURING if t.rank == 1 else FASTER, 0, deadline, _WHAT)
+        return start
+    t._wait_counter(q[0], Q_RACE_VERDICT, MEASURING if t.rank == 1 else DECIDED, 0, deadline, _WHAT)
     if t.rank == 1 and q[0][Q_RACE_VERDICT] == MEASURING:
-        _writer(t, q, deadline)
-        t._wait_counter(q[0], Q_RACE_VERDICT, FASTER, 0, deadline, _WHAT)
-    return q[0][Q_RACE_VERDICT] == FASTER
+        _writer(t, q, sizes, deadline)
+        t._wait_counter(q[0], Q_RACE_VERDICT, DECIDED, 0, deadline, _WHAT)
+    return int(q[0][Q_RACE_FROM])
 
 
-def _region(t, rank: int) -> np.ndarray:
-    """``RACE_BYTES`` of ``rank``'s window region, past the algorithms' header."""
-    lay = t._layout
-    start = lay.window_off + WINDOW_HEADER_BYTES
-    return np.frombuffer(t._segs[rank].mm, np.uint8, RACE_BYTES, start)
+def _region(t, rank: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of ``rank``'s window region, past the algorithms' header."""
+    return np.frombuffer(t._segs[rank].mm, np.uint8, nbytes, t._layout.window_off + WINDOW_HEADER_BYTES)
 
 
-def _writer(t, q, deadline: float) -> None:
+def _writer(t, q, sizes: list[int], deadline: float) -> None:
     """Rank 1: each round, copy into its window region (timed: lines rank 0
     holds), dirty its private buffer, and post the round."""
-    src, private = _aligned(RACE_BYTES), _aligned(RACE_BYTES)
-    region = _region(t, 1)
+    src, private = _aligned(sizes[-1]), _aligned(sizes[-1])
     q[1][Q_RACE_BUFFER] = private.ctypes.data
-    best = 1 << 62
-    for k in range(1, ROUNDS + 1):
-        t._wait_counter(q[0], Q_RACE_DONE, k - 1, 0, deadline, _WHAT)
-        src.fill(k)
-        t0 = time.perf_counter()
-        compiled.copy(region, src)
-        best = min(best, _ns(t0))
-        private.fill(k)
-        q[1][Q_RACE_COPY_IN] = best
-        q[1][Q_RACE_ROUND] = k  # after the copy-in's time (x86 keeps stores in order)
-        t._wake_all()
-    t._wait_counter(q[0], Q_RACE_DONE, ROUNDS, 0, deadline, _WHAT)  # rank 0 read the private buffer
-    del region
+    k = 0
+    for n in sizes:
+        region, best = _region(t, 1, n), NEVER
+        for _ in range(ROUNDS):
+            t._wait_counter(q[0], Q_RACE_DONE, k, 0, deadline, _WHAT)
+            k += 1
+            src[:n].fill(k)
+            t0 = time.perf_counter()
+            compiled.copy(region, src[:n])
+            best = min(best, _ns(t0))
+            private[:n].fill(k)
+            q[1][Q_RACE_COPY_IN] = best
+            q[1][Q_RACE_ROUND] = k  # after the copy-in's time (x86 keeps stores in order)
+            t._wake_all()
+        del region
+    t._wait_counter(q[0], Q_RACE_DONE, k, 0, deadline, _WHAT)  # rank 0 read the private buffer
 
 
-def _reader(t, q, deadline: float) -> bool:
-    """Rank 0: time each round's copy out of rank 1's region and read of
-    its private buffer; the read wins when it beats the copy in plus out."""
-    out, via = _aligned(RACE_BYTES), _aligned(RACE_BYTES)
-    region = _region(t, 1)
+def _reader(t, q, sizes: list[int], deadline: float) -> list[bool]:
+    """Rank 0: time each round's copy out of rank 1's region and read of its
+    private buffer; per size, whether the read beat the copy in plus out."""
     pid = int(q[1][Q_PID])
-    best_out = best_read = 1 << 62
-    readable = True
-    for k in range(1, ROUNDS + 1):
-        t._wait_counter(q[1], Q_RACE_ROUND, k, 1, deadline, _WHAT)
-        t0 = time.perf_counter()
-        compiled.copy(out, region)
-        best_out = min(best_out, _ns(t0))
-        t0 = time.perf_counter()
-        readable = cma.cma_read(pid, int(q[1][Q_RACE_BUFFER]), via) and readable
-        best_read = min(best_read, _ns(t0))
-        q[0][Q_RACE_DONE] = k
-        t._wake_all()
-    del region
-    best_in = int(q[1][Q_RACE_COPY_IN])
-    t.copy_race = {"copy_in_ns": best_in, "copy_out_ns": best_out, "read_ns": best_read}
-    return readable and best_read < best_in + best_out
+    out, via = _aligned(sizes[-1]), _aligned(sizes[-1])
+    wins, times, k = [], {}, 0
+    for n in sizes:
+        region, best_out, best_read, readable = _region(t, 1, n), NEVER, NEVER, True
+        for _ in range(ROUNDS):
+            k += 1
+            t._wait_counter(q[1], Q_RACE_ROUND, k, 1, deadline, _WHAT)
+            t0 = time.perf_counter()
+            compiled.copy(out[:n], region)
+            best_out = min(best_out, _ns(t0))
+            t0 = time.perf_counter()
+            readable = cma.cma_read(pid, int(q[1][Q_RACE_BUFFER]), via[:n]) and readable
+            best_read = min(best_read, _ns(t0))
+            best_in = int(q[1][Q_RACE_COPY_IN])
+            q[0][Q_RACE_DONE] = k
+            t._wake_all()
+        del region
+        times[n] = {"copy_in_ns": best_in, "copy_out_ns": best_out, "read_ns": best_read}
+        wins.append(readable and best_read < best_in + best_out)
+    t.copy_race = times
+    return wins

@@ -36,8 +36,9 @@ MiB = 1 << 20
 Q_MAGIC, Q_PID, Q_SIZE, Q_RING, Q_WINDOW, Q_ALLOC, Q_SECRET = 0, 1, 2, 3, 4, 5, 6
 Q_ATTACHED = 8           # line 1: set once this rank has mapped every peer
 # line 1, the rendezvous's copy race (:mod:`.copy_race`): rank 1's round, its fastest copy
-# into the window (ns) and its private buffer's address; rank 0's rounds done and verdict
-Q_RACE_ROUND, Q_RACE_COPY_IN, Q_RACE_BUFFER, Q_RACE_DONE, Q_RACE_VERDICT = 9, 10, 11, 12, 13
+# into the window (ns) and its private buffer's address; rank 0's rounds done, its state
+# and its answer (bytes from which a cross-memory read wins)
+Q_RACE_ROUND, Q_RACE_COPY_IN, Q_RACE_BUFFER, Q_RACE_DONE, Q_RACE_VERDICT, Q_RACE_FROM = 9, 10, 11, 12, 13, 14
 Q_ABORT, Q_REASON_LEN, Q_ABORT_SEQ = 16, 17, 18  # line 2; the first call the aborter did not complete
 Q_CLOSED = 24            # line 3
 Q_PROBE, Q_CMA = 25, 26  # cross-memory attach probe address; 1 ok, 2 not permitted

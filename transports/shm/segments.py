@@ -97,7 +97,7 @@ class Settings(NamedTuple):
     secret: int   # identifies the job's segments (from ``options["secret"]``, else the job id)
     cma: bool     # whether to try cross-memory attach
     adopt: bool   # whether to move buffers used again and again into the pool
-    cma_faster: bool | None  # rank 0's: whether a cross-memory read beats the window's copies (None: measure)
+    cma_faster: bool | None  # rank 0's: whether a cross-memory read beats the window's copies (None: race them)
 
 
 def settings(size: int, job: str, options: dict[str, Any]) -> Settings:
@@ -191,7 +191,7 @@ class SegmentSetup:
     segment's address), ``_sleep_words``,
     ``_counter_words`` (addresses of every rank's ``Q_EPOCH``, ``Q_POST``
     and ``Q_DONE``), ``_inbox_word``, ``_records``, ``cma``, ``cores``,
-    ``cma_faster`` (:mod:`.copy_race`) and ``_spin``. Waits with :meth:`~.waking.Waking._wait_counter`.
+    ``cma_from`` (:mod:`.copy_race`) and ``_spin``. Waits with :meth:`~.waking.Waking._wait_counter`.
     """
 
     def _rendezvous(self, deadline: float) -> None:
@@ -220,7 +220,7 @@ class SegmentSetup:
         os.unlink(own.path)
         self._probe_cma(deadline)
         self._count_cores()
-        self.cma_faster = copy_race.race(self, deadline, self._cma_faster_wanted)
+        self.cma_from = copy_race.race(self, deadline, self._cma_faster_wanted)
 
     def _attach_peers(self, segs: list, deadline: float) -> None:
         """Map every peer's segment into ``segs`` as it appears."""

@@ -24,6 +24,7 @@ from collectives import signature
 from collectives.errors import BadArgument, TransportUnavailable
 from collectives.transport import Transport
 
+from .copy_race import NEVER as _NEVER
 from .layout import Q_CLOSED, Q_PID, Layout
 from .liveness import Liveness
 from .matching import Matching
@@ -112,8 +113,8 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self.cma = False
         self._cma_wanted = cma
         self._cma_faster_wanted = cma_faster
-        self.cma_faster = True  # until the rendezvous races the two (copy_race)
-        self.copy_race: dict[str, int] = {}  # rank 0's times when it did
+        self.cma_from = 0  # bytes from which a cross-memory read beats the window (copy_race)
+        self.copy_race: dict[int, dict[str, int]] = {}  # rank 0's times by size, when it raced
         self.cores = len(affinity())  # until the rendezvous tells every rank's
         self._spin = spin_seconds(size, self.cores)
         self._yield = yield_seconds()
@@ -129,7 +130,9 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._window = ShmWindow(self, adopt)
         log.info("rank %d: shared memory of job %s up: %d ranks on %d cores, rings of %d B, a window of %d B, "
                  "cross-memory attach %s%s, compiled calls %s", rank, job, size, self.cores, layout.ring, layout.window,
-                 "on" if self.cma else "off", "" if self.cma_faster else " (slower than the window's copies)", "on" if "compiled_calls" in self._window.features else "off")
+                 "on" if self.cma else "off", "" if not self.cma_from else
+                 f" (faster than the window's copies from {self.cma_from} B)" if self.cma_from < _NEVER else
+                 " (slower than the window's copies)", "on" if "compiled_calls" in self._window.features else "off")
 
     def begin_call(self, seq: int, sig: signature.Sig, refusal: str | None = None) -> None:
         """Publish this rank's record of call ``seq`` (peers check it before

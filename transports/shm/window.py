@@ -11,7 +11,7 @@ plans run in C with a bounded spin or yield, and the rest of a wait (the
 block, timeouts, lost peers) here.
 
 The window keeps a reference to its transport and uses, of it: ``rank``,
-``size``, ``cores``, ``cma``, ``cma_faster``, ``_layout``, ``_segs``, ``_records``,
+``size``, ``cores``, ``cma``, ``cma_from``, ``_layout``, ``_segs``, ``_records``,
 ``_pool``, ``_pool_block``, ``_spin``, ``_sleep_words``,
 ``_counter_words``, ``_inbox_word``, ``_wake``, ``_wake_all``,
 ``_wait_counter``, ``_aborted_in`` and ``_aborted_error``.
@@ -56,7 +56,7 @@ class ShmWindow(SharedWindow):
         lay = t._layout
         self.capacity = lay.window
         self.cores = t.cores  # shared by the ranks (algorithms scale thresholds with ranks per core)
-        self.cma_faster = t.cma_faster  # one cross-memory read beats two copies (agreed, see .copy_race)
+        self.cma_from = t.cma_from  # bytes from which one cross-memory read beats two copies (see .copy_race)
         self.size = t.size
         self._regions = [np.frombuffer(s.mm, np.uint8, lay.window, lay.window_off) for s in t._segs]
         self._pools = [np.frombuffer(s.mm, np.uint8, lay.pool, lay.pool_off) for s in t._segs]

@@ -29,7 +29,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
     item = buf.itemsize
     if p == 1 or not sum(counts):
         return None
-    if compiled_direct("allgather", buf.nbytes, p, window.cores, window.cma_faster):
+    if compiled_direct("allgather", buf.nbytes, p, window.cores, window.cma_from):
         starts = displs(counts)
         after = [(peer(r, 0, starts[r] * item), arr(0, starts[r] * item), counts[r] * item)
                  for r in range(p) if r != me and counts[r]]

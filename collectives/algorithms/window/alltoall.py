@@ -28,7 +28,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     b = sendbuf.size // p * item  # bytes per block
     if p == 1 or not b:
         return None
-    if compiled_direct("alltoall", sendbuf.nbytes, p, window.cores, window.cma_faster):
+    if compiled_direct("alltoall", sendbuf.nbytes, p, window.cores, window.cma_from):
         after = [(arr(0, me * b), arr(1, me * b), b)] + [(peer(r, 0, me * b), arr(1, r * b), b)
                                                           for r in range(p) if r != me]
         made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0])

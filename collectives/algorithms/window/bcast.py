@@ -30,7 +30,7 @@ def _prepare(transport, buf: np.ndarray, root: int):
     n = buf.nbytes
     if p == 1 or n == 0:
         return None
-    if compiled_direct("bcast", n, p, window.cores, window.cma_faster):
+    if compiled_direct("bcast", n, p, window.cores, window.cma_from):
         made = (compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0]) if me == root
                 else compile_direct(window, 1, [], [(peer(root, 0), arr(0), n)], [], []))
         if made is not None:

@@ -32,7 +32,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
     if p == 1 or not total:
         return None
     starts = displs(list(counts))
-    if compiled_direct("gather", total, p, window.cores, window.cma_faster):
+    if compiled_direct("gather", total, p, window.cores, window.cma_from):
         if me == root:
             after = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
             after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item)

@@ -30,7 +30,7 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
     item = recvbuf.itemsize
     if p == 1 or not sum(counts):
         return None
-    if compiled_direct("scatter", sum(counts) * item, p, window.cores, window.cma_faster):
+    if compiled_direct("scatter", sum(counts) * item, p, window.cores, window.cma_from):
         start, n = displs(counts)[me], counts[me]
         if me == root:
             made = compile_direct(window, 2, [], [(arr(0, start * item), arr(1), n * item)] if n else [],

@@ -52,8 +52,9 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: direct path (:data:`DIRECT_FROM`): from ``from`` bytes up to (not
 #: including) ``until`` (None: no end), the same on every rank; ``(from,
 #: until)`` where ranks have a core each and the read beats the window's two
-#: copies, then where it does not (the rendezvous races them once,
-#: ``transports/shm/copy_race.py``), then where ranks share cores; a
+#: copies, then where it does not (below the size from which it does: the
+#: rendezvous races them, ``transports/shm/copy_race.py``), then where ranks
+#: share cores; a
 #: ``from`` of None: never. Where one rank reads from every other (gather,
 #: with a core each) or every rank from one (bcast), the window's copies
 #: overlap below 2 MiB and the direct read did not win there. Where ranks
@@ -73,10 +74,10 @@ COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], ...]] = {
 }
 
 
-def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_faster: bool = True) -> bool:
+def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_from: int = 0) -> bool:
     """Whether ``collective`` of ``nbytes`` at ``p`` ranks on ``cores`` cores
-    (0: a core each) takes the direct compiled call, ``cma_faster`` saying
-    whether a cross-memory read beats the window's two copies (see
+    (0: a core each) takes the direct compiled call, ``cma_from`` being the
+    bytes from which a cross-memory read beats the window's two copies (see
     :data:`COMPILED_DIRECT`); ``COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES``,
     when set, makes every one of them take it from that size on (all ranks
     must agree)."""
@@ -85,7 +86,7 @@ def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_faster
     forced = config.get("WINDOW_COMPILED_DIRECT_BYTES")
     if forced is not None:
         return nbytes >= forced
-    column = 2 if cores and p > cores else (0 if cma_faster else 1)
+    column = 2 if cores and p > cores else (0 if nbytes >= cma_from else 1)
     start, until = COMPILED_DIRECT[collective][column]
     return start is not None and nbytes >= start and (until is None or nbytes < until)
 
