@@ -438,6 +438,22 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
     assert direct_from("gather", 8, 2) == MiB and direct("bcast", 2, MiB, P)
 
 
+def test_window_models_follow_the_copy_race_of_the_profile() -> None:
+    """The race's answer (bytes from which a cross-memory read wins) travels in the profile and
+    moves the models' direct reads where ranks have a core each, as it moves the algorithms'."""
+    from collectives.cost_models.window import direct
+    from collectives.transports.shm.copy_race import NEVER
+
+    P = Params(cores=2)
+    assert Params.from_dict(replace(P, cma_from=1 << 20).as_dict()).cma_from == 1 << 20
+    assert Params.from_dict(P.as_dict()).cma_from == 0
+    assert direct("alltoall", 2, 256 << 10, P) and direct("allgather", 2, 256 << 10, P)
+    assert not direct("alltoall", 2, 256 << 10, replace(P, cma_from=NEVER))
+    assert not direct("alltoall", 2, 512 << 10, replace(P, cma_from=1 << 20))
+    assert direct("alltoall", 2, 1 << 20, replace(P, cma_from=1 << 20))
+    assert direct("alltoall", 4, 256 << 10, replace(P, cma_from=NEVER))  # shared cores: no race
+
+
 def test_exchange_steps_cost_the_exchange_factor() -> None:
     from collectives.cost_models.calibration_fits import fit_exchange
 
