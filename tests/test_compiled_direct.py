@@ -135,11 +135,13 @@ def test_the_default_sizes_take_the_direct_call_where_the_table_says():
     # from the size the race found on, the table for a read that wins
     assert compiled_direct("alltoall", 1 << 20, 2, 2, 1 << 20) and not compiled_direct("alltoall", 512 << 10, 2, 2, 1 << 20)
     # where ranks share cores, from 1 MiB on only alltoall's and scatter's: the window's copies and the
-    # pool's direct path win for the others (docs/shared-memory.md, "Tuning"); the race does not count there
+    # pool's direct path win for the others (docs/shared-memory.md, "Tuning"); below the race's size,
+    # scatter's from 4 MiB and alltoall's as before
+    assert compiled_direct("gather", 512 << 10, 4, 2) and compiled_direct("scatter", 128 << 10, 4, 2)
+    assert not compiled_direct("gather", 512 << 10, 4, 2, NEVER) and not compiled_direct("scatter", 2 << 20, 4, 2, NEVER)
     for cma_from in (0, 1 << 20, NEVER):
-        assert compiled_direct("alltoall", 256 << 10, 4, 2, cma_from) and compiled_direct("gather", 512 << 10, 4, 2, cma_from)
-        assert compiled_direct("scatter", 128 << 10, 4, 2, cma_from) and compiled_direct("scatter", 64 << 20, 4, 2, cma_from)
-        assert compiled_direct("alltoall", 64 << 20, 4, 2, cma_from)
+        assert compiled_direct("alltoall", 256 << 10, 4, 2, cma_from) and compiled_direct("scatter", 4 << 20, 4, 2, cma_from)
+        assert compiled_direct("scatter", 64 << 20, 4, 2, cma_from) and compiled_direct("alltoall", 64 << 20, 4, 2, cma_from)
         assert not any(compiled_direct(c, n, 4, 2, cma_from) for c in ("allgather", "bcast", "gather")
                        for n in (1 << 20, 4 << 20, 64 << 20))
     assert not compiled_direct("allgather", 64 << 20, 2, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
@@ -153,7 +155,7 @@ def _allgather_direct_runs(comm) -> tuple:
 
 @pytest.mark.parametrize("faster", ["1", "0"])
 def test_the_race_picks_the_direct_call(monkeypatch, faster):
-    """Where the ranks have a core each, the rendezvous's answer picks the path (here set, not raced)."""
+    """The rendezvous's answer picks the path (here set, not raced)."""
     monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", faster)
     if (os.cpu_count() or 1) < 2 or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores")

@@ -451,7 +451,8 @@ def test_window_models_follow_the_copy_race_of_the_profile() -> None:
     assert not direct("alltoall", 2, 256 << 10, replace(P, cma_from=NEVER))
     assert not direct("alltoall", 2, 512 << 10, replace(P, cma_from=1 << 20))
     assert direct("alltoall", 2, 1 << 20, replace(P, cma_from=1 << 20))
-    assert direct("alltoall", 4, 256 << 10, replace(P, cma_from=NEVER))  # shared cores: no race
+    assert direct("alltoall", 4, 256 << 10, replace(P, cma_from=NEVER))  # shared cores: kept below too
+    assert not direct("scatter", 4, 128 << 10, replace(P, cma_from=NEVER)) and direct("scatter", 4, 128 << 10, P)
 
 
 def test_exchange_steps_cost_the_exchange_factor() -> None:

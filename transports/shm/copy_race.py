@@ -1,7 +1,6 @@
 """From which size one cross-memory read beats the window's two copies here.
 
-Between two ranks with a core each, a message either goes through the
-shared window (the sender copies it in, the receiver copies it out) or the
+Between two ranks, a message either goes through the shared window (the sender copies it in, the receiver copies it out) or the
 receiver reads it from the sender's private memory in one system call
 (cross-memory attach). Which is faster depends on the host and its state,
 not the library. A kernel that pins the sender's pages one at a time pays
@@ -12,8 +11,9 @@ from 1 MiB. The rendezvous measures it once (:func:`race`): rank 1 fills
 256 KiB, then 1 MiB, of its window region and of its private memory;
 rank 0 times its copy out of the one and its read of the other, three
 rounds each, and tells every rank from which size the read won. The
-window's algorithms take their direct compiled calls only from there
-(:func:`~collectives.algorithms.window.tuning.compiled_direct`).
+window's algorithms take their direct compiled calls by it
+(:func:`~collectives.algorithms.window.tuning.compiled_direct`), whether
+the ranks have a core each or share cores.
 ``shm_cma_faster`` / ``COLLECTIVES_SHM_CMA_FASTER`` (1: from every size,
 0: from none; rank 0's counts) sets the answer instead.
 """
@@ -57,7 +57,7 @@ def race(t, deadline: float, forced: bool | None) -> int:
     ``t`` is the transport in its rendezvous (its segments mapped, ``cma``
     and ``cores`` agreed). Rank 0 decides: 0 where ``forced`` is True,
     :data:`NEVER` where it is False; else it races with rank 1 when both
-    may read each other's memory and have a core each: the smallest raced
+    may read each other's memory (the other ranks wait): the smallest raced
     size from which the read won at every raced size (0 when it won at
     the smallest, :data:`NEVER` when it lost at the largest); else 0 (the
     direct calls' tables hold). Returns the agreed bytes.
@@ -65,7 +65,7 @@ def race(t, deadline: float, forced: bool | None) -> int:
     q = [s.q for s in t._segs]
     sizes = [n for n in RACE_SIZES if WINDOW_HEADER_BYTES + n <= t._layout.window]
     if t.rank == 0:
-        if forced is None and t.cma and t.size >= 2 and t.cores >= t.size and sizes:
+        if forced is None and t.cma and t.size >= 2 and sizes:
             q[0][Q_RACE_VERDICT] = MEASURING
             t._wake_all()
             wins = _reader(t, q, sizes, deadline)

@@ -50,27 +50,29 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: cross-memory attach (one copy, all in C: publish, post, read, wait for the
 #: readers) instead of going through the window (two copies) or the pool's
 #: direct path (:data:`DIRECT_FROM`): from ``from`` bytes up to (not
-#: including) ``until`` (None: no end), the same on every rank; ``(from,
-#: until)`` where ranks have a core each and the read beats the window's two
-#: copies, then where it does not (below the size from which it does: the
-#: rendezvous races them, ``transports/shm/copy_race.py``), then where ranks
-#: share cores; a
-#: ``from`` of None: never. Where one rank reads from every other (gather,
-#: with a core each) or every rank from one (bcast), the window's copies
-#: overlap below 2 MiB and the direct read did not win there. Where ranks
-#: share cores, from 1 MiB the window's copies (one ``rep movsb`` each, see
-#: ``_compiled.c``) and above them the pool's direct path beat the compiled
-#: calls of allgather, bcast and gather at 3, 4 and 8 ranks on 2 cores (not
-#: alltoall's at 3 and 8); below 1 MiB, where the copies did not change,
-#: the spans stay as they were measured. The numbers are in
-#: docs/shared-memory.md.
+#: including) ``until`` (None: no end), the same on every rank; a ``from``
+#: of None: never. Four columns: where ranks have a core each, then where
+#: they share cores; each first from the size on which one read beats the
+#: window's two copies, then below it (the rendezvous races the two,
+#: ``transports/shm/copy_race.py``: on the 2-core test machines the read
+#: lost at every size in some hours and won from 1 MiB in others). Below
+#: that size only the calls whose other path reads directly too keep them
+#: (scatter from 4 MiB; alltoall where ranks share cores, whose compiled
+#: call won at 3 and 8 ranks even there). Where one rank reads from every
+#: other (gather, with a core each) or every rank from one (bcast), the
+#: window's copies overlap below 2 MiB and the direct read did not win
+#: there. Where ranks share cores, from 1 MiB the window's copies (one
+#: ``rep movsb`` each, see ``_compiled.c``) and above them the pool's
+#: direct path beat the compiled calls of allgather, bcast and gather at 3,
+#: 4 and 8 ranks on 2 cores. The numbers are in docs/shared-memory.md.
 COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], ...]] = {
-    # collective:  (a core each,              the read slower,    ranks share cores)
-    "allgather":   ((128 << 10, 64 << 20),    (None, None),       (None, None)),
-    "alltoall":    ((128 << 10, 64 << 20),    (None, None),       (256 << 10, None)),
-    "scatter":     ((128 << 10, None),        (4 << 20, None),    (128 << 10, None)),
-    "bcast":       ((4 << 20, 16 << 20),      (None, None),       (None, None)),
-    "gather":      ((2 << 20, 64 << 20),      (None, None),       (512 << 10, 1 << 20)),
+    #              a core each:                                ranks share cores:
+    # collective:  the read wins,         below,               the read wins,          below
+    "allgather":   ((128 << 10, 64 << 20), (None, None),       (None, None),           (None, None)),
+    "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (256 << 10, None)),
+    "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (4 << 20, None)),
+    "bcast":       ((4 << 20, 16 << 20),   (None, None),       (None, None),           (None, None)),
+    "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 1 << 20),   (None, None)),
 }
 
 
@@ -86,7 +88,7 @@ def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_from: 
     forced = config.get("WINDOW_COMPILED_DIRECT_BYTES")
     if forced is not None:
         return nbytes >= forced
-    column = 2 if cores and p > cores else (0 if nbytes >= cma_from else 1)
+    column = 2 * bool(cores and p > cores) + (nbytes < cma_from)
     start, until = COMPILED_DIRECT[collective][column]
     return start is not None and nbytes >= start and (until is None or nbytes < until)
 
