@@ -40,15 +40,24 @@ def _rank_zero_profile(transport: str) -> bytes:
     return b"" if data is None else json.dumps(data).encode()
 
 
-def _selector(transport: str, profile: bytes, mode: str) -> Any:
+def _selector(transport: str, profile: bytes, mode: str, cma_from: int | None = None) -> Any:
+    """The model with ``profile`` (else the defaults where ``mode`` asks for
+    the model), else the rule; ``cma_from``: the open transport's copy race
+    (the same on every rank), which replaces the profile's."""
+    from dataclasses import replace
+
     from .model import Params
     from .selector import ModelSelector
 
     if profile:
-        return ModelSelector(Params.from_dict(json.loads(profile)), transport=transport)
-    if mode == "model":
-        return ModelSelector(DEFAULTS.get(transport, GENERIC), transport=transport)
-    return RuleSelector()
+        params = Params.from_dict(json.loads(profile))
+    elif mode == "model":
+        params = DEFAULTS.get(transport, GENERIC)
+    else:
+        return RuleSelector()
+    if cma_from is not None:
+        params = replace(params, cma_from=cma_from)
+    return ModelSelector(params, transport=transport)
 
 
 def agreed_selector(t: Any, transport: str, timeout: float) -> Any:
@@ -61,10 +70,11 @@ def agreed_selector(t: Any, transport: str, timeout: float) -> Any:
     mode = config.get("SELECTOR")
     if mode == "rule":
         return RuleSelector()
+    race = getattr(t, "cma_from", None)  # the window's paths follow the race of this job, not the profile's
     if t.size == 1:
-        return _selector(transport, _rank_zero_profile(transport), mode)
+        return _selector(transport, _rank_zero_profile(transport), mode, race)
     profile = from_rank_zero(t, lambda: _rank_zero_profile(transport), PROFILE_TAG, time.monotonic() + timeout)
-    return _selector(transport, profile, mode)
+    return _selector(transport, profile, mode, race)
 
 
 def local_selector(transport: str) -> Any:

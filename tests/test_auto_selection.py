@@ -80,6 +80,28 @@ def test_the_setting_chooses(monkeypatch, tmp_path):
     assert {(r[0], r[1]) for r in results} == {("ModelSelector", "defaults")}, results
 
 
+def models_race(comm):
+    """The model's copy race (bytes from which a cross-memory read wins) and the transport's."""
+    return comm.selector.params.cma_from, comm.transport.cma_from
+
+
+@pytest.mark.parametrize("faster,want", [("0", "never"), ("1", 0)])
+def test_the_model_follows_this_jobs_copy_race_not_the_profiles(monkeypatch, tmp_path, faster, want):
+    """The profile was calibrated in another state of the host: the window's paths follow this job's race,
+    and so do the models' predictions of them."""
+    from collectives.transports.shm.copy_race import NEVER
+
+    folder = tmp_path / "r0"
+    path = _profile(folder, "shm")
+    data = json.loads(open(path).read())
+    data["cma_from"] = 1 << 20
+    open(path, "w").write(json.dumps(data))
+    with_profiles(monkeypatch, [str(folder)] * 2)
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", faster)
+    want = NEVER if want == "never" else want
+    assert harness.run_ranks(models_race, 2, timeout=60) == [(want, want)] * 2
+
+
 def auto_runs_the_models_choice(comm):
     x = np.ones(16 << 10, np.float32)  # 64 KiB
     comm.allreduce(x)
