@@ -88,7 +88,7 @@ def _settings() -> dict[str, Setting]:
         Setting("SHM_CMA", "bool", True, "read and write peers' private memory directly (cross-memory attach) "
                 "where permitted", "shm"),
         Setting("SHM_CMA_FASTER", "bool", None, "whether one cross-memory read beats the window's two copies "
-                "between ranks with a core each (1: at every size, 0: at none), which picks the window's direct "
+                "(1: at every size, 0: at none), which picks the window's direct "
                 "compiled calls (default: raced at startup from 256 KiB to 1 MiB; rank 0's counts)", "shm"),
         Setting("SHM_ADOPT", "bool", True, "move buffers used again and again into the shared pool in place", "shm"),
         Setting("SHM_YIELD_US", "float", 20000.0, "how long a wait keeps yielding the CPU (after its spin) before it "

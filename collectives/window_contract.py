@@ -162,8 +162,8 @@ class SharedWindow(abc.ABC):
             their switch points with the ranks per core.
         cma_from: bytes from which one read of a peer's private memory (the
             ``direct_access`` feature) beats two copies through the window
-            between ranks with a core each (the same on every rank; 0: at
-            every size); algorithms take their direct compiled calls by it.
+            (the same on every rank; 0: at every size); algorithms take
+            their direct compiled calls by it.
         size: the ranks that share the window (one region each).
         kept: a dict the window algorithms keep what they make for this
             window in (:mod:`collectives.algorithms.window.state`: views

@@ -50,10 +50,10 @@ class Params:
             receives at once) over that of a one-way message (see :meth:`xmsg`).
         call: seconds of one collective call's fixed work (checks, choice, plan).
         cores: cores the ranks share on one host (0: every rank has its own).
-        cma_from: bytes from which one cross-memory read beat the window's
-            two copies between ranks with a core each, as the shared-memory
-            transport raced them at calibration (picks the window's direct
-            compiled calls, see ``tuning.COMPILED_DIRECT``).
+        cma_from: bytes from which one cross-memory read beats the window's
+            two copies, as the shared-memory transport raced them at
+            calibration (a job's selector takes its own race's; picks the
+            window's direct compiled calls, see ``tuning.COMPILED_DIRECT``).
         stretch: measured ``(p, message-latency factor, message-byte factor,
             fence factor, local factor)`` in increasing p (see
             :meth:`stretch_at`); when given, it replaces the ``p / cores``

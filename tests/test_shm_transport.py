@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import os
+import re
 import secrets
 import signal
 import time
@@ -562,3 +563,37 @@ def test_the_copy_race_is_one_answer_on_every_rank(p, settings):
         # from the smallest size from which the read won at every size raced
         want = next((0 if i == 0 else RACE_SIZES[i] for i in range(len(wins)) if all(wins[i:])), NEVER)
         assert answers == {want}, (timed[0], answers)
+
+
+def _racer_who_dies(rank: int, size: int, job: str, out) -> None:
+    """Rank 1 exits when rank 0 asks it to race (before the first round); the others report."""
+    from collectives.transports.shm import copy_race
+
+    if rank == 1:
+        copy_race._writer = lambda *args: os._exit(3)
+    start = time.monotonic()
+    try:
+        t = SharedMemoryTransport.open(rank, size, job=job, timeout=20, options={})
+    except Exception as exc:  # noqa: BLE001 - the outcome is the test's
+        out.put((rank, type(exc).__name__, str(exc), time.monotonic() - start))
+    else:
+        out.put((rank, "ok", "", time.monotonic() - start))
+        t.close()
+
+
+def test_a_rank_lost_in_the_copy_race_fails_every_rank_and_leaves_nothing():
+    job = "racedies" + secrets.token_hex(4)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_racer_who_dies, args=(r, 3, job, out), daemon=True) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    got = sorted(out.get(timeout=60) for _ in range(2))
+    for proc in procs:
+        proc.join(30)
+    assert procs[1].exitcode == 3
+    for rank, outcome, message, took in got:
+        assert outcome == "PeerLost", f"rank {rank}: {outcome}: {message}"
+        assert took < 10, f"rank {rank} took {took:.1f} s"
+    assert re.search(r"rank 0: rank 1 \(pid \d+\) died", got[0][2]), got[0]
+    assert not _left_by(job, 3)

@@ -31,7 +31,7 @@ from .layout import (Q_PID, Q_RACE_BUFFER, Q_RACE_COPY_IN, Q_RACE_DONE, Q_RACE_F
                      Q_RACE_VERDICT, WINDOW_HEADER_BYTES)
 from .pages import PAGE
 
-__all__ = ["race", "RACE_SIZES", "ROUNDS", "NEVER"]
+__all__ = ["race", "describe", "RACE_SIZES", "ROUNDS", "NEVER"]
 
 RACE_SIZES = (256 << 10, 1 << 20)  # bytes raced (those the window holds), in increasing size
 ROUNDS = 3                         # rounds per size; the fastest of each is kept
@@ -86,6 +86,15 @@ def race(t, deadline: float, forced: bool | None) -> int:
         _writer(t, q, sizes, deadline)
         t._wait_counter(q[0], Q_RACE_VERDICT, DECIDED, 0, deadline, _WHAT)
     return int(q[0][Q_RACE_FROM])
+
+
+def describe(cma_from: int) -> str:
+    """The race's answer in words (for the transport's log line)."""
+    if not cma_from:
+        return "faster than the window's copies"
+    if cma_from >= NEVER:
+        return "slower than the window's copies"
+    return f"faster than the window's copies from {cma_from} B"
 
 
 def _region(t, rank: int, nbytes: int) -> np.ndarray:

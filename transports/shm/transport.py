@@ -24,7 +24,7 @@ from collectives import signature
 from collectives.errors import BadArgument, TransportUnavailable
 from collectives.transport import Transport
 
-from .copy_race import NEVER as _NEVER
+from .copy_race import describe as describe_race
 from .layout import Q_CLOSED, Q_PID, Layout
 from .liveness import Liveness
 from .matching import Matching
@@ -129,10 +129,9 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._pool = Pool(layout.pool)
         self._window = ShmWindow(self, adopt)
         log.info("rank %d: shared memory of job %s up: %d ranks on %d cores, rings of %d B, a window of %d B, "
-                 "cross-memory attach %s%s, compiled calls %s", rank, job, size, self.cores, layout.ring, layout.window,
-                 "on" if self.cma else "off", "" if not self.cma_from else
-                 f" (faster than the window's copies from {self.cma_from} B)" if self.cma_from < _NEVER else
-                 " (slower than the window's copies)", "on" if "compiled_calls" in self._window.features else "off")
+                 "cross-memory attach %s, compiled calls %s", rank, job, size, self.cores, layout.ring, layout.window,
+                 f"on ({describe_race(self.cma_from)})" if self.cma else "off",
+                 "on" if "compiled_calls" in self._window.features else "off")
 
     def begin_call(self, seq: int, sig: signature.Sig, refusal: str | None = None) -> None:
         """Publish this rank's record of call ``seq`` (peers check it before
