@@ -595,5 +595,6 @@ def test_a_rank_lost_in_the_copy_race_fails_every_rank_and_leaves_nothing():
     for rank, outcome, message, took in got:
         assert outcome == "PeerLost", f"rank {rank}: {outcome}: {message}"
         assert took < 10, f"rank {rank} took {took:.1f} s"
-    assert re.search(r"rank 0: rank 1 \(pid \d+\) died", got[0][2]), got[0]
+    assert re.search(rf"rank 0: rank 1 \(pid \d+\) died, in the shared-memory rendezvous of job '{job}'",
+                     got[0][2]), got[0]
     assert not _left_by(job, 3)

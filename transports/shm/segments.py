@@ -214,13 +214,16 @@ class SegmentSetup:
                                     [int(s.q[Q_PID]) for s in segs])
         own.q[Q_ATTACHED] = 1
         self._wake_all()
-        for r in range(self.size):
-            if r != self.rank and segs[r].q[Q_ATTACHED] != 1:
-                self._wait_counter(segs[r].q, Q_ATTACHED, 1, r, deadline, "shared-memory rendezvous")
-        os.unlink(own.path)
-        self._probe_cma(deadline)
-        self._count_cores()
-        self.cma_from = copy_race.race(self, deadline, self._cma_faster_wanted)
+        try:
+            for r in range(self.size):
+                if r != self.rank and segs[r].q[Q_ATTACHED] != 1:
+                    self._wait_counter(segs[r].q, Q_ATTACHED, 1, r, deadline, "shared-memory rendezvous")
+            os.unlink(own.path)
+            self._probe_cma(deadline)
+            self._count_cores()
+            self.cma_from = copy_race.race(self, deadline, self._cma_faster_wanted)
+        except PeerLost as exc:  # a peer's death found while waiting on it: say where
+            raise PeerLost(f"{exc}, in the shared-memory rendezvous of job {self._job!r}", exc.peer) from None
 
     def _attach_peers(self, segs: list, deadline: float) -> None:
         """Map every peer's segment into ``segs`` as it appears."""
