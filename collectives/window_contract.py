@@ -107,7 +107,7 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = ["SharedWindow", "CompiledCall", "FEATURES", "COMPILED_CALLS", "POOL", "ADOPTION", "DIRECT_ACCESS",
-           "HUGE_PAGES"]
+           "HUGE_PAGES", "CMA_NEVER", "describe_cma_from"]
 
 COMPILED_CALLS = "compiled_calls"
 POOL = "pool"
@@ -116,6 +116,18 @@ DIRECT_ACCESS = "direct_access"
 HUGE_PAGES = "huge_pages"
 #: Every feature a window may declare.
 FEATURES = frozenset({COMPILED_CALLS, POOL, ADOPTION, DIRECT_ACCESS, HUGE_PAGES})
+#: :attr:`SharedWindow.cma_from` where a read of a peer's memory beat the
+#: window's copies at no size.
+CMA_NEVER = 1 << 62
+
+
+def describe_cma_from(cma_from: int) -> str:
+    """:attr:`SharedWindow.cma_from` in words (for logs and ``explain``)."""
+    if not cma_from:
+        return "cross-memory reads faster than the window's copies"
+    if cma_from >= CMA_NEVER:
+        return "cross-memory reads slower than the window's copies"
+    return f"cross-memory reads faster than the window's copies from {cma_from} B"
 
 
 class CompiledCall(Protocol):

@@ -23,6 +23,7 @@ import numpy as np
 from collectives.errors import BadArgument
 from collectives.registry import algorithms_for
 from collectives.selection import bucket_floor, rule, size_bucket
+from collectives.window_contract import describe_cma_from
 
 from .model import MODELS, Params, predict
 
@@ -106,7 +107,7 @@ class Explanation:
                  f"memory {P.mem_bandwidth / 1e9:.2f} GB/s, fence={P.fence * 1e6:.2f} us, "
                  f"overhead={P.overhead * 1e6:.2f} us/msg, call={P.call * 1e6:.2f} us, "
                  f"cores={P.cores or 'one per rank'}, "
-                 f"{f'cross-memory reads from {P.cma_from} B, ' if P.cma_from else ''}"
+                 f"{describe_cma_from(P.cma_from) + ', ' if P.cma_from else ''}"
                  f"segment={P.segment_bytes} B",
                  f"{'algorithm':40s} {'predicted':>14s}  formula"]
         for c in self.candidates:

@@ -25,17 +25,18 @@ import time
 import numpy as np
 
 from collectives import compiled
+from collectives.window_contract import CMA_NEVER
 
 from . import cma
 from .layout import (Q_PID, Q_RACE_BUFFER, Q_RACE_COPY_IN, Q_RACE_DONE, Q_RACE_FROM, Q_RACE_ROUND,
                      Q_RACE_VERDICT, WINDOW_HEADER_BYTES)
 from .pages import PAGE
 
-__all__ = ["race", "describe", "RACE_SIZES", "ROUNDS", "NEVER"]
+__all__ = ["race", "RACE_SIZES", "ROUNDS", "NEVER"]
 
 RACE_SIZES = (256 << 10, 1 << 20)  # bytes raced (those the window holds), in increasing size
 ROUNDS = 3                         # rounds per size; the fastest of each is kept
-NEVER = 1 << 62                    # the answer where the read won at no size
+NEVER = CMA_NEVER                  # the answer where the read won at no size
 MEASURING, DECIDED = 1, 2          # rank 0's Q_RACE_VERDICT (0 until then)
 _WHAT = "shared-memory rendezvous (copy race)"
 
@@ -86,15 +87,6 @@ def race(t, deadline: float, forced: bool | None) -> int:
         _writer(t, q, sizes, deadline)
         t._wait_counter(q[0], Q_RACE_VERDICT, DECIDED, 0, deadline, _WHAT)
     return int(q[0][Q_RACE_FROM])
-
-
-def describe(cma_from: int) -> str:
-    """The race's answer in words (for the transport's log line)."""
-    if not cma_from:
-        return "faster than the window's copies"
-    if cma_from >= NEVER:
-        return "slower than the window's copies"
-    return f"faster than the window's copies from {cma_from} B"
 
 
 def _region(t, rank: int, nbytes: int) -> np.ndarray:

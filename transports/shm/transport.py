@@ -23,8 +23,8 @@ import numpy as np
 from collectives import signature
 from collectives.errors import BadArgument, TransportUnavailable
 from collectives.transport import Transport
+from collectives.window_contract import describe_cma_from
 
-from .copy_race import describe as describe_race
 from .layout import Q_CLOSED, Q_PID, Layout
 from .liveness import Liveness
 from .matching import Matching
@@ -130,7 +130,7 @@ class SharedMemoryTransport(Matching, RequestWaits, Rings, Waking, Liveness, Seg
         self._window = ShmWindow(self, adopt)
         log.info("rank %d: shared memory of job %s up: %d ranks on %d cores, rings of %d B, a window of %d B, "
                  "cross-memory attach %s, compiled calls %s", rank, job, size, self.cores, layout.ring, layout.window,
-                 f"on ({describe_race(self.cma_from)})" if self.cma else "off",
+                 f"on ({describe_cma_from(self.cma_from)})" if self.cma else "off",
                  "on" if "compiled_calls" in self._window.features else "off")
 
     def begin_call(self, seq: int, sig: signature.Sig, refusal: str | None = None) -> None:
