@@ -6,8 +6,8 @@ receiver reads it from the sender's private memory in one system call
 not the library. A kernel that pins the sender's pages one at a time pays
 about 0.2 us per 4 KiB page: on the 2-core test machines a 1 MiB read took
 70 us against 35 for both copies, and the window won 2 to 3 times over
-from 128 KiB to 1 MiB; minutes later, on the same machine, the read won
-from 1 MiB. The rendezvous measures it once (:func:`race`): rank 1 fills
+from 128 KiB to 1 MiB; minutes later, on the same machine, the direct
+calls (one such read each) won from 1 MiB. The rendezvous measures it once (:func:`race`): rank 1 fills
 256 KiB, then 1 MiB, of its window region and of its private memory;
 rank 0 times its copy out of the one and its read of the other, three
 rounds each, and tells every rank from which size the read won. The

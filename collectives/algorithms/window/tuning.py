@@ -54,8 +54,8 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: of None: never. Four columns: where ranks have a core each, then where
 #: they share cores; each first from the size on which one read beats the
 #: window's two copies, then below it (the rendezvous races the two,
-#: ``transports/shm/copy_race.py``: on the 2-core test machines the read
-#: lost at every size in some hours and won from 1 MiB in others). Below
+#: ``transports/shm/copy_race.py``: on the 2-core test machines the window
+#: won up to 2 MiB in some hours, the direct calls from 1 MiB in others). Below
 #: that size only the calls whose other path reads directly too keep them
 #: (scatter from 4 MiB; alltoall where ranks share cores, whose compiled
 #: call won at 3 and 8 ranks even there). Where one rank reads from every
