@@ -451,7 +451,8 @@ def test_window_models_follow_the_copy_race_of_the_profile() -> None:
     assert not direct("alltoall", 2, 256 << 10, replace(P, cma_from=NEVER))
     assert not direct("alltoall", 2, 512 << 10, replace(P, cma_from=1 << 20))
     assert direct("alltoall", 2, 1 << 20, replace(P, cma_from=1 << 20))
-    assert direct("alltoall", 4, 256 << 10, replace(P, cma_from=NEVER))  # shared cores: kept below too
+    assert direct("alltoall", 4, 1 << 20, replace(P, cma_from=NEVER))  # shared cores: from 1 MiB below too
+    assert not direct("alltoall", 4, 256 << 10, replace(P, cma_from=NEVER)) and direct("alltoall", 4, 256 << 10, P)
     assert not direct("scatter", 4, 128 << 10, replace(P, cma_from=NEVER)) and direct("scatter", 4, 128 << 10, P)
 
 
