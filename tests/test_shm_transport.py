@@ -565,6 +565,17 @@ def test_the_copy_race_is_one_answer_on_every_rank(p, settings):
         assert answers == {want}, (timed[0], answers)
 
 
+def test_the_race_answers_from_where_the_read_won_at_every_larger_size():
+    from collectives.transports.shm.copy_race import NEVER, answer
+
+    sizes = [256 << 10, 1 << 20]
+    assert answer(sizes, [True, True]) == 0
+    assert answer(sizes, [False, True]) == 1 << 20
+    assert answer(sizes, [True, False]) == NEVER
+    assert answer(sizes, [False, False]) == NEVER
+    assert answer([256 << 10], [True]) == 0 and answer([256 << 10], [False]) == NEVER
+
+
 def _racer_who_dies(rank: int, size: int, job: str, out) -> None:
     """Rank 1 exits when rank 0 asks it to race (before the first round); the others report."""
     from collectives.transports.shm import copy_race

@@ -32,7 +32,7 @@ from .layout import (Q_PID, Q_RACE_BUFFER, Q_RACE_COPY_IN, Q_RACE_DONE, Q_RACE_F
                      Q_RACE_VERDICT, WINDOW_HEADER_BYTES)
 from .pages import PAGE
 
-__all__ = ["race", "RACE_SIZES", "ROUNDS", "NEVER"]
+__all__ = ["race", "answer", "RACE_SIZES", "ROUNDS", "NEVER"]
 
 RACE_SIZES = (256 << 10, 1 << 20)  # bytes raced (those the window holds), in increasing size
 ROUNDS = 3                         # rounds per size; the fastest of each is kept
@@ -69,13 +69,7 @@ def race(t, deadline: float, forced: bool | None) -> int:
         if forced is None and t.cma and t.size >= 2 and sizes:
             q[0][Q_RACE_VERDICT] = MEASURING
             t._wake_all()
-            wins = _reader(t, q, sizes, deadline)
-            start = 0
-            for n, won in zip(sizes, wins):
-                if not won:
-                    start = NEVER
-                elif start == NEVER:
-                    start = n
+            start = answer(sizes, _reader(t, q, sizes, deadline))
         else:
             start = NEVER if forced is False else 0
         q[0][Q_RACE_FROM] = start
@@ -87,6 +81,19 @@ def race(t, deadline: float, forced: bool | None) -> int:
         _writer(t, q, sizes, deadline)
         t._wait_counter(q[0], Q_RACE_VERDICT, DECIDED, 0, deadline, _WHAT)
     return int(q[0][Q_RACE_FROM])
+
+
+def answer(sizes: list[int], wins: list[bool]) -> int:
+    """The smallest of ``sizes`` (increasing) from which the read won at
+    every larger one too, 0 for the smallest, :data:`NEVER` where it lost
+    at the largest."""
+    start = 0
+    for n, won in zip(sizes, wins):
+        if not won:
+            start = NEVER
+        elif start == NEVER:
+            start = n
+    return start
 
 
 def _region(t, rank: int, nbytes: int) -> np.ndarray:
