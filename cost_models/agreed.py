@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 from collectives import config
@@ -44,8 +45,6 @@ def _selector(transport: str, profile: bytes, mode: str, cma_from: int | None = 
     """The model with ``profile`` (else the defaults where ``mode`` asks for
     the model), else the rule; ``cma_from``: the open transport's copy race
     (the same on every rank), which replaces the profile's."""
-    from dataclasses import replace
-
     from .model import Params
     from .selector import ModelSelector
 
@@ -70,11 +69,10 @@ def agreed_selector(t: Any, transport: str, timeout: float) -> Any:
     mode = config.get("SELECTOR")
     if mode == "rule":
         return RuleSelector()
-    race = getattr(t, "cma_from", None)  # the window's paths follow the race of this job, not the profile's
-    if t.size == 1:
-        return _selector(transport, _rank_zero_profile(transport), mode, race)
-    profile = from_rank_zero(t, lambda: _rank_zero_profile(transport), PROFILE_TAG, time.monotonic() + timeout)
-    return _selector(transport, profile, mode, race)
+    profile = (_rank_zero_profile(transport) if t.size == 1 else
+               from_rank_zero(t, lambda: _rank_zero_profile(transport), PROFILE_TAG, time.monotonic() + timeout))
+    # the window's paths follow the race of this job, not the profile's
+    return _selector(transport, profile, mode, getattr(t, "cma_from", None))
 
 
 def local_selector(transport: str) -> Any:
