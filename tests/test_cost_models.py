@@ -451,7 +451,9 @@ def test_window_models_follow_the_copy_race_of_the_profile() -> None:
     assert not direct("alltoall", 2, 256 << 10, replace(P, cma_from=NEVER))
     assert not direct("alltoall", 2, 512 << 10, replace(P, cma_from=1 << 20))
     assert direct("alltoall", 2, 1 << 20, replace(P, cma_from=1 << 20))
-    assert direct("alltoall", 4, 1 << 20, replace(P, cma_from=NEVER))  # shared cores: from 1 MiB below too
+    # shared cores: below the race's size too, from 4 MiB of all ranks' buffers per core
+    assert direct("alltoall", 8, 1 << 20, replace(P, cma_from=NEVER)) and direct("alltoall", 4, 2 << 20, replace(P, cma_from=NEVER))
+    assert not direct("alltoall", 4, 1 << 20, replace(P, cma_from=NEVER)) and direct("alltoall", 4, 1 << 20, P)
     assert not direct("alltoall", 4, 256 << 10, replace(P, cma_from=NEVER)) and direct("alltoall", 4, 256 << 10, P)
     assert not direct("scatter", 4, 128 << 10, replace(P, cma_from=NEVER)) and direct("scatter", 4, 128 << 10, P)
 

@@ -7,6 +7,8 @@ the cost models (:mod:`collectives.cost_models.window`) use the same rules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ... import config
 
 
@@ -14,7 +16,7 @@ __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
-    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "COMPILED_DIRECT", "compiled_direct",
+    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "COMPILED_DIRECT", "compiled_direct",
 ]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
@@ -46,6 +48,15 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 }
 
 
+@dataclass(frozen=True)
+class PerCore:
+    """A span's start counted in all ranks' buffers together per core
+    (``nbytes * p / cores``) instead of one rank's bytes; only in the
+    columns where ranks share cores."""
+
+    nbytes: int
+
+
 #: Where each collective's one compiled call reads peers' buffers by
 #: cross-memory attach (one copy, all in C: publish, post, read, wait for the
 #: readers) instead of going through the window (two copies) or the pool's
@@ -57,19 +68,21 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: ``transports/shm/copy_race.py``: on the 2-core test machines the window
 #: won up to 2 MiB in some hours, the direct calls from 1 MiB in others). Below
 #: that size only scatter's from 4 MiB (where the other path reads
-#: directly too) and alltoall's from 1 MiB where ranks share cores (its
-#: compiled call won at 8 ranks there, lost below) stay. Where one rank reads from every
+#: directly too) and alltoall's where ranks share cores stay; alltoall's
+#: from 4 MiB of all ranks' buffers per core (:class:`PerCore`: 1 MiB at 8
+#: ranks on 2 cores, 2 MiB at 4), where its compiled call won at 3 to 8
+#: ranks and the window below. Where one rank reads from every
 #: other (gather, with a core each) or every rank from one (bcast), the
 #: window's copies overlap below 2 MiB and the direct read did not win
 #: there. Where ranks share cores, from 1 MiB the window's copies (one
 #: ``rep movsb`` each, see ``_compiled.c``) and above them the pool's
 #: direct path beat the compiled calls of allgather, bcast and gather at 3,
 #: 4 and 8 ranks on 2 cores. The numbers are in docs/shared-memory.md.
-COMPILED_DIRECT: dict[str, tuple[tuple[int | None, int | None], ...]] = {
+COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | None, int | None], ...]] = {
     #              a core each:                                ranks share cores:
     # collective:  the read wins,         below,               the read wins,          below
     "allgather":   ((128 << 10, 64 << 20), (None, None),       (None, None),           (None, None)),
-    "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (1 << 20, None)),
+    "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (PerCore(4 << 20), None)),
     "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (4 << 20, None)),
     "bcast":       ((4 << 20, 16 << 20),   (None, None),       (None, None),           (None, None)),
     "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 1 << 20),   (None, None)),
@@ -88,9 +101,13 @@ def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_from: 
     forced = config.get("WINDOW_COMPILED_DIRECT_BYTES")
     if forced is not None:
         return nbytes >= forced
-    column = 2 * bool(cores and p > cores) + (nbytes < cma_from)
-    start, until = COMPILED_DIRECT[collective][column]
-    return start is not None and nbytes >= start and (until is None or nbytes < until)
+    shared = bool(cores and p > cores)
+    start, until = COMPILED_DIRECT[collective][2 * shared + (nbytes < cma_from)]
+    if start is None or (until is not None and nbytes >= until):
+        return False
+    if isinstance(start, PerCore):
+        return shared and nbytes * p >= start.nbytes * cores
+    return nbytes >= start
 
 
 def one_fence_limit(p: int) -> int:
