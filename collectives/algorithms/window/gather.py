@@ -63,14 +63,16 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
     if p > 1 and run_prepared(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
         return
     starts = displs(list(counts))
-    if me == root:
-        compiled.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
     if p == 1 or sum(counts) == 0:
+        if me == root:
+            compiled.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
         return
     window, st = state_of(ctx)
     dt, item = sendbuf.dtype, sendbuf.itemsize
     # the root publishes where the blocks go; every sender writes its own, all at once
     writers = direct(ctx, window, st, recvbuf if me == root else sendbuf, sum(counts) * item, "gather")
+    if me == root:  # its own block while the others write theirs (or, below, copy them in)
+        compiled.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
     if writers is not None:
         if me != root and counts[me]:
             writers.write(root, starts[me] * item, sendbuf)

@@ -48,9 +48,8 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
     if me == root:
         before = [(arr(0, start * item), slot(st, me, off * item), n * item)
                   for r, (start, n, off) in enumerate(parts) if r != me and n]
-        start, n, _ = parts[me]
-        before += [(arr(0, start * item), arr(1), n * item)] if n else []
-        after, sources = [], []
+        start, n, _ = parts[me]  # its own block once the others' are posted, while they copy them out
+        after, sources = ([(arr(0, start * item), arr(1), n * item)] if n else []), []
     else:
         start, n, off = parts[me]
         after = [(slot(st, root, off * item), arr(1), n * item)] if n else []
@@ -67,13 +66,15 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
     if p > 1 and run_prepared(ctx, _prepare, key, sendbuf, recvbuf, root, counts):
         return
     starts = displs(counts)
-    if me == root:
-        compiled.copy(recvbuf, sendbuf[starts[me]:starts[me] + counts[me]])
     if p == 1 or sum(counts) == 0:
+        if me == root:
+            compiled.copy(recvbuf, sendbuf[starts[me]:starts[me] + counts[me]])
         return
     window, st = state_of(ctx)
     dt, item = recvbuf.dtype, recvbuf.itemsize
     readers = direct(ctx, window, st, sendbuf if me == root else recvbuf, sum(counts) * item, "scatter")
+    if me == root:  # its own block while the others read theirs (or, below, copy them out)
+        compiled.copy(recvbuf, sendbuf[starts[me]:starts[me] + counts[me]])
     if readers is not None:
         if me != root:
             readers.read(root, starts[me] * item, recvbuf)
