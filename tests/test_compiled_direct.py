@@ -136,9 +136,11 @@ def test_the_default_sizes_take_the_direct_call_where_the_table_says():
     assert compiled_direct("alltoall", 1 << 20, 2, 2, 1 << 20) and not compiled_direct("alltoall", 512 << 10, 2, 2, 1 << 20)
     # where ranks share cores, from 1 MiB on only alltoall's and scatter's: the window's copies and the
     # pool's direct path win for the others (docs/shared-memory.md, "Tuning"); below the race's size,
-    # scatter's from 4 MiB and alltoall's from 4 MiB of all ranks' buffers per core
+    # scatter's from blocks of 512 KiB and alltoall's from 4 MiB of all ranks' buffers per core
     assert compiled_direct("gather", 512 << 10, 4, 2) and compiled_direct("scatter", 128 << 10, 4, 2)
-    assert not compiled_direct("gather", 512 << 10, 4, 2, NEVER) and not compiled_direct("scatter", 2 << 20, 4, 2, NEVER)
+    assert not compiled_direct("gather", 512 << 10, 4, 2, NEVER) and not compiled_direct("scatter", 1 << 20, 4, 2, NEVER)
+    for p, first in ((3, 1536 << 10), (4, 2 << 20), (5, 2560 << 10), (8, 4 << 20)):
+        assert compiled_direct("scatter", first, p, 2, NEVER) and not compiled_direct("scatter", first - p, p, 2, NEVER)
     assert compiled_direct("alltoall", 256 << 10, 4, 2) and not compiled_direct("alltoall", 1 << 20, 4, 2, NEVER)
     for p, first in ((3, 4 << 20), (4, 2 << 20), (5, 2 << 20), (6, 2 << 20), (8, 1 << 20), (16, 512 << 10)):
         assert compiled_direct("alltoall", first, p, 2, NEVER) and not compiled_direct("alltoall", first // 2, p, 2, NEVER)

@@ -16,7 +16,7 @@ __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
-    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "COMPILED_DIRECT", "compiled_direct",
+    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT", "compiled_direct",
 ]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
@@ -56,6 +56,20 @@ class PerCore:
 
     nbytes: int
 
+    def reached(self, nbytes: int, p: int, cores: int) -> bool:
+        return bool(cores) and nbytes * p >= self.nbytes * cores
+
+
+@dataclass(frozen=True)
+class PerBlock:
+    """A span's start counted in each rank's block (``nbytes / p``) instead
+    of the whole message."""
+
+    nbytes: int
+
+    def reached(self, nbytes: int, p: int, cores: int) -> bool:
+        return nbytes >= self.nbytes * p
+
 
 #: Where each collective's one compiled call reads peers' buffers by
 #: cross-memory attach (one copy, all in C: publish, post, read, wait for the
@@ -67,23 +81,25 @@ class PerCore:
 #: window's two copies, then below it (the rendezvous races the two,
 #: ``transports/shm/copy_race.py``: on the 2-core test machines the window
 #: won up to 2 MiB in some hours, the direct calls from 1 MiB in others). Below
-#: that size only scatter's from 4 MiB (where the other path reads
-#: directly too) and alltoall's where ranks share cores stay; alltoall's
-#: from 4 MiB of all ranks' buffers per core (:class:`PerCore`: 1 MiB at 8
-#: ranks on 2 cores, 2 MiB at 4), where its compiled call won at 3 to 8
-#: ranks and the window below. Where one rank reads from every
+#: that size only scatter's (from 4 MiB where ranks have a core each, where
+#: the other path reads directly too; from blocks of 512 KiB where they
+#: share cores, :class:`PerBlock`: 2 MiB at 4 ranks, 4 MiB at 8) and
+#: alltoall's where ranks share cores stay; alltoall's from 4 MiB of all
+#: ranks' buffers per core (:class:`PerCore`: 1 MiB at 8 ranks on 2 cores,
+#: 2 MiB at 4). There their compiled calls won at 3 to 8 ranks, and the
+#: window below. Where one rank reads from every
 #: other (gather, with a core each) or every rank from one (bcast), the
 #: window's copies overlap below 2 MiB and the direct read did not win
 #: there. Where ranks share cores, from 1 MiB the window's copies (one
 #: ``rep movsb`` each, see ``_compiled.c``) and above them the pool's
 #: direct path beat the compiled calls of allgather, bcast and gather at 3,
 #: 4 and 8 ranks on 2 cores. The numbers are in docs/shared-memory.md.
-COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | None, int | None], ...]] = {
+COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | None], ...]] = {
     #              a core each:                                ranks share cores:
     # collective:  the read wins,         below,               the read wins,          below
     "allgather":   ((128 << 10, 64 << 20), (None, None),       (None, None),           (None, None)),
     "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (PerCore(4 << 20), None)),
-    "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (4 << 20, None)),
+    "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (PerBlock(512 << 10), None)),
     "bcast":       ((4 << 20, 16 << 20),   (None, None),       (None, None),           (None, None)),
     "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 1 << 20),   (None, None)),
 }
@@ -105,9 +121,7 @@ def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_from: 
     start, until = COMPILED_DIRECT[collective][2 * shared + (nbytes < cma_from)]
     if start is None or (until is not None and nbytes >= until):
         return False
-    if isinstance(start, PerCore):
-        return shared and nbytes * p >= start.nbytes * cores
-    return nbytes >= start
+    return nbytes >= start if isinstance(start, int) else start.reached(nbytes, p, cores)
 
 
 def one_fence_limit(p: int) -> int:
