@@ -44,7 +44,14 @@
  *       metadata block metas[rank]); after copies from peers' places
  *       (PEER_ARRAY) read those arrays by cross-memory attach, each read
  *       inside the array as published; the run ends once every rank in
- *       readers is done with the step (see direct_after).
+ *       readers is done with the step (see direct_after). A direct call
+ *       with then = (before, after) as well falls back on that window
+ *       call: each rank also publishes whether its arrays lie in huge
+ *       pages (in_huge_pages); one whose do not makes then's copies before
+ *       its post already. Every rank then decides alike from the same
+ *       published words (see pages_of): every array in huge pages, it reads
+ *       directly; none, it makes then's copies after the post in the same
+ *       step; some, then runs as a second step.
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -79,6 +86,8 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -790,6 +799,13 @@ typedef struct {
     int at;                       /* a run in pieces that waits while it reads: the copy, its byte, */
     Py_ssize_t at_byte, at_elem;  /* and the reduction's element it resumes at */
     int direct;                   /* a direct call (see compile's direct): */
+    int fallback;                 /* with then as the window call it falls back on; */
+    int precopied;                /* the run in progress made then's copies before its post, */
+    int fell;                     /* and takes then as a second step */
+    int last_direct;              /* the last run read its peers directly */
+    uintptr_t paged_at[MAX_ARRAYS];    /* each shared array's last answer of in_huge_pages: where, */
+    Py_ssize_t paged_len[MAX_ARRAYS];  /* its bytes, the answer, and how many runs it still holds for */
+    int paged_huge[MAX_ARRAYS], paged_left[MAX_ARRAYS];
     int *pids;                    /* every rank's process id */
     uint64_t **metas;             /* every rank's metadata block, where it publishes its arrays */
     unsigned char *readers;       /* the ranks that read this rank's arrays (waited for at the end) */
@@ -1007,6 +1023,15 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
     }
     pl->direct = 1;
     pl->writes_window = 1;  /* the metadata block: free once every peer is done with the step before the last */
+    if (pl->fallback) {  /* one that publishes nothing makes its fallback copies after the post (see advance) */
+        int shares = 0;
+        for (int j = 0; j < pl->narrays; j++) shares |= pl->shared[j];
+        for (int i = 0; !shares && i < pl->nbefore2; i++)
+            if (pl->before2[i].dst.idx < 0) {
+                PyErr_SetString(PyExc_ValueError, "a rank that publishes no array writes no window in a fallback");
+                return -1;
+            }
+    }
     return 0;
 }
 
@@ -1038,7 +1063,8 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->at = 0;
     pl->at_byte = pl->at_elem = 0;
     pl->f = NULL;
-    pl->direct = 0;
+    pl->direct = pl->fallback = pl->precopied = pl->fell = pl->last_direct = 0;
+    for (int i = 0; i < MAX_ARRAYS; i++) pl->paged_left[i] = 0;
     pl->pids = NULL;
     pl->metas = NULL;
     pl->readers = NULL;
@@ -1071,7 +1097,8 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
             Py_DECREF(pl);
             return NULL;
         }
-        pl->two_steps = 1;
+        pl->two_steps = direct == Py_None;  /* with direct: the window call it falls back on */
+        pl->fallback = direct != Py_None;
     }
     if (mark_list(sources, w->size, pl->sources, "sources must be a sequence of ranks",
                   "a source rank is out of range") < 0) {
@@ -1294,14 +1321,99 @@ static inline uint64_t *published(const CallObject *pl, int r) {
     return pl->metas[r] + pl->half * DIRECT_WORDS;
 }
 
-/* Publish where this rank's shared arrays are (before the post). */
-static void publish_arrays(CallObject *pl, char *const *bases) {
+/* The top bit of an array's published bytes: it lies in huge pages (a
+ * call with a fallback only). */
+#define IN_HUGE_PAGES (1ULL << 63)
+
+/* struct pm_scan_arg and struct page_region of <linux/fs.h> (Linux 6.7 on),
+ * for kernels' headers without them. */
+typedef struct {
+    uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages, category_inverted, category_mask,
+        category_anyof_mask, return_mask;
+} PmScanArg;
+typedef struct {
+    uint64_t start, end, categories;
+} PageRegion;
+#define PAGEMAP_SCAN_IOCTL _IOWR('f', 16, PmScanArg)
+#define PAGE_IS_HUGE_CATEGORY (1ULL << 6)
+
+static int pagemap_fd = -1;
+static pid_t pagemap_pid = 0;
+
+/* Whether every whole 4 KiB page of the n bytes at a is part of a huge
+ * page (cross-memory reads pin every page they touch, one at a time on 4
+ * KiB pages: several times slower there, see transports/shm/copy_race.py):
+ * one PAGEMAP_SCAN query of /proc/self/pagemap (opened once per process),
+ * stopping at the first page that is not; 0 where the kernel cannot tell. */
+static int in_huge_pages(uintptr_t a, size_t n) {
+    uintptr_t lo = (a + 4095) & ~(uintptr_t)4095, hi = (a + n) & ~(uintptr_t)4095;
+    if (hi <= lo) return 1;  /* no whole page: a read of less than two pages */
+    pid_t pid = getpid();
+    if (pagemap_pid != pid) {  /* a forked child reopens its own */
+        if (pagemap_fd >= 0) close(pagemap_fd);
+        pagemap_fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+        pagemap_pid = pid;
+    }
+    if (pagemap_fd < 0) return 0;
+    PageRegion found;
+    PmScanArg arg = {sizeof(PmScanArg), 0, lo, hi, 0, (uint64_t)(uintptr_t)&found, 1, 1,
+                     PAGE_IS_HUGE_CATEGORY, PAGE_IS_HUGE_CATEGORY, 0, PAGE_IS_HUGE_CATEGORY};
+    return ioctl(pagemap_fd, PAGEMAP_SCAN_IOCTL, &arg) == 0;  /* no page found that lacks it */
+}
+
+/* Whether shared array j of this run lies in huge pages: in_huge_pages,
+ * asked again after PAGED_RUNS runs on the same array (the answer only
+ * picks the faster path: the pages may change between, the result not). */
+#define PAGED_RUNS 64
+
+static int array_in_huge_pages(CallObject *pl, int j, char *base) {
+    if (pl->paged_left[j] > 0 && pl->paged_at[j] == (uintptr_t)base && pl->paged_len[j] == pl->lens[j]) {
+        pl->paged_left[j]--;
+        return pl->paged_huge[j];
+    }
+    pl->paged_at[j] = (uintptr_t)base;
+    pl->paged_len[j] = pl->lens[j];
+    pl->paged_left[j] = PAGED_RUNS;
+    return pl->paged_huge[j] = in_huge_pages((uintptr_t)base, (size_t)pl->lens[j]);
+}
+
+/* Publish where this rank's shared arrays are (before the post); a call
+ * with a fallback also whether each lies in huge pages. 1 when one of
+ * them does not (a call with a fallback only), else 0. */
+static int publish_arrays(CallObject *pl, char *const *bases) {
     uint64_t *words = published(pl, pl->window->rank);
+    int small = 0;
     for (int j = 0; j < MAX_ARRAYS; j++) {
         int on = j < pl->narrays && pl->shared[j] && bases[j];
+        uint64_t huge = 0;
+        if (on && pl->fallback) {
+            huge = array_in_huge_pages(pl, j, bases[j]) ? IN_HUGE_PAGES : 0;
+            small |= !huge;
+        }
         words[2 * j] = on ? (uint64_t)(uintptr_t)bases[j] : 0;
-        words[2 * j + 1] = on ? (uint64_t)pl->lens[j] : 0;
+        words[2 * j + 1] = on ? (uint64_t)pl->lens[j] | huge : 0;
     }
+    return small;
+}
+
+enum { PAGES_HUGE, PAGES_SMALL, PAGES_MIXED };
+
+/* Where every rank's published arrays lie: PAGES_HUGE when all in huge
+ * pages (or none published), PAGES_SMALL when none (each rank that
+ * publishes made its fallback copies before its post), else PAGES_MIXED.
+ * The same answer on every rank once every rank has posted (the words stay
+ * until every rank is done with the step). */
+static int pages_of(const CallObject *pl) {
+    int huge = 0, small = 0;
+    for (int r = 0; r < pl->window->size; r++) {
+        const uint64_t *words = published(pl, r);
+        for (int j = 0; j < MAX_ARRAYS; j++) {
+            if (!load_acquire(&words[2 * j])) continue;
+            if (load_acquire(&words[2 * j + 1]) & IN_HUGE_PAGES) huge = 1;
+            else small = 1;
+        }
+    }
+    return !small ? PAGES_HUGE : huge ? PAGES_MIXED : PAGES_SMALL;
 }
 
 /* The kernel's cross-memory copy runs several times slower when the
@@ -1361,7 +1473,7 @@ static PyObject *direct_reads(CallObject *pl, char *const *bases) {
         }
         int r = (int)c->src.a0, j = PEER_ARRAY(c->src.idx);
         const uint64_t *words = published(pl, r);
-        uint64_t address = load_acquire(&words[2 * j]), nbytes = load_acquire(&words[2 * j + 1]);
+        uint64_t address = load_acquire(&words[2 * j]), nbytes = load_acquire(&words[2 * j + 1]) & ~IN_HUGE_PAGES;
         if (!address || (uint64_t)c->src.a1 + (uint64_t)c->n > nbytes) {
             bad = r, kind = K_OUTSIDE, value = nbytes;
         } else if (c->n && (err = direct_read(pl, pl->pids[r], (uintptr_t)address + (uintptr_t)c->src.a1, dst,
@@ -1410,7 +1522,10 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             fill_in_pieces(pl, bases, k);
         } else {
             do_copies(pl->before, pl->nbefore, bases, pl->half);
-            if (pl->direct) publish_arrays(pl, bases);
+            if (pl->direct) {  /* arrays in 4 KiB pages: the window it is then, whatever the others' */
+                pl->precopied = publish_arrays(pl, bases);
+                if (pl->precopied) do_copies(pl->before2, pl->nbefore2, bases, pl->half);
+            }
             write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
         }
         publish(w, K_POST, k);
@@ -1434,8 +1549,16 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             pl->at = 0;
             pl->at_byte = pl->at_elem = 0;
         } else if (pl->direct) {
-            PyObject *failed = direct_after(pl, bases);
-            if (failed) return failed;
+            int pages = pl->fallback ? pages_of(pl) : PAGES_HUGE;
+            pl->last_direct = pages == PAGES_HUGE;
+            pl->fell = pages == PAGES_MIXED;
+            if (pages == PAGES_HUGE) {
+                PyObject *failed = direct_after(pl, bases);
+                if (failed) return failed;
+            } else if (pages == PAGES_SMALL) {  /* every writer's copies are in this step's half */
+                if (!pl->precopied) do_copies(pl->before2, pl->nbefore2, bases, pl->half);  /* its own only */
+                do_copies(pl->after2, pl->nafter2, bases, pl->half);
+            }
         } else {
             do_after(pl, bases, pl->half);
         }
@@ -1447,8 +1570,8 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
     }
     if (pl->stage == 0) {  /* the first step is done */
         publish(w, K_DONE, k);
-        if (pl->direct) pl->stage = 6;
-        if (pl->two_steps) {
+        if (pl->direct && pl->last_direct) pl->stage = 6;
+        if (pl->two_steps || pl->fell) {  /* a fallback's window call: nobody read this rank's arrays */
             k = pl->step = ++w->turn;
             pl->half = (int)((k - 1) & 1);
             pl->stage = 4;
@@ -1960,6 +2083,9 @@ static PyMemberDef Call_members[] = {
     {"two_steps", T_INT, offsetof(CallObject, two_steps), READONLY, "1 when a second step follows the first"},
     {"piece", T_PYSSIZET, offsetof(CallObject, piece), READONLY, "bytes a piece (0: the call runs whole)"},
     {"direct", T_INT, offsetof(CallObject, direct), READONLY, "1 when it reads peers' arrays straight from their memory"},
+    {"fallback", T_INT, offsetof(CallObject, fallback), READONLY,
+     "1 when it falls back on a window call where some rank's array does not lie in huge pages"},
+    {"last_direct", T_INT, offsetof(CallObject, last_direct), READONLY, "1 when its last run read its peers directly"},
     {NULL, 0, 0, 0, NULL},
 };
 

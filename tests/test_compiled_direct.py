@@ -29,12 +29,14 @@ BOUND = 5.0  # seconds: every failure here is found at the call's first synchron
 
 
 def _direct_runs(comm) -> int:
-    """How many of the window's prepared calls are direct compiled calls."""
+    """How many of the window's prepared calls are direct compiled calls
+    whose last run read its peers directly (one with a fallback on the
+    window may not have)."""
     st = comm.transport.window.kept.get(WindowState)
     if st is None:
         return 0
     return sum(1 for v in st.cache.values() if getattr(getattr(v, "on_arrays", None), "__len__", None)
-               and getattr(getattr(v.on_arrays[0], "__self__", None), "direct", 0))
+               and getattr(getattr(v.on_arrays[0], "__self__", None), "last_direct", 0))
 
 
 def _counts(p: int, n: int, uneven: bool) -> list[int]:

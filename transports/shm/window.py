@@ -299,7 +299,7 @@ class ShmWindow(SharedWindow):
             if DIRECT_ACCESS not in self.features:
                 raise NotImplementedError("the window cannot reach peers' memory (no cross-memory attach)")
             readers, shared = direct
-            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None,
+            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then,
                                           (self._cross.pids, [reg.ctypes.data for reg in self._regions],
                                            readers, shared))
         if then is not None:

@@ -14,9 +14,9 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import arr, first, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
+from .compiled_calls import (arr, first, compile_call, compile_direct, direct_fallback, peer, prepared_from,
+                             run_prepared, slot)
 from .state import budget, state_of, window_state
-from .tuning import compiled_direct
 
 __all__ = ["allgather"]
 
@@ -29,25 +29,27 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
     item = buf.itemsize
     if p == 1 or not sum(counts):
         return None
-    if compiled_direct("allgather", buf.nbytes, p, window.cores, window.cma_from):
+    parts = (one_piece(st, counts, max(1, budget(st) // (p * item)))
+             if buf.nbytes < window_direct_from("allgather", window, p) else None)
+    through = None  # the window call's copies
+    if parts is not None:
+        start, n, off = parts[me]
+        through = ([(arr(0, start * item), slot(st, me, off * item), n * item)] if n else [],
+                   [(slot(st, r, off * item), arr(0, start * item), n * item)
+                    for r, (start, n, off) in enumerate(parts) if r != me and n])
+    fallback = direct_fallback(window, "allgather", buf.nbytes, through)
+    if fallback is not None:
         starts = displs(counts)
         after = [(peer(r, 0, starts[r] * item), arr(0, starts[r] * item), counts[r] * item)
                  for r in range(p) if r != me and counts[r]]
         readers = [r for r in range(p) if r != me and counts[me]]
-        made = compile_direct(window, 1, [], after, readers, [0])
+        made = compile_direct(window, 1, [], after, readers, [0], fallback or None)
         if made is not None:
             return prepared_from(made, first)
-    if buf.nbytes >= window_direct_from("allgather", window, p):
-        return None  # the pool's direct path (the algorithm's body)
-    parts = one_piece(st, counts, max(1, budget(st) // (p * item)))
-    if parts is None:
-        return None
-    start, n, off = parts[me]
-    before = [(arr(0, start * item), slot(st, me, off * item), n * item)] if n else []
-    after = [(slot(st, r, off * item), arr(0, start * item), n * item)
-             for r, (start, n, off) in enumerate(parts) if r != me and n]
+    if through is None:
+        return None  # the pool's direct path, or pieces (the algorithm's body)
     sources = [r for r, (_, n, _) in enumerate(parts) if r != me and n]
-    return prepared_from(compile_call(window, 1, before, after, None, sources), first)
+    return prepared_from(compile_call(window, 1, *through, None, sources), first)
 
 
 @register("allgather", "shared_window", needs=("window",), prepare=_prepare,

@@ -13,9 +13,9 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import arr, first_two, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
+from .compiled_calls import (arr, first_two, compile_call, compile_direct, direct_fallback, peer, prepared_from,
+                             run_prepared, slot)
 from .state import budget, region, state_of, window_state
-from .tuning import compiled_direct
 
 __all__ = ["alltoall"]
 
@@ -28,20 +28,21 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     b = sendbuf.size // p * item  # bytes per block
     if p == 1 or not b:
         return None
-    if compiled_direct("alltoall", sendbuf.nbytes, p, window.cores, window.cma_from):
+    through = None  # the window call's copies
+    if sendbuf.nbytes < window_direct_from("alltoall", window, p) and b <= budget(st) // p:
+        before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
+        before.append((arr(0, me * b), arr(1, me * b), b))
+        through = before, [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
+    fallback = direct_fallback(window, "alltoall", sendbuf.nbytes, through)
+    if fallback is not None:
         after = [(arr(0, me * b), arr(1, me * b), b)] + [(peer(r, 0, me * b), arr(1, r * b), b)
                                                           for r in range(p) if r != me]
-        made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0])
+        made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0], fallback or None)
         if made is not None:
             return prepared_from(made, first_two)
-    if sendbuf.nbytes >= window_direct_from("alltoall", window, p):
-        return None  # the pool's direct path (the algorithm's body)
-    if b > budget(st) // p:
-        return None
-    before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
-    before.append((arr(0, me * b), arr(1, me * b), b))
-    after = [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
-    return prepared_from(compile_call(window, 2, before, after, None, [r for r in range(p) if r != me]), first_two)
+    if through is None:
+        return None  # the pool's direct path, or pieces (the algorithm's body)
+    return prepared_from(compile_call(window, 2, *through, None, [r for r in range(p) if r != me]), first_two)
 
 
 @register("alltoall", "shared_window", needs=("window",), prepare=_prepare,

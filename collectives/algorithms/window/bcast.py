@@ -12,9 +12,9 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import arr, first, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
+from .compiled_calls import (arr, first, compile_call, compile_direct, direct_fallback, peer, prepared_from,
+                             run_prepared, slot)
 from .state import budget, state_of, window_state
-from .tuning import compiled_direct
 
 __all__ = ["bcast"]
 
@@ -30,20 +30,18 @@ def _prepare(transport, buf: np.ndarray, root: int):
     n = buf.nbytes
     if p == 1 or n == 0:
         return None
-    if compiled_direct("bcast", n, p, window.cores, window.cma_from):
-        made = (compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0]) if me == root
-                else compile_direct(window, 1, [], [(peer(root, 0), arr(0), n)], [], []))
+    through = None  # the window call's copies
+    if n < window_direct_from("bcast", window, p) and n <= budget(st):
+        through = ([(arr(0), slot(st, root), n)], []) if me == root else ([], [(slot(st, root), arr(0), n)])
+    fallback = direct_fallback(window, "bcast", n, through)
+    if fallback is not None:
+        made = (compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0], fallback or None)
+                if me == root else compile_direct(window, 1, [], [(peer(root, 0), arr(0), n)], [], [], fallback or None))
         if made is not None:
             return prepared_from(made, first)
-    if n >= window_direct_from("bcast", window, p):
-        return None  # the pool's direct path (the algorithm's body)
-    if n > budget(st):
-        return None
-    here = (arr(0), slot(st, root), n)
-    there = (slot(st, root), arr(0), n)
-    if me == root:
-        return prepared_from(compile_call(window, 1, [here], [], None, []), first)
-    return prepared_from(compile_call(window, 1, [], [there], None, [root]), first)
+    if through is None:
+        return None  # the pool's direct path, or pieces (the algorithm's body)
+    return prepared_from(compile_call(window, 1, *through, None, [] if me == root else [root]), first)
 
 
 @register("bcast", "shared_window", needs=("window",), prepare=_prepare,

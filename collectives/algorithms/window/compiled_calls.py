@@ -20,12 +20,14 @@ import numpy as np
 
 from ... import compiled
 from ...ops import Op
-from ...window_contract import COMPILED_CALLS, DIRECT_ACCESS
+from ...window_contract import COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import PIECE, PIECED_FROM, compiled_piece
+from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_where_huge, table_piece
 
 __all__ = [
-    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "reduction", "first", "first_two",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_fallback", "whole_call",
+    "reduction", "first",
+    "first_two",
     "no_arrays",
     "prepared_from", "run_prepared",
 ]
@@ -78,18 +80,51 @@ def compile_call(window, narrays: int, before: list, after: list, reduce: tuple 
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 
 
-def compile_direct(window, narrays: int, before: list, after: list, readers: list[int], shared: list[int]):
+def compile_direct(window, narrays: int, before: list, after: list, readers: list[int], shared: list[int],
+                   fallback: tuple | None = None):
     """``(run, settle)`` of a direct compiled call (see
     :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
     publishes its arrays ``shared``; ``after`` reads peers' arrays
     (:func:`peer`) once every record agrees; the run ends once the ranks
-    ``readers`` are done reading this rank's. None where the window has no
-    compiled calls or cannot reach peers' memory (the same on every rank)."""
+    ``readers`` are done reading this rank's. With ``fallback``, the
+    ``(before, after)`` of a window call (:func:`whole_call`), a run reads
+    directly only where every rank's published arrays lie in huge pages,
+    and takes that call otherwise. None where the window has no compiled
+    calls or cannot reach peers' memory (the same on every rank)."""
     if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
         return None
-    made = window.compile(narrays, before, after, None, [], direct=(readers, shared))
+    made = window.compile(narrays, before, after, None, [], then=fallback, direct=(readers, shared))
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
+
+
+def whole_call(window, before: list, after: list) -> tuple | None:
+    """``(before, after)`` of a window call for :func:`compile_direct`'s
+    fallback, or None where the table runs the call alone in pieces (a
+    fallback runs whole; :func:`~.tuning.table_piece`, the same on every
+    rank) or the window cannot tell huge pages (then the race's answer
+    stands alone)."""
+    if HUGE_PAGES not in window.features:
+        return None
+    through = [n for src, dst, n in before if dst[0] < 0] + [n for src, dst, n in after if src[0] < 0]
+    if table_piece(max(through, default=0), window.size, window.cores):
+        return None
+    return before, after
+
+
+def direct_fallback(window, collective: str, nbytes: int, through: tuple | None) -> tuple | None:
+    """How ``collective`` of ``nbytes`` takes its direct compiled call: None
+    where it does not, ``()`` where it always does (:func:`~.tuning.compiled_direct`),
+    else the window call's copies ``through`` (``(before, after)``, or
+    None where it has none) that it falls back on where some rank's arrays
+    do not lie in huge pages (:func:`~.tuning.direct_where_huge`,
+    :func:`whole_call`). The same on every rank."""
+    p, cores, cma_from = window.size, window.cores, window.cma_from
+    if compiled_direct(collective, nbytes, p, cores, cma_from):
+        return ()
+    if through is not None and direct_where_huge(collective, nbytes, p, cores, cma_from):
+        return whole_call(window, *through)
+    return None
 
 
 def reduction(dst: tuple, srcs: list, count: int, dtype: np.dtype, op: Op) -> tuple | None:

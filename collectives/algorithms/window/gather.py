@@ -16,9 +16,9 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs
-from .compiled_calls import arr, first_two, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
+from .compiled_calls import (arr, first_two, compile_call, compile_direct, direct_fallback, peer, prepared_from,
+                             run_prepared, slot)
 from .state import budget, region, state_of, window_state
-from .tuning import compiled_direct
 
 __all__ = ["gather"]
 
@@ -32,27 +32,27 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
     if p == 1 or not total:
         return None
     starts = displs(list(counts))
-    if compiled_direct("gather", total, p, window.cores, window.cma_from):
+    through = None  # the window call's copies
+    sources = [r for r in range(p) if r != me and counts[r]] if me == root else []
+    if total < window_direct_from("gather", window, p) and max(counts) * item <= budget(st):
+        if me == root:
+            through = ([(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else [],
+                       [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources])
+        else:
+            through = [(arr(0), slot(st, me), counts[me] * item)] if counts[me] else [], []
+    fallback = direct_fallback(window, "gather", total, through)
+    if fallback is not None:
         if me == root:
             after = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
-            after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item)
-                      for r in range(p) if r != me and counts[r]]
-            made = compile_direct(window, 2, [], after, [], [])
+            after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item) for r in sources]
+            made = compile_direct(window, 2, [], after, [], [], fallback or None)
         else:
-            made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0])
+            made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0], fallback or None)
         if made is not None:
             return prepared_from(made, first_two)
-    if total >= window_direct_from("gather", window, p):
+    if through is None:
         return None  # the pool's direct path (the algorithm's body)
-    if max(counts) * item > budget(st):
-        return None
-    if me == root:
-        before = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
-        sources = [r for r in range(p) if r != me and counts[r]]
-        after = [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources]
-    else:
-        before, after, sources = ([(arr(0), slot(st, me), counts[me] * item)] if counts[me] else []), [], []
-    return prepared_from(compile_call(window, 2, before, after, None, sources), first_two)
+    return prepared_from(compile_call(window, 2, *through, None, sources), first_two)
 
 
 @register("gather", "shared_window", needs=("window",), prepare=_prepare,

@@ -16,9 +16,9 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import arr, first_two, compile_call, compile_direct, peer, prepared_from, run_prepared, slot
+from .compiled_calls import (arr, first_two, compile_call, compile_direct, direct_fallback, peer, prepared_from,
+                             run_prepared, slot)
 from .state import budget, region, state_of, window_state
-from .tuning import compiled_direct
 
 __all__ = ["scatter"]
 
@@ -30,31 +30,33 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
     item = recvbuf.itemsize
     if p == 1 or not sum(counts):
         return None
-    if compiled_direct("scatter", sum(counts) * item, p, window.cores, window.cma_from):
+    total = sum(counts) * item
+    parts = (one_piece(st, list(counts), max(1, budget(st) // (p * item)))
+             if total < window_direct_from("scatter", window, p) else None)
+    through = None  # the window call's copies
+    if parts is not None and me == root:
+        own, n, _ = parts[me]  # its own block once the others' are posted, while they copy them out
+        through = ([(arr(0, start * item), slot(st, me, off * item), m * item)
+                    for r, (start, m, off) in enumerate(parts) if r != me and m],
+                   [(arr(0, own * item), arr(1), n * item)] if n else [])
+    elif parts is not None:
+        start, n, off = parts[me]
+        through = [], [(slot(st, root, off * item), arr(1), n * item)] if n else []
+    fallback = direct_fallback(window, "scatter", total, through)
+    if fallback is not None:
         start, n = displs(counts)[me], counts[me]
         if me == root:
             made = compile_direct(window, 2, [], [(arr(0, start * item), arr(1), n * item)] if n else [],
-                                  [r for r in range(p) if r != me and counts[r]], [0])
+                                  [r for r in range(p) if r != me and counts[r]], [0], fallback or None)
         else:
             made = compile_direct(window, 2, [], [(peer(root, 0, start * item), arr(1), n * item)] if n else [],
-                                  [], [])
+                                  [], [], fallback or None)
         if made is not None:
             return prepared_from(made, first_two)
-    if sum(counts) * item >= window_direct_from("scatter", window, p):
-        return None  # the pool's direct path (the algorithm's body)
-    parts = one_piece(st, list(counts), max(1, budget(st) // (p * item)))
-    if parts is None:
-        return None
-    if me == root:
-        before = [(arr(0, start * item), slot(st, me, off * item), n * item)
-                  for r, (start, n, off) in enumerate(parts) if r != me and n]
-        start, n, _ = parts[me]  # its own block once the others' are posted, while they copy them out
-        after, sources = ([(arr(0, start * item), arr(1), n * item)] if n else []), []
-    else:
-        start, n, off = parts[me]
-        after = [(slot(st, root, off * item), arr(1), n * item)] if n else []
-        before, sources = [], ([root] if n else [])
-    return prepared_from(compile_call(window, 2, before, after, None, sources), first_two)
+    if through is None:
+        return None  # the pool's direct path, or pieces (the algorithm's body)
+    sources = [root] if me != root and parts[me][1] else []
+    return prepared_from(compile_call(window, 2, *through, None, sources), first_two)
 
 
 @register("scatter", "shared_window", needs=("window",), prepare=_prepare,

@@ -15,8 +15,9 @@ from ... import config
 __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
-    "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
+    "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "table_piece", "two_steps",
     "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT", "compiled_direct",
+    "direct_where_huge",
 ]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
@@ -124,6 +125,18 @@ def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_from: 
     return nbytes >= start if isinstance(start, int) else start.reached(nbytes, p, cores)
 
 
+def direct_where_huge(collective: str, nbytes: int, p: int, cores: int, cma_from: int) -> bool:
+    """Whether ``collective`` of ``nbytes`` takes the direct compiled call
+    only where every array it reads lies in huge pages, and the window
+    otherwise: in a span of the columns where the read wins that the race's
+    answer ``cma_from`` leaves to the window. The race reads 4 KiB pages; a
+    read of huge pages pins one page per 2 MiB and runs about as fast as
+    a copy (1 MiB: 21-23 us against 69-72 us from 4 KiB pages, and 17-18 us
+    for a copy within one process)."""
+    return (compiled_direct(collective, nbytes, p, cores, 0)
+            and not compiled_direct(collective, nbytes, p, cores, cma_from))
+
+
 def one_fence_limit(p: int) -> int:
     """Bytes up to which allreduce and reduce take the one-fence path at p
     ranks (every rank's whole vector in the window; further bounded by the
@@ -224,6 +237,12 @@ def compiled_piece(largest: int, p: int, cores: int, pieced_from: int = PIECED_F
     forced = config.get("WINDOW_PIECE_BYTES")
     if forced is not None:  # from two pieces on, whatever the cores (to measure, and for tests)
         return forced if forced > 0 and largest >= 2 * forced else 0
+    return table_piece(largest, p, cores, pieced_from, piece)
+
+
+def table_piece(largest: int, p: int, cores: int, pieced_from: int = PIECED_FROM, piece: int = PIECE) -> int:
+    """:func:`compiled_piece` by the table alone (the same on every rank,
+    whatever each rank's ``COLLECTIVES_WINDOW_PIECE_BYTES``)."""
     if largest < pieced_from or (cores and p > cores):
         return 0
     return piece

@@ -1,0 +1,165 @@
+"""A direct compiled call with a fallback on the window: where the race
+found a cross-memory read slower than the window's copies (4 KiB pages), the
+direct calls of the spans where the read wins still read directly when every
+rank's arrays lie in huge pages, and take the window call otherwise; every
+rank takes the same path, the results are right either way, nothing is
+written outside a buffer, and a mismatch is caught on every rank before
+anything is read."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from collectives import CollectiveError
+from collectives.algorithms.window.state import WindowState
+from collectives.algorithms.window.tuning import direct_where_huge
+from collectives.transports.shm.pages import _PAGE_IS_HUGE, _some_page_lacks
+from harness import run_ranks
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux")
+
+HUGE = 2 << 20
+GUARD = 64  # float64 elements of guard before and after each buffer
+FILL = -7.0
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def placed(n: int, huge: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(the whole guarded span, its n float64 in the middle, whether they lie
+    in huge pages): in huge pages (``huge``) or in 4 KiB pages."""
+    span_bytes = -(-(n + 2 * GUARD) * 8 // HUGE) * HUGE
+    raw = np.empty(span_bytes + HUGE, np.uint8)
+    start = (-raw.ctypes.data) % HUGE
+    area = raw[start:start + span_bytes]
+    _madvise(area.ctypes.data, area.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
+    whole = area.view(np.float64)[:n + 2 * GUARD]
+    whole[:] = FILL  # the first touch: the kernel backs the pages now
+    view = whole[GUARD:GUARD + n]
+    lo, hi = view.ctypes.data, view.ctypes.data + view.nbytes
+    lacks = _some_page_lacks(-(-lo // 4096) * 4096, hi // 4096 * 4096, _PAGE_IS_HUGE)
+    return whole, view, lacks is False
+
+
+def _hybrids(comm) -> list[int]:
+    """``last_direct`` of every prepared direct call with a fallback."""
+    st = comm.transport.window.kept.get(WindowState)
+    calls = [getattr(v.on_arrays[0], "__self__", None) for v in (st.cache.values() if st else ())
+             if getattr(getattr(v, "on_arrays", None), "__len__", None)]
+    return [c.last_direct for c in calls if getattr(c, "fallback", 0)]
+
+
+def one(comm, collective: str, n: int, huge: bool, extra: int = 0) -> dict:
+    """One call of ``collective`` (n float64 a block), its buffers in huge
+    pages or not; ``extra`` more elements a block on rank 1 (a mismatch)."""
+    p, r = comm.size, comm.rank
+    n += extra * (r == 1)
+    wholes, places = [], []
+
+    def buf(count: int) -> np.ndarray:
+        whole, view, in_huge = placed(count, huge)
+        wholes.append(whole)
+        places.append(in_huge)
+        return view
+
+    def ramp(rank: int, count: int, offset: int = 0) -> np.ndarray:
+        return rank * 1_000_000 + offset + np.arange(count, dtype=np.float64)
+
+    if collective == "alltoall":
+        x, out = buf(n * p), buf(n * p)
+        x[:] = ramp(r, n * p)
+        args, want = (x, out), np.concatenate([ramp(q, n, r * n) for q in range(p)])
+    elif collective == "allgather":
+        out = buf(n * p)
+        out[:] = 0
+        out[r * n:(r + 1) * n] = ramp(r, n)
+        args, want = (out[r * n:(r + 1) * n].copy(), out), np.concatenate([ramp(q, n) for q in range(p)])
+    elif collective == "scatter":
+        x, out = buf(n * p), buf(n)
+        x[:] = ramp(0, n * p)
+        args, want = (x if r == 0 else None, out), ramp(0, n, r * n)
+    else:  # gather
+        x, out = buf(n), buf(n * p)
+        x[:] = ramp(r, n)
+        args, want = (x, out if r == 0 else None), np.concatenate([ramp(q, n) for q in range(p)]) if r == 0 else None
+    t0 = time.monotonic()
+    try:
+        for _ in range(2):  # the second from the prepared call
+            if collective in ("scatter", "gather"):
+                getattr(comm, collective)(*args, root=0)
+            else:
+                getattr(comm, collective)(*args)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    elapsed = time.monotonic() - t0
+    got = args[1] if collective != "gather" else args[1]
+    right = outcome == "ok" and (want is None or np.array_equal(got, want))
+    guards = all(np.all(w[:GUARD] == FILL) and np.all(w[-GUARD:] == FILL) for w in wholes)
+    hybrid = direct_where_huge(collective, n * p * 8, p, comm.transport.window.cores, comm.transport.window.cma_from)
+    return {"outcome": outcome, "message": message, "elapsed": elapsed, "right": right, "guards": guards,
+            "huge": all(places), "hybrid": hybrid, "last_direct": _hybrids(comm)}
+
+
+CASES = [("alltoall", 2, 32 << 10), ("allgather", 2, 32 << 10), ("scatter", 2, 32 << 10),
+         ("alltoall", 3, 16 << 10), ("scatter", 3, 32 << 10), ("gather", 3, 32 << 10)]
+
+
+@pytest.mark.parametrize("collective,p,n", CASES)
+@pytest.mark.parametrize("where", ["huge", "small"])
+def test_the_direct_call_reads_only_from_huge_pages(monkeypatch, collective, p, n, where):
+    """Every rank's arrays in huge pages: every rank reads directly; in 4 KiB
+    pages: every rank takes the window call. Right either way."""
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", "0")  # the race's answer: never (as on 4 KiB pages)
+    got = run_ranks(one, p, collective, n, where == "huge", timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip(f"{collective} of {n * p * 8} B at {p} ranks on these cores has no fallback")
+    if where == "huge" and not all(g["huge"] for g in got):
+        pytest.skip("the kernel gave no huge pages")
+    for r, g in enumerate(got):
+        assert g["outcome"] == "ok" and g["right"], f"rank {r}: {g['outcome']} {g['message']} right={g['right']}"
+        assert g["guards"], f"rank {r}: wrote outside a buffer"
+        assert g["last_direct"] == [int(where == "huge")], f"rank {r}: {g['last_direct']}"
+
+
+def mixed(comm, collective: str, n: int) -> dict:
+    """Every rank's arrays in huge pages but one source's (scatter's root,
+    else rank 1)."""
+    return one(comm, collective, n, comm.rank != (0 if collective == "scatter" else 1))
+
+
+@pytest.mark.parametrize("collective", ["alltoall", "allgather", "scatter"])
+def test_one_rank_without_huge_pages_takes_every_rank_to_the_window(monkeypatch, collective):
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", "0")
+    got = run_ranks(mixed, 2, collective, 32 << 10, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip("no fallback on these cores")
+    if not got[1 if collective == "scatter" else 0]["huge"]:
+        pytest.skip("the kernel gave no huge pages")
+    for r, g in enumerate(got):
+        assert g["outcome"] == "ok" and g["right"] and g["guards"], f"rank {r}: {g}"
+        assert g["last_direct"] == [0], f"rank {r}: {g['last_direct']}"
+
+
+def mismatched(comm, collective: str) -> dict:
+    return one(comm, collective, 32 << 10, True, extra=1)
+
+
+@pytest.mark.parametrize("collective", ["alltoall", "allgather", "scatter"])
+def test_a_mismatch_is_caught_on_every_rank_before_either_path(monkeypatch, collective):
+    """Rank 1 passes one more element a block, its arrays in huge pages like
+    every rank's: every rank raises in its first call, nothing is written."""
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", "0")
+    got = run_ranks(mismatched, 2, collective, timeout=60, comm_timeout=10)
+    for r, g in enumerate(got):
+        assert g["outcome"] == "MismatchedCollective", f"rank {r}: {g['outcome']} {g['message']}"
+        assert re.search(rf"rank {r}[:,] {collective} #1", g["message"]), f"rank {r}: {g['message']}"
+        assert g["elapsed"] < 5.0, f"rank {r}: took {g['elapsed']:.1f} s"
+        assert g["guards"], f"rank {r}: wrote outside a buffer"
