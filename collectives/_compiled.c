@@ -44,14 +44,15 @@
  *       metadata block metas[rank]); after copies from peers' places
  *       (PEER_ARRAY) read those arrays by cross-memory attach, each read
  *       inside the array as published; the run ends once every rank in
- *       readers is done with the step (see direct_after). A direct call
- *       with then = (before, after) as well falls back on that window
- *       call: each rank also publishes whether its arrays lie in huge
- *       pages (in_huge_pages); one whose do not makes then's copies before
- *       its post already. Every rank then decides alike from the same
- *       published words (see pages_of): every array in huge pages, it reads
- *       directly; none, it makes then's copies after the post in the same
- *       step; some, then runs as a second step.
+ *       readers is done with the step (see direct_after). With direct =
+ *       (pids, metas, readers, shared, copies_in), a direct call with a
+ *       fallback on the window, source by source: each rank also publishes
+ *       whether its arrays lie in huge pages (in_huge_pages); one whose do
+ *       not makes copies_in (into its region) before its post instead of
+ *       waiting for its readers, and a reader takes what it would read from
+ *       such a rank from the window instead: from each after copy's fourth
+ *       place, (src, dst, nbytes, window place), which every after copy
+ *       that reads a peer then has.
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -763,6 +764,7 @@ typedef struct {
 typedef struct {
     Loc src, dst;
     Py_ssize_t n;
+    Loc alt;         /* a direct call with a fallback: where in the window a peer's place is (idx -1), else idx 0 */
     int rank;        /* a call in pieces: the rank whose region the copy's window side is in (-1: */
     Py_ssize_t rel;  /* none, or this rank's region read after its own fill) and its offset there */
 } Copy;
@@ -799,10 +801,11 @@ typedef struct {
     int at;                       /* a run in pieces that waits while it reads: the copy, its byte, */
     Py_ssize_t at_byte, at_elem;  /* and the reduction's element it resumes at */
     int direct;                   /* a direct call (see compile's direct): */
-    int fallback;                 /* with then as the window call it falls back on; */
-    int precopied;                /* the run in progress made then's copies before its post, */
-    int fell;                     /* and takes then as a second step */
-    int last_direct;              /* the last run read its peers directly */
+    int fallback;                 /* with copies into its region it makes instead where its arrays */
+    int ncopies_in;               /* lie in 4 KiB pages (and readers take theirs from the window): */
+    Copy *copies_in;
+    int copied_in;                /* the run in progress made them (nobody reads its arrays) */
+    int last_direct, last_window;  /* the last run's reads of peers' arrays, and of their copies in the window */
     uintptr_t paged_at[MAX_ARRAYS];    /* each shared array's last answer of in_huge_pages: where, */
     Py_ssize_t paged_len[MAX_ARRAYS];  /* its bytes, the answer, and how many runs it still holds for */
     int paged_huge[MAX_ARRAYS], paged_left[MAX_ARRAYS];
@@ -850,9 +853,17 @@ static int parse_copies(PyObject *seq, Copy **out, int *n, int narrays, Py_ssize
     for (Py_ssize_t i = 0; i < len; i++) {
         PyObject *src, *dst;
         Copy *c = &(*out)[i];
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOn", &src, &dst, &c->n) ||
-            parse_loc(src, &c->src, narrays, need, c->n) < 0 || parse_loc(dst, &c->dst, narrays, need, c->n) < 0) {
+        PyObject *alt = NULL;
+        c->alt.idx = 0;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOn|O", &src, &dst, &c->n, &alt) ||
+            parse_loc(src, &c->src, narrays, need, c->n) < 0 || parse_loc(dst, &c->dst, narrays, need, c->n) < 0 ||
+            (alt && parse_loc(alt, &c->alt, narrays, need, c->n) < 0)) {
             Py_DECREF(fast);
+            return -1;
+        }
+        if (alt && (c->alt.idx != -1 || c->src.idx > PEER_ARRAY(0))) {
+            Py_DECREF(fast);
+            PyErr_SetString(PyExc_ValueError, "a fourth place is the window's, for a copy that reads a peer");
             return -1;
         }
         if (c->dst.idx >= 0) writes[c->dst.idx] = 1;
@@ -996,8 +1007,8 @@ static int mark_list(PyObject *seq, int limit, unsigned char *flags, const char 
  * this rank's arrays, the arrays this rank publishes. -1 on error. */
 static int parse_direct(CallObject *pl, PyObject *direct) {
     WindowObject *w = pl->window;
-    PyObject *pids, *metas, *readers, *shared;
-    if (!PyArg_ParseTuple(direct, "OOOO", &pids, &metas, &readers, &shared)) return -1;
+    PyObject *pids, *metas, *readers, *shared, *copies_in = Py_None;
+    if (!PyArg_ParseTuple(direct, "OOOO|O", &pids, &metas, &readers, &shared, &copies_in)) return -1;
     if (pl->f || pl->two_steps) {
         PyErr_SetString(PyExc_ValueError, "a direct call has one step and no reduction");
         return -1;
@@ -1023,14 +1034,20 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
     }
     pl->direct = 1;
     pl->writes_window = 1;  /* the metadata block: free once every peer is done with the step before the last */
-    if (pl->fallback) {  /* one that publishes nothing makes its fallback copies after the post (see advance) */
-        int shares = 0;
-        for (int j = 0; j < pl->narrays; j++) shares |= pl->shared[j];
-        for (int i = 0; !shares && i < pl->nbefore2; i++)
-            if (pl->before2[i].dst.idx < 0) {
-                PyErr_SetString(PyExc_ValueError, "a rank that publishes no array writes no window in a fallback");
+    if (copies_in != Py_None) {  /* a fallback: every read of a peer has its place in the window */
+        if (parse_copies(copies_in, &pl->copies_in, &pl->ncopies_in, pl->narrays, pl->need, pl->writes) < 0)
+            return -1;
+        for (int i = 0; i < pl->ncopies_in; i++)
+            if (pl->copies_in[i].dst.idx != -1 || pl->copies_in[i].src.idx < 0) {
+                PyErr_SetString(PyExc_ValueError, "copies in go from this rank's arrays into the window");
                 return -1;
             }
+        for (int i = 0; i < pl->nafter; i++)
+            if (pl->after[i].src.idx <= PEER_ARRAY(0) && pl->after[i].alt.idx != -1) {
+                PyErr_SetString(PyExc_ValueError, "a read of a peer without its place in the window");
+                return -1;
+            }
+        pl->fallback = 1;
     }
     return 0;
 }
@@ -1063,7 +1080,8 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->at = 0;
     pl->at_byte = pl->at_elem = 0;
     pl->f = NULL;
-    pl->direct = pl->fallback = pl->precopied = pl->fell = pl->last_direct = 0;
+    pl->direct = pl->fallback = pl->ncopies_in = pl->copied_in = pl->last_direct = pl->last_window = 0;
+    pl->copies_in = NULL;
     for (int i = 0; i < MAX_ARRAYS; i++) pl->paged_left[i] = 0;
     pl->pids = NULL;
     pl->metas = NULL;
@@ -1097,8 +1115,7 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
             Py_DECREF(pl);
             return NULL;
         }
-        pl->two_steps = direct == Py_None;  /* with direct: the window call it falls back on */
-        pl->fallback = direct != Py_None;
+        pl->two_steps = 1;
     }
     if (mark_list(sources, w->size, pl->sources, "sources must be a sequence of ranks",
                   "a source rank is out of range") < 0) {
@@ -1151,6 +1168,7 @@ static void Call_dealloc(CallObject *pl) {
     PyMem_Free(pl->after);
     PyMem_Free(pl->before2);
     PyMem_Free(pl->after2);
+    PyMem_Free(pl->copies_in);
     PyMem_Free(pl->rsrc);
     PyMem_Free(pl->rrank);
     PyMem_Free(pl->rrel);
@@ -1378,42 +1396,21 @@ static int array_in_huge_pages(CallObject *pl, int j, char *base) {
 }
 
 /* Publish where this rank's shared arrays are (before the post); a call
- * with a fallback also whether each lies in huge pages. 1 when one of
- * them does not (a call with a fallback only), else 0. */
+ * with a fallback also whether they all lie in huge pages (the same mark
+ * on each: a reader reads all of them straight, or all from the window).
+ * 1 when they do not (a call with a fallback only), else 0. */
 static int publish_arrays(CallObject *pl, char *const *bases) {
     uint64_t *words = published(pl, pl->window->rank);
     int small = 0;
+    for (int j = 0; j < pl->narrays && pl->fallback; j++)
+        if (pl->shared[j] && bases[j]) small |= !array_in_huge_pages(pl, j, bases[j]);
+    uint64_t huge = pl->fallback && !small ? IN_HUGE_PAGES : 0;
     for (int j = 0; j < MAX_ARRAYS; j++) {
         int on = j < pl->narrays && pl->shared[j] && bases[j];
-        uint64_t huge = 0;
-        if (on && pl->fallback) {
-            huge = array_in_huge_pages(pl, j, bases[j]) ? IN_HUGE_PAGES : 0;
-            small |= !huge;
-        }
         words[2 * j] = on ? (uint64_t)(uintptr_t)bases[j] : 0;
         words[2 * j + 1] = on ? (uint64_t)pl->lens[j] | huge : 0;
     }
     return small;
-}
-
-enum { PAGES_HUGE, PAGES_SMALL, PAGES_MIXED };
-
-/* Where every rank's published arrays lie: PAGES_HUGE when all in huge
- * pages (or none published), PAGES_SMALL when none (each rank that
- * publishes made its fallback copies before its post), else PAGES_MIXED.
- * The same answer on every rank once every rank has posted (the words stay
- * until every rank is done with the step). */
-static int pages_of(const CallObject *pl) {
-    int huge = 0, small = 0;
-    for (int r = 0; r < pl->window->size; r++) {
-        const uint64_t *words = published(pl, r);
-        for (int j = 0; j < MAX_ARRAYS; j++) {
-            if (!load_acquire(&words[2 * j])) continue;
-            if (load_acquire(&words[2 * j + 1]) & IN_HUGE_PAGES) huge = 1;
-            else small = 1;
-        }
-    }
-    return !small ? PAGES_HUGE : huge ? PAGES_MIXED : PAGES_SMALL;
 }
 
 /* The kernel's cross-memory copy runs several times slower when the
@@ -1461,7 +1458,7 @@ static int direct_read(CallObject *pl, int pid, uintptr_t from, char *to, size_t
  * published it; the rest as any call's. NULL when done, else why the run
  * stopped: (rank, K_OUTSIDE, the bytes it published) or (rank, K_LOST, errno). */
 static PyObject *direct_reads(CallObject *pl, char *const *bases) {
-    int err = 0, bad = -1, kind = 0;
+    int err = 0, bad = -1, kind = 0, direct = 0, window = 0;
     uint64_t value = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < pl->nafter && bad < 0; i++) {
@@ -1473,15 +1470,22 @@ static PyObject *direct_reads(CallObject *pl, char *const *bases) {
         }
         int r = (int)c->src.a0, j = PEER_ARRAY(c->src.idx);
         const uint64_t *words = published(pl, r);
-        uint64_t address = load_acquire(&words[2 * j]), nbytes = load_acquire(&words[2 * j + 1]) & ~IN_HUGE_PAGES;
+        uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
+        uint64_t nbytes = word & ~IN_HUGE_PAGES;
         if (!address || (uint64_t)c->src.a1 + (uint64_t)c->n > nbytes) {
             bad = r, kind = K_OUTSIDE, value = nbytes;
+        } else if (pl->fallback && !(word & IN_HUGE_PAGES)) {  /* it copied this into its region, see copies_in */
+            copy_bytes(dst, where(&c->alt, bases, pl->half), (size_t)c->n);
+            window++;
         } else if (c->n && (err = direct_read(pl, pl->pids[r], (uintptr_t)address + (uintptr_t)c->src.a1, dst,
                                               (size_t)c->n))) {
             bad = r, kind = K_LOST, value = (uint64_t)err;
+        } else {
+            direct++;
         }
     }
     Py_END_ALLOW_THREADS
+    pl->last_direct = direct, pl->last_window = window;
     return bad < 0 ? NULL : Py_BuildValue("(iiK)", bad, kind, (unsigned long long)value);
 }
 
@@ -1522,9 +1526,9 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             fill_in_pieces(pl, bases, k);
         } else {
             do_copies(pl->before, pl->nbefore, bases, pl->half);
-            if (pl->direct) {  /* arrays in 4 KiB pages: the window it is then, whatever the others' */
-                pl->precopied = publish_arrays(pl, bases);
-                if (pl->precopied) do_copies(pl->before2, pl->nbefore2, bases, pl->half);
+            if (pl->direct) {  /* arrays in 4 KiB pages: its readers take their copies in the window */
+                pl->copied_in = publish_arrays(pl, bases);
+                if (pl->copied_in) do_copies(pl->copies_in, pl->ncopies_in, bases, pl->half);
             }
             write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
         }
@@ -1549,16 +1553,8 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             pl->at = 0;
             pl->at_byte = pl->at_elem = 0;
         } else if (pl->direct) {
-            int pages = pl->fallback ? pages_of(pl) : PAGES_HUGE;
-            pl->last_direct = pages == PAGES_HUGE;
-            pl->fell = pages == PAGES_MIXED;
-            if (pages == PAGES_HUGE) {
-                PyObject *failed = direct_after(pl, bases);
-                if (failed) return failed;
-            } else if (pages == PAGES_SMALL) {  /* every writer's copies are in this step's half */
-                if (!pl->precopied) do_copies(pl->before2, pl->nbefore2, bases, pl->half);  /* its own only */
-                do_copies(pl->after2, pl->nafter2, bases, pl->half);
-            }
+            PyObject *failed = direct_after(pl, bases);
+            if (failed) return failed;
         } else {
             do_after(pl, bases, pl->half);
         }
@@ -1570,8 +1566,8 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
     }
     if (pl->stage == 0) {  /* the first step is done */
         publish(w, K_DONE, k);
-        if (pl->direct && pl->last_direct) pl->stage = 6;
-        if (pl->two_steps || pl->fell) {  /* a fallback's window call: nobody read this rank's arrays */
+        if (pl->direct && !pl->copied_in) pl->stage = 6;
+        if (pl->two_steps) {
             k = pl->step = ++w->turn;
             pl->half = (int)((k - 1) & 1);
             pl->stage = 4;
@@ -2084,8 +2080,11 @@ static PyMemberDef Call_members[] = {
     {"piece", T_PYSSIZET, offsetof(CallObject, piece), READONLY, "bytes a piece (0: the call runs whole)"},
     {"direct", T_INT, offsetof(CallObject, direct), READONLY, "1 when it reads peers' arrays straight from their memory"},
     {"fallback", T_INT, offsetof(CallObject, fallback), READONLY,
-     "1 when it falls back on a window call where some rank's array does not lie in huge pages"},
-    {"last_direct", T_INT, offsetof(CallObject, last_direct), READONLY, "1 when its last run read its peers directly"},
+     "1 when a rank whose arrays do not lie in huge pages copies them into the window for its readers"},
+    {"last_direct", T_INT, offsetof(CallObject, last_direct), READONLY,
+     "how many copies its last run read straight from peers' arrays"},
+    {"last_window", T_INT, offsetof(CallObject, last_window), READONLY,
+     "how many copies its last run took from peers' copies in the window (see fallback)"},
     {NULL, 0, 0, 0, NULL},
 };
 

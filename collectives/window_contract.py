@@ -287,12 +287,17 @@ class SharedWindow(abc.ABC):
                 memory, each only inside the array as its rank published it;
                 the run ends once every rank in ``readers`` (those that read
                 this rank's arrays) is done with the step. One step, no
-                reduction, never in pieces. With ``then`` as well, ``then``
-                is the window call it falls back on: each rank also
-                publishes whether its arrays lie in huge pages, and where
-                one does not, every rank reads nothing from its peers and
-                takes ``then`` as a second step instead (the call's
-                ``last_direct`` says which its last run took).
+                reduction, never in pieces. ``(readers, shared,
+                copies_in)``: with a fallback on the window, source by
+                source: each rank also publishes whether its arrays lie in
+                huge pages; one whose do not makes the copies ``copies_in``
+                (from its arrays into its region) before its post instead
+                of waiting for its readers, and they take what they would
+                read from it from the window: every ``after`` copy that
+                reads a peer then names its place in the window fourth,
+                ``(src, dst, nbytes, window place)``. The call's
+                ``last_direct`` and ``last_window`` count its last run's
+                reads of each kind.
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==

@@ -1,10 +1,10 @@
 """A direct compiled call with a fallback on the window: where the race
 found a cross-memory read slower than the window's copies (4 KiB pages), the
-direct calls of the spans where the read wins still read directly when every
-rank's arrays lie in huge pages, and take the window call otherwise; every
-rank takes the same path, the results are right either way, nothing is
-written outside a buffer, and a mismatch is caught on every rank before
-anything is read."""
+direct calls of the spans where the read wins still read a peer's arrays
+directly where they lie in huge pages, and take them from the window where
+they do not (the peer copied them in); the results are right either way
+and with peers of both kinds, nothing is written outside a buffer, and a
+mismatch is caught on every rank before anything is read."""
 
 from __future__ import annotations
 
@@ -48,12 +48,13 @@ def placed(n: int, huge: bool) -> tuple[np.ndarray, np.ndarray, bool]:
     return whole, view, lacks is False
 
 
-def _hybrids(comm) -> list[int]:
-    """``last_direct`` of every prepared direct call with a fallback."""
+def _reads(comm) -> list[tuple[int, int]]:
+    """(reads straight from peers' arrays, reads of their copies in the
+    window) of every prepared direct call with a fallback, in its last run."""
     st = comm.transport.window.kept.get(WindowState)
     calls = [getattr(v.on_arrays[0], "__self__", None) for v in (st.cache.values() if st else ())
              if getattr(getattr(v, "on_arrays", None), "__len__", None)]
-    return [c.last_direct for c in calls if getattr(c, "fallback", 0)]
+    return [(c.last_direct, c.last_window) for c in calls if getattr(c, "fallback", 0)]
 
 
 def one(comm, collective: str, n: int, huge: bool, extra: int = 0) -> dict:
@@ -105,7 +106,7 @@ def one(comm, collective: str, n: int, huge: bool, extra: int = 0) -> dict:
     guards = all(np.all(w[:GUARD] == FILL) and np.all(w[-GUARD:] == FILL) for w in wholes)
     hybrid = direct_where_huge(collective, n * p * 8, p, comm.transport.window.cores, comm.transport.window.cma_from)
     return {"outcome": outcome, "message": message, "elapsed": elapsed, "right": right, "guards": guards,
-            "huge": all(places), "hybrid": hybrid, "last_direct": _hybrids(comm)}
+            "huge": all(places), "hybrid": hybrid, "reads": _reads(comm)}
 
 
 CASES = [("alltoall", 2, 32 << 10), ("allgather", 2, 32 << 10), ("scatter", 2, 32 << 10),
@@ -115,8 +116,8 @@ CASES = [("alltoall", 2, 32 << 10), ("allgather", 2, 32 << 10), ("scatter", 2, 3
 @pytest.mark.parametrize("collective,p,n", CASES)
 @pytest.mark.parametrize("where", ["huge", "small"])
 def test_the_direct_call_reads_only_from_huge_pages(monkeypatch, collective, p, n, where):
-    """Every rank's arrays in huge pages: every rank reads directly; in 4 KiB
-    pages: every rank takes the window call. Right either way."""
+    """Every rank's arrays in huge pages: every read is direct; in 4 KiB
+    pages: every read is of the peer's copy in the window. Right either way."""
     monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", "0")  # the race's answer: never (as on 4 KiB pages)
     got = run_ranks(one, p, collective, n, where == "huge", timeout=120)
     if not got[0]["hybrid"]:
@@ -126,7 +127,11 @@ def test_the_direct_call_reads_only_from_huge_pages(monkeypatch, collective, p, 
     for r, g in enumerate(got):
         assert g["outcome"] == "ok" and g["right"], f"rank {r}: {g['outcome']} {g['message']} right={g['right']}"
         assert g["guards"], f"rank {r}: wrote outside a buffer"
-        assert g["last_direct"] == [int(where == "huge")], f"rank {r}: {g['last_direct']}"
+        assert len(g["reads"]) == 1, f"rank {r}: {g['reads']}"
+    reads = (p - 1) * (p if collective in ("alltoall", "allgather") else 1)  # of peers' blocks, all ranks together
+    direct, window = (sum(g["reads"][0][k] for g in got) for k in (0, 1))
+    want = (reads, 0) if where == "huge" else (0, reads)
+    assert (direct, window) == want, f"{where}: {[g['reads'] for g in got]}"
 
 
 def mixed(comm, collective: str, n: int) -> dict:
@@ -136,7 +141,10 @@ def mixed(comm, collective: str, n: int) -> dict:
 
 
 @pytest.mark.parametrize("collective", ["alltoall", "allgather", "scatter"])
-def test_one_rank_without_huge_pages_takes_every_rank_to_the_window(monkeypatch, collective):
+def test_each_peer_is_read_the_way_its_pages_allow(monkeypatch, collective):
+    """Rank 1's arrays (scatter: the root's) in 4 KiB pages, the others' in
+    huge pages: what comes from it comes through the window, the rest
+    straight; right on every rank."""
     monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", "0")
     got = run_ranks(mixed, 2, collective, 32 << 10, timeout=120)
     if not got[0]["hybrid"]:
@@ -145,7 +153,10 @@ def test_one_rank_without_huge_pages_takes_every_rank_to_the_window(monkeypatch,
         pytest.skip("the kernel gave no huge pages")
     for r, g in enumerate(got):
         assert g["outcome"] == "ok" and g["right"] and g["guards"], f"rank {r}: {g}"
-        assert g["last_direct"] == [0], f"rank {r}: {g['last_direct']}"
+    if collective == "scatter":
+        assert [g["reads"] for g in got] == [[(0, 0)], [(0, 1)]], [g["reads"] for g in got]
+    else:  # rank 0 reads rank 1's through the window, rank 1 reads rank 0's straight
+        assert [g["reads"] for g in got] == [[(0, 1)], [(1, 0)]], [g["reads"] for g in got]
 
 
 def mismatched(comm, collective: str) -> dict:

@@ -298,10 +298,10 @@ class ShmWindow(SharedWindow):
         if direct is not None:
             if DIRECT_ACCESS not in self.features:
                 raise NotImplementedError("the window cannot reach peers' memory (no cross-memory attach)")
-            readers, shared = direct
-            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then,
+            readers, shared, *copies_in = direct
+            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None,
                                           (self._cross.pids, [reg.ctypes.data for reg in self._regions],
-                                           readers, shared))
+                                           readers, shared, copies_in[0] if copies_in else None))
         if then is not None:
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then)
         if piece <= 0:

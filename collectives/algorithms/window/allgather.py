@@ -14,8 +14,8 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import (arr, first, compile_call, compile_direct, direct_fallback, peer, prepared_from,
-                             run_prepared, slot)
+from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, copies_in, direct_mode, peer,
+                             prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
 __all__ = ["allgather"]
@@ -37,13 +37,14 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
         through = ([(arr(0, start * item), slot(st, me, off * item), n * item)] if n else [],
                    [(slot(st, r, off * item), arr(0, start * item), n * item)
                     for r, (start, n, off) in enumerate(parts) if r != me and n])
-    fallback = direct_fallback(window, "allgather", buf.nbytes, through)
-    if fallback is not None:
+    mode = direct_mode(window, "allgather", buf.nbytes, through)
+    if mode is not None:
+        fall = mode == FALLBACK  # (where each peer's copy in puts its block: one piece, whole blocks)
         starts = displs(counts)
         after = [(peer(r, 0, starts[r] * item), arr(0, starts[r] * item), counts[r] * item)
-                 for r in range(p) if r != me and counts[r]]
+                 + ((slot(st, r, parts[r][2] * item),) if fall else ()) for r in range(p) if r != me and counts[r]]
         readers = [r for r in range(p) if r != me and counts[me]]
-        made = compile_direct(window, 1, [], after, readers, [0], fallback or None)
+        made = compile_direct(window, 1, [], after, readers, [0], copies_in(through[0]) if fall else None)
         if made is not None:
             return prepared_from(made, first)
     if through is None:

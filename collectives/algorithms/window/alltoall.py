@@ -13,8 +13,8 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import (arr, first_two, compile_call, compile_direct, direct_fallback, peer, prepared_from,
-                             run_prepared, slot)
+from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, copies_in, direct_mode, peer,
+                             prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
 __all__ = ["alltoall"]
@@ -33,11 +33,13 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
         before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
         before.append((arr(0, me * b), arr(1, me * b), b))
         through = before, [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
-    fallback = direct_fallback(window, "alltoall", sendbuf.nbytes, through)
-    if fallback is not None:
-        after = [(arr(0, me * b), arr(1, me * b), b)] + [(peer(r, 0, me * b), arr(1, r * b), b)
-                                                          for r in range(p) if r != me]
-        made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0], fallback or None)
+    mode = direct_mode(window, "alltoall", sendbuf.nbytes, through)
+    if mode is not None:
+        fall = mode == FALLBACK  # (where each peer's copy in puts block me)
+        after = [(arr(0, me * b), arr(1, me * b), b)] + [
+            (peer(r, 0, me * b), arr(1, r * b), b) + ((slot(st, r, me * b),) if fall else ()) for r in range(p) if r != me]
+        made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0],
+                              copies_in(through[0]) if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None:

@@ -12,8 +12,8 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import (arr, first, compile_call, compile_direct, direct_fallback, peer, prepared_from,
-                             run_prepared, slot)
+from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, copies_in, direct_mode, peer,
+                             prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
 __all__ = ["bcast"]
@@ -33,10 +33,15 @@ def _prepare(transport, buf: np.ndarray, root: int):
     through = None  # the window call's copies
     if n < window_direct_from("bcast", window, p) and n <= budget(st):
         through = ([(arr(0), slot(st, root), n)], []) if me == root else ([], [(slot(st, root), arr(0), n)])
-    fallback = direct_fallback(window, "bcast", n, through)
-    if fallback is not None:
-        made = (compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0], fallback or None)
-                if me == root else compile_direct(window, 1, [], [(peer(root, 0), arr(0), n)], [], [], fallback or None))
+    mode = direct_mode(window, "bcast", n, through)
+    if mode is not None:
+        fall = mode == FALLBACK
+        if me == root:
+            made = compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0],
+                                  copies_in(through[0]) if fall else None)
+        else:
+            made = compile_direct(window, 1, [], [(peer(root, 0), arr(0), n) + ((slot(st, root),) if fall else ())],
+                                  [], [], [] if fall else None)
         if made is not None:
             return prepared_from(made, first)
     if through is None:

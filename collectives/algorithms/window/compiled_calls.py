@@ -25,8 +25,8 @@ from .state import DATA_OFFSET, WindowState, state_of
 from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_where_huge, table_piece
 
 __all__ = [
-    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_fallback", "whole_call",
-    "reduction", "first",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "copies_in",
+    "DIRECT", "FALLBACK", "reduction", "first",
     "first_two",
     "no_arrays",
     "prepared_from", "run_prepared",
@@ -81,50 +81,53 @@ def compile_call(window, narrays: int, before: list, after: list, reduce: tuple 
 
 
 def compile_direct(window, narrays: int, before: list, after: list, readers: list[int], shared: list[int],
-                   fallback: tuple | None = None):
+                   copies_in: list | None = None):
     """``(run, settle)`` of a direct compiled call (see
     :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
     publishes its arrays ``shared``; ``after`` reads peers' arrays
     (:func:`peer`) once every record agrees; the run ends once the ranks
-    ``readers`` are done reading this rank's. With ``fallback``, the
-    ``(before, after)`` of a window call (:func:`whole_call`), a run reads
-    directly only where every rank's published arrays lie in huge pages,
-    and takes that call otherwise. None where the window has no compiled
-    calls or cannot reach peers' memory (the same on every rank)."""
+    ``readers`` are done reading this rank's. With ``copies_in`` (a
+    fallback, see :func:`direct_mode`), a rank whose arrays do not lie in
+    huge pages makes those copies into its region instead, and its readers
+    take theirs from there: every copy of ``after`` that reads a peer then
+    names its place in the window fourth. None where the window has no
+    compiled calls or cannot reach peers' memory (the same on every rank)."""
     if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
         return None
-    made = window.compile(narrays, before, after, None, [], then=fallback, direct=(readers, shared))
+    made = window.compile(narrays, before, after, None, [], direct=(readers, shared, copies_in))
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 
 
-def whole_call(window, before: list, after: list) -> tuple | None:
-    """``(before, after)`` of a window call for :func:`compile_direct`'s
-    fallback, or None where the table runs the call alone in pieces (a
-    fallback runs whole; :func:`~.tuning.table_piece`, the same on every
-    rank) or the window cannot tell huge pages (then the race's answer
-    stands alone)."""
-    if HUGE_PAGES not in window.features:
-        return None
-    through = [n for src, dst, n in before if dst[0] < 0] + [n for src, dst, n in after if src[0] < 0]
-    if table_piece(max(through, default=0), window.size, window.cores):
-        return None
-    return before, after
+#: :func:`direct_mode`'s answers.
+DIRECT, FALLBACK = "direct", "fallback"
 
 
-def direct_fallback(window, collective: str, nbytes: int, through: tuple | None) -> tuple | None:
-    """How ``collective`` of ``nbytes`` takes its direct compiled call: None
-    where it does not, ``()`` where it always does (:func:`~.tuning.compiled_direct`),
-    else the window call's copies ``through`` (``(before, after)``, or
-    None where it has none) that it falls back on where some rank's arrays
-    do not lie in huge pages (:func:`~.tuning.direct_where_huge`,
-    :func:`whole_call`). The same on every rank."""
+def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> str | None:
+    """How ``collective`` of ``nbytes`` takes its direct compiled call, the
+    same on every rank: :data:`DIRECT` (:func:`~.tuning.compiled_direct`),
+    :data:`FALLBACK` where it reads only arrays in huge pages and takes the
+    rest through the window as its window call would (its copies
+    ``through``, ``(before, after)``; :func:`~.tuning.direct_where_huge`),
+    or None. No fallback where the window cannot tell huge pages or where
+    the table runs the window call in pieces (:func:`~.tuning.table_piece`;
+    a fallback's copies are whole)."""
     p, cores, cma_from = window.size, window.cores, window.cma_from
     if compiled_direct(collective, nbytes, p, cores, cma_from):
-        return ()
-    if through is not None and direct_where_huge(collective, nbytes, p, cores, cma_from):
-        return whole_call(window, *through)
+        return DIRECT
+    if through is None or HUGE_PAGES not in window.features:
+        return None
+    before, after = through
+    largest = max([n for _, dst, n in before if dst[0] < 0] + [n for src, _, n in after if src[0] < 0], default=0)
+    if direct_where_huge(collective, nbytes, p, cores, cma_from) and not table_piece(largest, p, cores):
+        return FALLBACK
     return None
+
+
+def copies_in(before: list) -> list:
+    """The copies of a window call's ``before`` into the window (a fallback's
+    copies in, see :func:`compile_direct`)."""
+    return [c for c in before if c[1][0] < 0]
 
 
 def reduction(dst: tuple, srcs: list, count: int, dtype: np.dtype, op: Op) -> tuple | None:

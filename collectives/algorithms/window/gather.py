@@ -16,8 +16,8 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs
-from .compiled_calls import (arr, first_two, compile_call, compile_direct, direct_fallback, peer, prepared_from,
-                             run_prepared, slot)
+from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, copies_in, direct_mode, peer,
+                             prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
 __all__ = ["gather"]
@@ -40,14 +40,17 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
                        [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources])
         else:
             through = [(arr(0), slot(st, me), counts[me] * item)] if counts[me] else [], []
-    fallback = direct_fallback(window, "gather", total, through)
-    if fallback is not None:
+    mode = direct_mode(window, "gather", total, through)
+    if mode is not None:
+        fall = mode == FALLBACK  # (each peer's copy in puts its block at its region's start)
         if me == root:
             after = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
-            after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item) for r in sources]
-            made = compile_direct(window, 2, [], after, [], [], fallback or None)
+            after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item) + ((slot(st, r),) if fall else ())
+                      for r in sources]
+            made = compile_direct(window, 2, [], after, [], [], [] if fall else None)
         else:
-            made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0], fallback or None)
+            made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0],
+                                  copies_in(through[0]) if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None:
