@@ -189,6 +189,46 @@ def test_abort_reaches_peers_with_its_reason():
     assert run_ranks(aborting_peer, 2, timeout=60) == ["aborted", True]
 
 
+def abort_while_a_peer_is_in_init(comm, flag: str):
+    """Rank 1 aborts in its first call while rank 0 still waits for rank 2
+    in a point-to-point exchange before any call (as in ``init``'s): rank
+    0's wait ends with rank 2's message, and its first call raises rank 1's
+    error. Rank 1 stays alive until rank 0 is done (the file ``flag``)."""
+    from collectives.transports.shm.layout import Q_ABORT
+    t, deadline = comm.transport, time.monotonic() + 30
+    if comm.rank == 1:
+        t.abort("rank 1: allgather #1: it broke", seq=1)
+        while not os.path.exists(flag):
+            assert time.monotonic() < deadline, "rank 0 never finished"
+            os.sched_yield()
+        return "aborted"
+    while not t._segs[1].q[Q_ABORT]:
+        assert time.monotonic() < deadline, "rank 1 never aborted"
+        os.sched_yield()
+    if comm.rank == 2:
+        t.isend(np.arange(4, dtype=np.float64), 0, 7).wait(15)
+        return "sent"
+    try:
+        got = np.zeros(4)
+        t.irecv(got, 2, 7).wait(15)
+        lost = t._lost_peer({2})  # the check every wait makes now and then
+        t0 = time.monotonic()
+        try:
+            comm.allreduce(np.ones(1))
+            first = "completed"
+        except PeerLost as exc:
+            first = str(exc)
+        return got.tolist(), lost, first, time.monotonic() - t0
+    finally:
+        open(flag, "w").close()
+
+
+def test_an_abort_in_a_call_waits_for_a_peer_still_in_init(tmp_path):
+    got, lost, first, seconds = run_ranks(abort_while_a_peer_is_in_init, 3, str(tmp_path / "done"), timeout=60)[0]
+    assert got == [0.0, 1.0, 2.0, 3.0] and lost is None, (got, lost)
+    assert "rank 1" in first and "it broke" in first and seconds < 5, (first, seconds)
+
+
 def window_and_alloc(comm):
     w, r, p = comm.transport.window, comm.rank, comm.size
     region = w.region(r)

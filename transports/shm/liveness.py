@@ -176,9 +176,13 @@ class Liveness:
         return None
 
     def _lost_peer(self, relevant: set[int]) -> Exception | None:
-        """The error for an aborted peer, or a relevant peer that died or closed."""
+        """The error for an aborted peer, or a relevant peer that died or closed.
+        Before this rank's first call (in ``init``'s exchanges) only a peer
+        that aborted before its own first call counts: one that aborted in
+        a call was done with ``init`` and sent what it owed, and its error
+        comes with this rank's first call."""
         now = self._records.current() if self._records is not None else None
-        aborted = self._aborted_in(now[0] if now is not None else None)
+        aborted = self._aborted_in(now[0] if now is not None else 0)
         if aborted is not None:
             return self._aborted_error(aborted)
         dead = self._watch.dead() if self._watch is not None else set()
