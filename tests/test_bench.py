@@ -334,3 +334,38 @@ def test_pingpong_is_named_alone_checks_the_echo_and_needs_two_ranks():
     assert case.wrong() == 64
     case.bufs["recv"][:] = case.bufs["send"]  # the echo of what it sent
     assert case.wrong() == 0
+
+
+def _lacks_huge(a: np.ndarray) -> bool | None:
+    from collectives.transports.shm.pages import _PAGE_IS_HUGE, _some_page_lacks
+
+    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
+    return _some_page_lacks(-(-lo // 4096) * 4096, hi // 4096 * 4096, _PAGE_IS_HUGE)
+
+
+def test_pages_places_buffers_in_huge_or_small_pages_even_where_the_heap_was_used():
+    from collectives.bench.pages import empty
+
+    for _ in range(3):  # memory freed and handed out again keeps no pages of its own
+        huge, small = empty(300_000, np.float32, "huge"), empty(300_000, np.float32, "small")
+        assert huge.shape == small.shape == (300_000,) and huge.dtype == np.float32
+        assert huge.ctypes.data % (2 << 20) == 0
+        if _lacks_huge(huge) is None:
+            pytest.skip("the kernel cannot tell huge pages (PAGEMAP_SCAN)")
+        if _lacks_huge(huge):
+            pytest.skip("the kernel gave no huge pages")
+        assert _lacks_huge(small)
+        del huge, small
+    assert empty(0, np.float64, "huge").size == 0 and empty(5, np.int8, "numpy").dtype == np.int8
+    with pytest.raises(ValueError, match="pages must be one of"):
+        empty(5, np.int8, "giant")
+
+
+def test_pages_goes_to_every_peer_and_into_the_json(tmp_path):
+    res = _run(["alltoall,scatter", "-n", "2", "--sizes", "1K,512K", "--iters", "3", "--warmup", "1", "--pages",
+                "huge", "--compare", "mpi", "--json", "r.json"], tmp_path, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["args"]["pages"] == "huge" and validate(doc) == []
+    assert {r["peer"] for r in doc["results"]} == {"ours", "mpi"} and not any(r["wrong"] for r in doc["results"])
+    assert "our buffers numpy in huge pages, as every peer's" in res.stdout
