@@ -155,6 +155,20 @@ def test_the_default_sizes_take_the_direct_call_where_the_table_says():
     assert not compiled_direct("allgather", 64 << 20, 2, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
 
 
+def test_bcast_has_no_span_with_a_fallback():
+    """A fallback's copies are whole, and bcast's window call in pieces ran
+    twice as fast as whole: bcast reads directly with a fallback nowhere
+    its window call runs (below the pool's direct path)."""
+    from collectives.algorithms.window.tuning import direct_from, direct_where_huge
+
+    for p in (2, 3, 4, 8):
+        for cores in (0, 2, 4):
+            for shift in range(10, 27):
+                n = 1 << shift
+                assert not (direct_where_huge("bcast", n, p, cores, NEVER) and n < direct_from("bcast", p, cores)), \
+                    (p, cores, n)
+
+
 def _allgather_direct_runs(comm) -> tuple:
     before = _direct_runs(comm)
     _one(comm, "allgather", [32 << 10] * comm.size, 0)  # 2 x 256 KiB of float64

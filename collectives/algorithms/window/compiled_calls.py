@@ -22,7 +22,7 @@ from ... import compiled
 from ...ops import Op
 from ...window_contract import COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_where_huge, table_piece
+from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_where_huge
 
 __all__ = [
     "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "copies_in",
@@ -108,18 +108,18 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
     same on every rank: :data:`DIRECT` (:func:`~.tuning.compiled_direct`),
     :data:`FALLBACK` where it reads only arrays in huge pages and takes the
     rest through the window as its window call would (its copies
-    ``through``, ``(before, after)``; :func:`~.tuning.direct_where_huge`),
-    or None. No fallback where the window cannot tell huge pages or where
-    the table runs the window call in pieces (:func:`~.tuning.table_piece`;
-    a fallback's copies are whole)."""
+    ``through``, ``(before, after)``, which must exist;
+    :func:`~.tuning.direct_where_huge`), or None; no fallback where the
+    window cannot tell huge pages. A fallback's copies are whole where the
+    table runs the window call in pieces (1 MiB copies and more where ranks
+    have a core each): 2 ranks, 2 MiB, the same time for allgather,
+    alltoall, gather and scatter (bcast, whose pieces halve it, has no span
+    with a fallback: ``test_compiled_direct.py``)."""
     p, cores, cma_from = window.size, window.cores, window.cma_from
     if compiled_direct(collective, nbytes, p, cores, cma_from):
         return DIRECT
-    if through is None or HUGE_PAGES not in window.features:
-        return None
-    before, after = through
-    largest = max([n for _, dst, n in before if dst[0] < 0] + [n for src, _, n in after if src[0] < 0], default=0)
-    if direct_where_huge(collective, nbytes, p, cores, cma_from) and not table_piece(largest, p, cores):
+    if through is not None and HUGE_PAGES in window.features and direct_where_huge(collective, nbytes, p, cores,
+                                                                                     cma_from):
         return FALLBACK
     return None
 

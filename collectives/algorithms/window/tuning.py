@@ -15,7 +15,7 @@ from ... import config
 __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
-    "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "table_piece", "two_steps",
+    "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
     "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT", "compiled_direct",
     "direct_where_huge",
 ]
@@ -237,12 +237,6 @@ def compiled_piece(largest: int, p: int, cores: int, pieced_from: int = PIECED_F
     forced = config.get("WINDOW_PIECE_BYTES")
     if forced is not None:  # from two pieces on, whatever the cores (to measure, and for tests)
         return forced if forced > 0 and largest >= 2 * forced else 0
-    return table_piece(largest, p, cores, pieced_from, piece)
-
-
-def table_piece(largest: int, p: int, cores: int, pieced_from: int = PIECED_FROM, piece: int = PIECE) -> int:
-    """:func:`compiled_piece` by the table alone (the same on every rank,
-    whatever each rank's ``COLLECTIVES_WINDOW_PIECE_BYTES``)."""
     if largest < pieced_from or (cores and p > cores):
         return 0
     return piece
