@@ -193,21 +193,25 @@ def abort_while_a_peer_is_in_init(comm, flag: str):
     """Rank 1 aborts in its first call while rank 0 still waits for rank 2
     in a point-to-point exchange before any call (as in ``init``'s): rank
     0's wait ends with rank 2's message, and its first call raises rank 1's
-    error. Rank 1 stays alive until rank 0 is done (the file ``flag``)."""
+    error. Ranks 1 and 2 stay until rank 0 is done (the file ``flag``)."""
     from collectives.transports.shm.layout import Q_ABORT
     t, deadline = comm.transport, time.monotonic() + 30
-    if comm.rank == 1:
-        t.abort("rank 1: allgather #1: it broke", seq=1)
+
+    def until_rank_0_is_done(outcome: str) -> str:
         while not os.path.exists(flag):
             assert time.monotonic() < deadline, "rank 0 never finished"
             os.sched_yield()
-        return "aborted"
+        return outcome
+
+    if comm.rank == 1:
+        t.abort("rank 1: allgather #1: it broke", seq=1)
+        return until_rank_0_is_done("aborted")
     while not t._segs[1].q[Q_ABORT]:
         assert time.monotonic() < deadline, "rank 1 never aborted"
         os.sched_yield()
     if comm.rank == 2:
         t.isend(np.arange(4, dtype=np.float64), 0, 7).wait(15)
-        return "sent"
+        return until_rank_0_is_done("sent")
     try:
         got = np.zeros(4)
         t.irecv(got, 2, 7).wait(15)
