@@ -395,11 +395,13 @@ def test_a_larger_message_never_costs_less() -> None:
 
 
 def test_anchored_predictions_follow_a_cheaper_path_in_proportion() -> None:
+    from collectives.window_contract import CMA_NEVER
+
     MiB = 1 << 20
-    base = Params(cores=2)  # 4 ranks: the window's bcast reads directly from 4 MiB
+    base = Params(cores=2, cma_from=CMA_NEVER)  # 4 ranks, reads lose: the window's bcast reads directly from 4 MiB
     f = {n: predict("bcast", "shared_window", 4, n, base) for n in (7 * MiB // 2, 4 * MiB)}
     assert f[4 * MiB] < f[7 * MiB // 2]  # one copy instead of two
-    P = Params(cores=2, anchors=(("bcast", "shared_window", 4, 16, 30e-6),
+    P = Params(cores=2, cma_from=CMA_NEVER, anchors=(("bcast", "shared_window", 4, 16, 30e-6),
                                  ("bcast", "shared_window", 4, 7 * MiB // 2, 800e-6),
                                  ("bcast", "shared_window", 4, 16 * MiB, 2500e-6)))
     assert predict("bcast", "shared_window", 4, 4 * MiB, P) == pytest.approx(800e-6 * f[4 * MiB] / f[7 * MiB // 2])
@@ -416,6 +418,7 @@ def test_a_chain_sends_one_piece_hop_by_hop_and_pipelines_the_rest() -> None:
 def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatch) -> None:
     from collectives.algorithms.window.tuning import DIRECT_FROM, compiled_direct, direct_from
     from collectives.cost_models.window import direct
+    from collectives.window_contract import CMA_NEVER
 
     MiB = 1 << 20
     assert direct_from("allreduce", 2, 2) == 4 * MiB and direct_from("allreduce", 4, 2) == 4 * MiB
@@ -430,8 +433,10 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
         assert direct(collective, 4, at - 1, P) == compiled_direct(collective, at - 1, 4, 2)  # its compiled call
     assert direct("scatter", 4, 128 << 10, P) and not direct("scatter", 4, (128 << 10) - 1, P)
     assert direct("alltoall", 4, 256 << 10, P) and not direct("alltoall", 4, (256 << 10) - 1, P)
-    assert direct("gather", 4, 8 << 20, P) and not direct("gather", 4, (8 << 20) - 1, P)
-    assert direct("bcast", 4, 4 << 20, P) and not direct("bcast", 4, (4 << 20) - 1, P)
+    for collective in ("gather", "bcast"):  # the compiled call from 512 KiB, then the pool's direct path
+        assert direct(collective, 4, 512 << 10, P) and not direct(collective, 4, (512 << 10) - 1, P)
+        assert direct(collective, 4, 16 << 20, P)
+    assert not direct("gather", 4, 512 << 10, replace(P, cma_from=CMA_NEVER))  # the race's answer: the window
     small, large = (predict("allreduce", "shared_window", 2, n, P) for n in (4 * MiB - 4, 4 * MiB))
     assert large < small  # the single copy of the direct path costs less in the model too
     monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(MiB))
@@ -498,12 +503,15 @@ def test_a_failed_stretch_job_is_tried_once_more_but_not_one_stopped_at_its_time
 
 
 def test_beyond_the_last_anchor_a_path_switch_is_not_a_trend() -> None:
-    """The window's bcast at 3 ranks on 2 cores reads directly from 2 MiB:
+    """The window's bcast at 3 ranks on 2 cores (reads losing to the window's
+    copies) reads directly from 4 MiB:
     anchors just below and above that switch rise far more than the formula
     does between them; beyond them the prediction scales from the last anchor
     in proportion, not with that rise's slope (which once predicted a 64 MiB
     scatter at twice its measured time and chose binomial)."""
-    base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=20e9, fence=1e-6, cores=2)
+    from collectives.window_contract import CMA_NEVER
+
+    base = Params(alpha=5e-6, beta=2e-10, gamma=1e-10, mem_bandwidth=20e9, fence=1e-6, cores=2, cma_from=CMA_NEVER)
     below, above, far = (2 << 20) - 12, 4 << 20, 64 << 20
     f = {n: predict("bcast", "shared_window", 3, n, base) for n in (below, above, far)}
     assert f[above] - f[below] < 0.5 * f[below]  # the cheaper direct path starts in between
