@@ -25,11 +25,8 @@ from .state import DATA_OFFSET, WindowState, state_of
 from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_where_huge
 
 __all__ = [
-    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "copies_in",
-    "DIRECT", "FALLBACK", "reduction", "first",
-    "first_two",
-    "no_arrays",
-    "prepared_from", "run_prepared",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "copies_in", "DIRECT",
+    "FALLBACK", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
 ]
 
 

@@ -16,8 +16,8 @@ __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
-    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT", "compiled_direct",
-    "direct_where_huge",
+    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
+    "compiled_direct", "direct_where_huge",
 ]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
@@ -79,7 +79,9 @@ class PerBlock:
 #: including) ``until`` (None: no end), the same on every rank; a ``from``
 #: of None: never. Four columns: where ranks have a core each, then where
 #: they share cores; each first from the size on which one read beats the
-#: window's two copies, then below it (the rendezvous races the two,
+#: window's two copies (as a read of huge pages does: below the race's
+#: size these spans run with a fallback on the window for arrays in 4 KiB
+#: pages, :func:`direct_where_huge`), then below it (the rendezvous races the two,
 #: ``transports/shm/copy_race.py``: on the 2-core test machines the window
 #: won up to 2 MiB in some hours, the direct calls from 1 MiB in others). Below
 #: that size only scatter's (from 4 MiB where ranks have a core each, where
