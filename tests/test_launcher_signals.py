@@ -451,3 +451,32 @@ def test_a_rank_reads_end_of_file_where_the_launchers_input_is_a_terminal(tmp_pa
         os.close(leader)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("read ''") == 2, proc.stdout
+
+
+def test_a_rank_stopped_in_a_rendezvous_leaves_no_segment(tmp_path):
+    """Rank 0 waits in the rendezvous of a communicator rank 1 never joins;
+    rank 1 fails once rank 0's segment exists, and the launcher stops rank 0
+    there (SIGTERM: no clean-up of its own): the launcher removes the name."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent('''
+        import os, sys, time
+        import collectives
+        job = os.environ["COLLECTIVES_JOB"]
+        if os.environ["RANK"] == "0":
+            collectives.init(job=job + "-x", timeout=60)
+            sys.exit(0)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/dev/shm/coll-{job}-x-0"):
+            assert time.monotonic() < deadline, "rank 0 never made its segment"
+            time.sleep(0.01)
+        with open(sys.argv[1], "w") as f:
+            f.write(job)
+        sys.exit(3)
+    '''))
+    job_file = tmp_path / "job"
+    res = subprocess.run([sys.executable, "-c", "import sys; from collectives.cli import main; sys.exit(main())",
+                          "run", "-n", "2", "--transport", "shm", sys.executable, str(script), str(job_file)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-2000:]
+    job = job_file.read_text()
+    assert not list(Path("/dev/shm").glob(f"coll-{job}-*")), "a segment was left"

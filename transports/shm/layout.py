@@ -17,6 +17,7 @@ Every rank creates one segment in ``/dev/shm`` (named by
 from __future__ import annotations
 
 import hashlib
+import glob
 import mmap
 import os
 import re
@@ -24,7 +25,7 @@ import re
 from .pages import PAGE
 
 __all__ = ["SHM_DIR", "MAGIC", "LINE", "MiB", "WINDOW_HEADER_BYTES", "Layout", "Segment", "segment_path",
-           "default_ring_bytes", "align"]
+           "job_paths", "default_ring_bytes", "align"]
 
 SHM_DIR = "/dev/shm"
 MAGIC = 0x636F6C6C5F73686D  # "coll_shm"
@@ -103,6 +104,13 @@ def _job_tag(job: str) -> str:
 def segment_path(job: str, rank: int) -> str:
     """The name under /dev/shm of ``rank``'s segment in ``job``."""
     return f"{SHM_DIR}/coll-{_job_tag(job)}-{rank}"
+
+
+def job_paths(job: str) -> list[str]:
+    """The names under /dev/shm of every segment of ``job`` and of the jobs
+    named ``job-...`` (communicators its ranks made with ``init(job=...)``)
+    still present."""
+    return glob.glob(f"{SHM_DIR}/coll-{glob.escape(_job_tag(job))}-*")
 
 
 class Layout:

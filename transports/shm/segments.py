@@ -40,13 +40,13 @@ from collectives.waiting import Backoff
 from . import cma, copy_race
 from .layout import (CPU_WORDS, MAGIC, MiB, Q_ALLOC, Q_ATTACHED, Q_CMA, Q_CPUS, Q_DONE, Q_EPOCH, Q_INBOX,
                      Q_MAGIC, Q_COMPILED, Q_PID, Q_POST, Q_PROBE, Q_RING, Q_SECRET, Q_SIZE, Q_SLEEP, Q_WINDOW, SHM_DIR,
-                     WINDOW_HEADER_BYTES, Layout, Segment, align, default_ring_bytes, segment_path)
+                     WINDOW_HEADER_BYTES, Layout, Segment, align, default_ring_bytes, job_paths, segment_path)
 from .liveness import PeerWatch, exited
 from .pages import PAGE
 from .records import CallRecords
 from .waking import spin_seconds, yield_seconds
 
-__all__ = ["Settings", "SegmentSetup", "available", "settings", "shm_free_bytes", "affinity"]
+__all__ = ["Settings", "SegmentSetup", "available", "settings", "shm_free_bytes", "affinity", "unlink_job"]
 
 
 def available() -> tuple[bool, str]:
@@ -175,9 +175,20 @@ def _attach(job: str, rank: int, layout: Layout, secret: int) -> Segment | None:
 
 def unlink_all(job: str, size: int) -> None:
     """Remove every segment name of ``job`` still present."""
-    for r in range(size):
+    _unlink([segment_path(job, r) for r in range(size)])
+
+
+def unlink_job(job: str) -> None:
+    """Remove every segment name of ``job`` and of its ``job-...`` jobs still
+    present, once every rank of it has ended (a launcher's: a rank stopped
+    while it waited in a rendezvous leaves its name, see :func:`~.layout.job_paths`)."""
+    _unlink(job_paths(job))
+
+
+def _unlink(paths: list[str]) -> None:
+    for path in paths:
         try:
-            os.unlink(segment_path(job, r))
+            os.unlink(path)
         except OSError:
             pass
 
