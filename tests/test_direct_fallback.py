@@ -159,16 +159,18 @@ def test_each_peer_is_read_the_way_its_pages_allow(monkeypatch, collective):
         assert [g["reads"] for g in got] == [[(0, 1)], [(1, 0)]], [g["reads"] for g in got]
 
 
-def mismatched(comm, collective: str) -> dict:
-    return one(comm, collective, 32 << 10, True, extra=1)
+def mismatched(comm, collective: str, huge: bool) -> dict:
+    return one(comm, collective, 32 << 10, huge, extra=1)
 
 
 @pytest.mark.parametrize("collective", ["alltoall", "allgather", "scatter"])
-def test_a_mismatch_is_caught_on_every_rank_before_either_path(monkeypatch, collective):
-    """Rank 1 passes one more element a block, its arrays in huge pages like
-    every rank's: every rank raises in its first call, nothing is written."""
+@pytest.mark.parametrize("where", ["huge", "small"])
+def test_a_mismatch_is_caught_on_every_rank_before_either_path(monkeypatch, collective, where):
+    """Rank 1 passes one more element a block, every rank's arrays in huge
+    pages (read straight) or in 4 KiB pages (through the window): every rank
+    raises in its first call, nothing is written outside a buffer."""
     monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", "0")
-    got = run_ranks(mismatched, 2, collective, timeout=60, comm_timeout=10)
+    got = run_ranks(mismatched, 2, collective, where == "huge", timeout=60, comm_timeout=10)
     for r, g in enumerate(got):
         assert g["outcome"] == "MismatchedCollective", f"rank {r}: {g['outcome']} {g['message']}"
         assert re.search(rf"rank {r}[:,] {collective} #1", g["message"]), f"rank {r}: {g['message']}"
