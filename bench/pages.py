@@ -23,26 +23,15 @@ import mmap
 
 import numpy as np
 
+from collectives.transports.shm.pages import HUGE_PAGE, PAGE, libc_function
+
 __all__ = ["PAGES", "empty"]
 
 #: The choices of ``--pages``.
 PAGES = ("numpy", "huge", "small")
 
-_HUGE = 2 << 20
 _MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
-
-
-def _madvise():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_advise = _madvise()
+_advise = libc_function("madvise", ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def empty(count: int, dtype: np.dtype, pages: str = "numpy") -> np.ndarray:
@@ -54,11 +43,11 @@ def empty(count: int, dtype: np.dtype, pages: str = "numpy") -> np.ndarray:
     dtype = np.dtype(dtype)
     if pages == "numpy" or count == 0 or _advise is None:
         return np.empty(count, dtype)
-    span = -(-count * dtype.itemsize // _HUGE) * _HUGE
+    span = -(-count * dtype.itemsize // HUGE_PAGE) * HUGE_PAGE
     # a fresh private mapping: heap memory used before keeps the pages it has, whatever the advice
-    raw = np.frombuffer(mmap.mmap(-1, span + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
-    start = (-raw.ctypes.data) % _HUGE
+    raw = np.frombuffer(mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+    start = (-raw.ctypes.data) % HUGE_PAGE
     area = raw[start:start + span]
     _advise(area.ctypes.data, span, _MADV_HUGEPAGE if pages == "huge" else _MADV_NOHUGEPAGE)
-    area[::mmap.PAGESIZE] = 0  # the first touch, page by page: the kernel backs them now
+    area[::PAGE] = 0  # the first touch, page by page: the kernel backs them now
     return area[:count * dtype.itemsize].view(dtype)

@@ -8,7 +8,6 @@ mismatch is caught on every rank before anything is read."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import time
@@ -19,29 +18,21 @@ import pytest
 from collectives import CollectiveError
 from collectives.algorithms.window.state import WindowState
 from collectives.algorithms.window.tuning import direct_where_huge
+from collectives.bench.pages import empty
 from collectives.transports.shm.pages import _PAGE_IS_HUGE, _some_page_lacks
 from harness import run_ranks
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux")
 
-HUGE = 2 << 20
 GUARD = 64  # float64 elements of guard before and after each buffer
 FILL = -7.0
-_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
-_madvise = ctypes.CDLL(None, use_errno=True).madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def placed(n: int, huge: bool) -> tuple[np.ndarray, np.ndarray, bool]:
     """(the whole guarded span, its n float64 in the middle, whether they lie
     in huge pages): in huge pages (``huge``) or in 4 KiB pages."""
-    span_bytes = -(-(n + 2 * GUARD) * 8 // HUGE) * HUGE
-    raw = np.empty(span_bytes + HUGE, np.uint8)
-    start = (-raw.ctypes.data) % HUGE
-    area = raw[start:start + span_bytes]
-    _madvise(area.ctypes.data, area.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
-    whole = area.view(np.float64)[:n + 2 * GUARD]
-    whole[:] = FILL  # the first touch: the kernel backs the pages now
+    whole = empty(n + 2 * GUARD, np.float64, "huge" if huge else "small")
+    whole[:] = FILL
     view = whole[GUARD:GUARD + n]
     lo, hi = view.ctypes.data, view.ctypes.data + view.nbytes
     lacks = _some_page_lacks(-(-lo // 4096) * 4096, hi // 4096 * 4096, _PAGE_IS_HUGE)

@@ -14,7 +14,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, copies_in, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
@@ -44,7 +44,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
         after = [(peer(r, 0, starts[r] * item), arr(0, starts[r] * item), counts[r] * item)
                  + ((slot(st, r, parts[r][2] * item),) if fall else ()) for r in range(p) if r != me and counts[r]]
         readers = [r for r in range(p) if r != me and counts[me]]
-        made = compile_direct(window, 1, [], after, readers, [0], copies_in(through[0]) if fall else None)
+        made = compile_direct(window, 1, [], after, readers, [0], through if fall else None)
         if made is not None:
             return prepared_from(made, first)
     if through is None:

@@ -13,7 +13,7 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, copies_in, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -39,7 +39,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
         after = [(arr(0, me * b), arr(1, me * b), b)] + [
             (peer(r, 0, me * b), arr(1, r * b), b) + ((slot(st, r, me * b),) if fall else ()) for r in range(p) if r != me]
         made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0],
-                              copies_in(through[0]) if fall else None)
+                              through if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None:

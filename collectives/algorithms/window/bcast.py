@@ -12,7 +12,7 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
-from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, copies_in, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
@@ -38,10 +38,10 @@ def _prepare(transport, buf: np.ndarray, root: int):
         fall = mode == FALLBACK
         if me == root:
             made = compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0],
-                                  copies_in(through[0]) if fall else None)
+                                  through if fall else None)
         else:
             made = compile_direct(window, 1, [], [(peer(root, 0), arr(0), n) + ((slot(st, root),) if fall else ())],
-                                  [], [], [] if fall else None)
+                                  [], [], through if fall else None)
         if made is not None:
             return prepared_from(made, first)
     if through is None:

@@ -25,7 +25,7 @@ from .state import DATA_OFFSET, WindowState, state_of
 from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_where_huge
 
 __all__ = [
-    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "copies_in", "DIRECT",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "DIRECT",
     "FALLBACK", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
 ]
 
@@ -78,19 +78,21 @@ def compile_call(window, narrays: int, before: list, after: list, reduce: tuple 
 
 
 def compile_direct(window, narrays: int, before: list, after: list, readers: list[int], shared: list[int],
-                   copies_in: list | None = None):
+                   fallback: tuple | None = None):
     """``(run, settle)`` of a direct compiled call (see
     :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
     publishes its arrays ``shared``; ``after`` reads peers' arrays
     (:func:`peer`) once every record agrees; the run ends once the ranks
-    ``readers`` are done reading this rank's. With ``copies_in`` (a
-    fallback, see :func:`direct_mode`), a rank whose arrays do not lie in
-    huge pages makes those copies into its region instead, and its readers
-    take theirs from there: every copy of ``after`` that reads a peer then
-    names its place in the window fourth. None where the window has no
-    compiled calls or cannot reach peers' memory (the same on every rank)."""
+    ``readers`` are done reading this rank's. With ``fallback``, the
+    ``(before, after)`` of the window call (see :func:`direct_mode`), a rank
+    whose arrays do not lie in huge pages makes that call's copies into its
+    region instead, and its readers take theirs from there: every copy of
+    ``after`` that reads a peer then names its place in the window fourth.
+    None where the window has no compiled calls or cannot reach peers'
+    memory (the same on every rank)."""
     if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
         return None
+    copies_in = None if fallback is None else [c for c in fallback[0] if c[1][0] < 0]  # into the window
     made = window.compile(narrays, before, after, None, [], direct=(readers, shared, copies_in))
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
@@ -119,12 +121,6 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
                                                                                      cma_from):
         return FALLBACK
     return None
-
-
-def copies_in(before: list) -> list:
-    """The copies of a window call's ``before`` into the window (a fallback's
-    copies in, see :func:`compile_direct`)."""
-    return [c for c in before if c[1][0] < 0]
 
 
 def reduction(dst: tuple, srcs: list, count: int, dtype: np.dtype, op: Op) -> tuple | None:

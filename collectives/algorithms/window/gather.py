@@ -16,7 +16,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs
-from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, copies_in, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -47,10 +47,10 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
             after = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
             after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item) + ((slot(st, r),) if fall else ())
                       for r in sources]
-            made = compile_direct(window, 2, [], after, [], [], [] if fall else None)
+            made = compile_direct(window, 2, [], after, [], [], through if fall else None)
         else:
             made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0],
-                                  copies_in(through[0]) if fall else None)
+                                  through if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None:

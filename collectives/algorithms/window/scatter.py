@@ -16,7 +16,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct, window_direct_from
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, copies_in, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -49,11 +49,11 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
         if me == root:
             made = compile_direct(window, 2, [], [(arr(0, start * item), arr(1), n * item)] if n else [],
                                   [r for r in range(p) if r != me and counts[r]], [0],
-                                  copies_in(through[0]) if fall else None)
+                                  through if fall else None)
         else:
             alt = (slot(st, root, parts[me][2] * item),) if fall else ()
             made = compile_direct(window, 2, [], [(peer(root, 0, start * item), arr(1), n * item) + alt] if n else [],
-                                  [], [], [] if fall else None)
+                                  [], [], through if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None:
