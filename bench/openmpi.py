@@ -171,8 +171,9 @@ def _probe(venv: Path) -> str:
     code = ("import collectives.bench.sweep\nfrom mpi4py import MPI\n"
             "print(MPI.Get_library_version().splitlines()[0])")
     try:
-        res = subprocess.run([str(_bin(venv, "python")), "-c", code], capture_output=True, text=True, timeout=120,
-                             env=_clean_env(venv))
+        with backing_directory() as backing:  # a singleton MPI job makes its shared-memory file too
+            res = subprocess.run([str(_bin(venv, "python")), "-c", code], capture_output=True, text=True,
+                                 timeout=120, env=mpiexec_env(venv, backing))
     except subprocess.TimeoutExpired:
         raise OpenMpiUnavailable("the venv's python did not answer in 120 s") from None
     if res.returncode != 0 or "Open MPI" not in res.stdout:
