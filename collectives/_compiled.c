@@ -52,7 +52,12 @@
  *       waiting for its readers, and a reader takes what it would read from
  *       such a rank from the window instead: from each after copy's fourth
  *       place, (src, dst, nbytes, window place), which every after copy
- *       that reads a peer then has.
+ *       that reads a peer then has. With direct = (..., copies_in, pools,
+ *       pooler, pool_from), an array outside huge pages that lies in its
+ *       rank's shared pool (pools: every rank's (address, bytes) here;
+ *       wholly, or the part pooler(address, nbytes) names, asked from
+ *       pool_from bytes on) is neither copied in nor read across: its
+ *       readers copy that part out of their mapping of the pool.
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -804,8 +809,14 @@ typedef struct {
     int fallback;                 /* with copies into its region it makes instead where its arrays */
     int ncopies_in;               /* lie in 4 KiB pages (and readers take theirs from the window): */
     Copy *copies_in;
-    int copied_in;                /* the run in progress made them (nobody reads its arrays) */
+    int copied_in;                /* the run in progress made them all (nobody reads its arrays) */
     int last_direct, last_window;  /* the last run's reads of peers' arrays, and of their copies in the window */
+    int last_pooled;              /* and of peers' arrays in their shared pools (see pools) */
+    unsigned char kind[MAX_ARRAYS];  /* a call with a fallback: how each shared array of the run is read */
+    char **pool_base;             /* a call with a fallback: every rank's shared pool in this process */
+    uint64_t *pool_len;           /* and its bytes (NULL: none) */
+    PyObject *pooler;             /* pooler(address, nbytes) -> None or (pool offset of byte 0, first, end) */
+    Py_ssize_t pool_from;         /* of arrays from this many bytes on (a private buffer the pool may adopt) */
     uintptr_t paged_at[MAX_ARRAYS];    /* each shared array's last answer of in_huge_pages: where, */
     Py_ssize_t paged_len[MAX_ARRAYS];  /* its bytes, the answer, and how many runs it still holds for */
     int paged_huge[MAX_ARRAYS], paged_left[MAX_ARRAYS];
@@ -1002,13 +1013,54 @@ static int mark_list(PyObject *seq, int limit, unsigned char *flags, const char 
     return 0;
 }
 
+/* A fallback call's pools = [(address, bytes), ...]: every rank's shared
+ * pool as this process maps it; pooler (None, or a callable) and
+ * pool_from: see CallObject. -1 on error. */
+static int parse_pools(CallObject *pl, PyObject *pools, PyObject *pooler, Py_ssize_t pool_from) {
+    int size = pl->window->size;
+    PyObject *fast = PySequence_Fast(pools, "pools must be a sequence of (address, bytes)");
+    if (!fast) return -1;
+    pl->pool_base = PyMem_Calloc((size_t)size, sizeof(char *));
+    pl->pool_len = PyMem_Calloc((size_t)size, sizeof(uint64_t));
+    int bad = !pl->pool_base || !pl->pool_len;
+    if (bad) PyErr_NoMemory();
+    if (!bad && PySequence_Fast_GET_SIZE(fast) != size) {
+        PyErr_SetString(PyExc_ValueError, "pools: one (address, bytes) per rank");
+        bad = 1;
+    }
+    for (int r = 0; !bad && r < size; r++) {
+        Py_ssize_t address, n;
+        bad = !PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, r), "nn", &address, &n);
+        if (!bad && (address <= 0 || n < 0)) {
+            PyErr_SetString(PyExc_ValueError, "pools: a pool's address or size is wrong");
+            bad = 1;
+        }
+        if (!bad) pl->pool_base[r] = (char *)address, pl->pool_len[r] = (uint64_t)n;
+    }
+    Py_DECREF(fast);
+    if (bad) return -1;
+    if (pooler != Py_None) {
+        if (!PyCallable_Check(pooler)) {
+            PyErr_SetString(PyExc_TypeError, "pooler must be callable");
+            return -1;
+        }
+        Py_INCREF(pooler);
+        pl->pooler = pooler;
+    }
+    pl->pool_from = pool_from;
+    return 0;
+}
+
 /* compile's direct = (pids, metas, readers, shared): every rank's process
  * id and metadata block (an address in this process), the ranks that read
  * this rank's arrays, the arrays this rank publishes. -1 on error. */
 static int parse_direct(CallObject *pl, PyObject *direct) {
     WindowObject *w = pl->window;
-    PyObject *pids, *metas, *readers, *shared, *copies_in = Py_None;
-    if (!PyArg_ParseTuple(direct, "OOOO|O", &pids, &metas, &readers, &shared, &copies_in)) return -1;
+    PyObject *pids, *metas, *readers, *shared, *copies_in = Py_None, *pools = Py_None, *pooler = Py_None;
+    Py_ssize_t pool_from = 0;
+    if (!PyArg_ParseTuple(direct, "OOOO|OOOn", &pids, &metas, &readers, &shared, &copies_in, &pools, &pooler,
+                          &pool_from))
+        return -1;
     if (pl->f || pl->two_steps) {
         PyErr_SetString(PyExc_ValueError, "a direct call has one step and no reduction");
         return -1;
@@ -1038,8 +1090,9 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
         if (parse_copies(copies_in, &pl->copies_in, &pl->ncopies_in, pl->narrays, pl->need, pl->writes) < 0)
             return -1;
         for (int i = 0; i < pl->ncopies_in; i++)
-            if (pl->copies_in[i].dst.idx != -1 || pl->copies_in[i].src.idx < 0) {
-                PyErr_SetString(PyExc_ValueError, "copies in go from this rank's arrays into the window");
+            if (pl->copies_in[i].dst.idx != -1 || pl->copies_in[i].src.idx < 0 ||
+                !pl->shared[pl->copies_in[i].src.idx]) {
+                PyErr_SetString(PyExc_ValueError, "copies in go from this rank's shared arrays into the window");
                 return -1;
             }
         for (int i = 0; i < pl->nafter; i++)
@@ -1048,6 +1101,7 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
                 return -1;
             }
         pl->fallback = 1;
+        if (pools != Py_None && parse_pools(pl, pools, pooler, pool_from) < 0) return -1;
     }
     return 0;
 }
@@ -1081,7 +1135,12 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->at_byte = pl->at_elem = 0;
     pl->f = NULL;
     pl->direct = pl->fallback = pl->ncopies_in = pl->copied_in = pl->last_direct = pl->last_window = 0;
+    pl->last_pooled = 0;
     pl->copies_in = NULL;
+    pl->pool_base = NULL;
+    pl->pool_len = NULL;
+    pl->pooler = NULL;
+    pl->pool_from = 0;
     for (int i = 0; i < MAX_ARRAYS; i++) pl->paged_left[i] = 0;
     pl->pids = NULL;
     pl->metas = NULL;
@@ -1176,6 +1235,9 @@ static void Call_dealloc(CallObject *pl) {
     PyMem_Free(pl->metas);
     PyMem_Free(pl->readers);
     PyMem_Free(pl->bounce);
+    PyMem_Free(pl->pool_base);
+    PyMem_Free(pl->pool_len);
+    Py_XDECREF(pl->pooler);
     Py_XDECREF(pl->window);
     PyObject_Free(pl);
 }
@@ -1340,8 +1402,25 @@ static inline uint64_t *published(const CallObject *pl, int r) {
 }
 
 /* The top bit of an array's published bytes: it lies in huge pages (a
- * call with a fallback only). */
+ * call with a fallback only); the next: bytes of it lie in its rank's
+ * shared pool, where the pool words say (and readers take them there). */
 #define IN_HUGE_PAGES (1ULL << 63)
+#define IN_POOL (1ULL << 62)
+#define PUBLISHED_FLAGS (IN_HUGE_PAGES | IN_POOL)
+
+/* The pool words (a call with a fallback): per half, per array, the pool
+ * offset of the array's byte 0 (as int64: that byte may lie before the
+ * pool's part), and the first and end byte of the part in the pool; from
+ * byte 1024 of the metadata block. */
+#define POOL_WORDS_AT 128
+#define POOL_WORDS (3 * MAX_ARRAYS)
+
+static inline uint64_t *pool_words(const CallObject *pl, int r) {
+    return pl->metas[r] + POOL_WORDS_AT + pl->half * POOL_WORDS;
+}
+
+/* How a fallback call's reader takes a shared array (CallObject.kind). */
+enum { BY_WINDOW = 0, BY_READ = 1, BY_POOL = 2 };
 
 /* struct pm_scan_arg and struct page_region of <linux/fs.h> (Linux 6.7 on),
  * for kernels' headers without them. */
@@ -1395,22 +1474,72 @@ static int array_in_huge_pages(CallObject *pl, int j, char *base) {
     return pl->paged_huge[j] = in_huge_pages((uintptr_t)base, (size_t)pl->lens[j]);
 }
 
+/* Where shared array j (n bytes at base) of a fallback call lies in this
+ * rank's shared pool: wholly, when it is inside the pool's mapping (from
+ * the transport's alloc); else the pooler's answer (a private buffer the
+ * pool adopted, all but its partial first and last pages), asked only from
+ * pool_from bytes on. 1 with *off, *first, *end set; 0: not there; -1: the
+ * pooler raised. */
+static int pool_part(CallObject *pl, char *base, Py_ssize_t n, int64_t *off, uint64_t *first, uint64_t *end) {
+    int me = pl->window->rank;
+    if (!pl->pool_base) return 0;
+    if (base >= pl->pool_base[me] && (uint64_t)(base - pl->pool_base[me]) + (uint64_t)n <= pl->pool_len[me]) {
+        *off = (int64_t)(base - pl->pool_base[me]), *first = 0, *end = (uint64_t)n;
+        return 1;
+    }
+    if (!pl->pooler || n < pl->pool_from) return 0;
+    PyObject *got = PyObject_CallFunction(pl->pooler, "nn", (Py_ssize_t)(uintptr_t)base, n);
+    if (!got) return -1;
+    long long o = 0;
+    unsigned long long a = 0, b = 0;
+    int ok = got != Py_None && PyArg_ParseTuple(got, "LKK", &o, &a, &b);
+    Py_DECREF(got);
+    if (got != Py_None && !ok) return -1;
+    if (!ok || a >= b || b > (uint64_t)n) return 0;
+    *off = (int64_t)o, *first = a, *end = b;
+    return 1;
+}
+
 /* Publish where this rank's shared arrays are (before the post); a call
- * with a fallback also whether they all lie in huge pages (the same mark
- * on each: a reader reads all of them straight, or all from the window).
- * 1 when they do not (a call with a fallback only), else 0. */
+ * with a fallback also how its readers take each (kind): straight where it
+ * lies in huge pages (IN_HUGE_PAGES), from its part in this rank's shared
+ * pool (IN_POOL), else from the copy in the window this rank makes (see
+ * copies_in). 1 when every one goes through the window (nobody reads this
+ * rank's arrays), 0 when not, -1 when the pooler raised. */
 static int publish_arrays(CallObject *pl, char *const *bases) {
     uint64_t *words = published(pl, pl->window->rank);
-    int small = 0;
-    for (int j = 0; j < pl->narrays && pl->fallback; j++)
-        if (pl->shared[j] && bases[j]) small |= !array_in_huge_pages(pl, j, bases[j]);
-    uint64_t huge = pl->fallback && !small ? IN_HUGE_PAGES : 0;
+    int all_window = 1;
     for (int j = 0; j < MAX_ARRAYS; j++) {
         int on = j < pl->narrays && pl->shared[j] && bases[j];
+        uint64_t flag = 0;
+        pl->kind[j] = BY_WINDOW;
+        if (on && pl->fallback) {
+            int64_t off = 0;
+            uint64_t first = 0, end = 0;
+            int pooled = 0;
+            if (array_in_huge_pages(pl, j, bases[j])) {
+                flag = IN_HUGE_PAGES, pl->kind[j] = BY_READ;
+            } else if ((pooled = pool_part(pl, bases[j], pl->lens[j], &off, &first, &end)) < 0) {
+                return -1;
+            } else if (pooled) {
+                uint64_t *pw = pool_words(pl, pl->window->rank) + 3 * j;
+                pw[0] = (uint64_t)off, pw[1] = first, pw[2] = end;
+                flag = IN_POOL, pl->kind[j] = BY_POOL;
+            } else {
+                pl->kind[j] = BY_WINDOW;
+            }
+            all_window &= pl->kind[j] == BY_WINDOW;
+        }
         words[2 * j] = on ? (uint64_t)(uintptr_t)bases[j] : 0;
-        words[2 * j + 1] = on ? (uint64_t)pl->lens[j] | huge : 0;
+        words[2 * j + 1] = on ? (uint64_t)pl->lens[j] | flag : 0;
     }
-    return small;
+    return pl->fallback && all_window;
+}
+
+/* The copies in of the arrays a fallback call's readers take from the window (kind BY_WINDOW). */
+static void copy_in_window_arrays(CallObject *pl, char *const *bases) {
+    for (int i = 0; i < pl->ncopies_in; i++)
+        if (pl->kind[pl->copies_in[i].src.idx] == BY_WINDOW) do_copies(&pl->copies_in[i], 1, bases, pl->half);
 }
 
 /* The kernel's cross-memory copy runs several times slower when the
@@ -1453,12 +1582,35 @@ static int direct_read(CallObject *pl, int pid, uintptr_t from, char *to, size_t
     return 0;
 }
 
+/* Read n bytes at byte at of rank r's array j (published at address,
+ * nbytes long, with IN_POOL) into dst: the part in r's shared pool (as its
+ * pool words say) by a copy out of this process's mapping of that pool,
+ * the rest (the array's partial first and last pages) by cross-memory
+ * attach. 0, an errno, or -1 when the pool words leave the array or the
+ * pool. */
+static int pool_read(CallObject *pl, int r, int j, uintptr_t address, uint64_t nbytes, uint64_t at, char *dst,
+                     size_t n) {
+    const uint64_t *pw = pool_words(pl, r) + 3 * j;
+    int64_t off = (int64_t)load_acquire(&pw[0]);
+    uint64_t first = load_acquire(&pw[1]), end = load_acquire(&pw[2]);
+    if (!pl->pool_base || first >= end || end > nbytes || off + (int64_t)first < 0 ||
+        (uint64_t)(off + (int64_t)end) > pl->pool_len[r])
+        return -1;
+    uint64_t stop = at + n, lo = first > at ? (first < stop ? first : stop) : at;
+    uint64_t hi = end < stop ? (end > lo ? end : lo) : stop;
+    int err = 0;
+    if (lo > at) err = direct_read(pl, pl->pids[r], address + at, dst, (size_t)(lo - at));
+    if (!err && hi > lo) copy_bytes(dst + (lo - at), pl->pool_base[r] + off + (int64_t)lo, (size_t)(hi - lo));
+    if (!err && stop > hi) err = direct_read(pl, pl->pids[r], address + hi, dst + (hi - at), (size_t)(stop - hi));
+    return err;
+}
+
 /* A direct call's copies after every rank posted: from peers' published
  * arrays by cross-memory attach, each only inside the array as its rank
  * published it; the rest as any call's. NULL when done, else why the run
  * stopped: (rank, K_OUTSIDE, the bytes it published) or (rank, K_LOST, errno). */
 static PyObject *direct_reads(CallObject *pl, char *const *bases) {
-    int err = 0, bad = -1, kind = 0, direct = 0, window = 0;
+    int err = 0, bad = -1, kind = 0, direct = 0, window = 0, pooled = 0;
     uint64_t value = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < pl->nafter && bad < 0; i++) {
@@ -1471,9 +1623,16 @@ static PyObject *direct_reads(CallObject *pl, char *const *bases) {
         int r = (int)c->src.a0, j = PEER_ARRAY(c->src.idx);
         const uint64_t *words = published(pl, r);
         uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
-        uint64_t nbytes = word & ~IN_HUGE_PAGES;
+        uint64_t nbytes = pl->fallback ? word & ~PUBLISHED_FLAGS : word & ~IN_HUGE_PAGES;
         if (!address || (uint64_t)c->src.a1 + (uint64_t)c->n > nbytes) {
             bad = r, kind = K_OUTSIDE, value = nbytes;
+        } else if (pl->fallback && (word & IN_POOL) && !(word & IN_HUGE_PAGES)) {
+            if ((err = pool_read(pl, r, j, (uintptr_t)address, nbytes, (uint64_t)c->src.a1, dst, (size_t)c->n)) < 0)
+                bad = r, kind = K_OUTSIDE, value = nbytes;
+            else if (err)
+                bad = r, kind = K_LOST, value = (uint64_t)err;
+            else
+                pooled++;
         } else if (pl->fallback && !(word & IN_HUGE_PAGES)) {  /* it copied this into its region, see copies_in */
             copy_bytes(dst, where(&c->alt, bases, pl->half), (size_t)c->n);
             window++;
@@ -1485,7 +1644,7 @@ static PyObject *direct_reads(CallObject *pl, char *const *bases) {
         }
     }
     Py_END_ALLOW_THREADS
-    pl->last_direct = direct, pl->last_window = window;
+    pl->last_direct = direct, pl->last_window = window, pl->last_pooled = pooled;
     return bad < 0 ? NULL : Py_BuildValue("(iiK)", bad, kind, (unsigned long long)value);
 }
 
@@ -1526,9 +1685,14 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             fill_in_pieces(pl, bases, k);
         } else {
             do_copies(pl->before, pl->nbefore, bases, pl->half);
-            if (pl->direct) {  /* arrays in 4 KiB pages: its readers take their copies in the window */
-                pl->copied_in = publish_arrays(pl, bases);
-                if (pl->copied_in) do_copies(pl->copies_in, pl->ncopies_in, bases, pl->half);
+            if (pl->direct) {  /* arrays in 4 KiB pages, outside the pool: readers take their copies in the window */
+                int copied = publish_arrays(pl, bases);
+                if (copied < 0) {
+                    pl->stage = 0;  /* nothing posted: the run never started */
+                    return NULL;
+                }
+                pl->copied_in = copied;
+                if (pl->fallback) copy_in_window_arrays(pl, bases);
             }
             write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
         }
@@ -2085,6 +2249,8 @@ static PyMemberDef Call_members[] = {
      "how many copies its last run read straight from peers' arrays"},
     {"last_window", T_INT, offsetof(CallObject, last_window), READONLY,
      "how many copies its last run took from peers' copies in the window (see fallback)"},
+    {"last_pooled", T_INT, offsetof(CallObject, last_pooled), READONLY,
+     "how many copies its last run took from peers' arrays in their shared pools (see fallback)"},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -142,6 +142,14 @@ class ShmWindow(SharedWindow):
             return None
         return self._adoptions.find(arr.__array_interface__["data"][0], arr.nbytes, adopt)
 
+    def _adopted_part(self, address: int, nbytes: int) -> tuple[int, int, int] | None:
+        """A direct compiled call's question (see ``collectives._compiled``):
+        :meth:`shared_part` of the private ``nbytes`` at ``address``, which
+        the pool may adopt now."""
+        if self._adoptions is None or not self._peer_q:
+            return None
+        return self._adoptions.find(address, nbytes, True)
+
     def map_in(self, rank: int, offset: int, nbytes: int) -> None:
         """Map the bytes [offset, offset + nbytes) of ``rank``'s pool into this
         process now, in one call, the first time (a buffer a peer adopted or
@@ -299,9 +307,12 @@ class ShmWindow(SharedWindow):
             if DIRECT_ACCESS not in self.features:
                 raise NotImplementedError("the window cannot reach peers' memory (no cross-memory attach)")
             readers, shared, *copies_in = direct
+            described = (self._cross.pids, [reg.ctypes.data for reg in self._regions], readers, shared)
+            if not copies_in or copies_in[0] is None:
+                return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None, described)
+            pools = [(pool.ctypes.data, pool.nbytes) for pool in self._pools]  # read where arrays lie there
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None,
-                                          (self._cross.pids, [reg.ctypes.data for reg in self._regions],
-                                           readers, shared, copies_in[0] if copies_in else None))
+                                          described + (copies_in[0], pools, self._adopted_part, Adoptions.MIN_BYTES))
         if then is not None:
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then)
         if piece <= 0:

@@ -12,9 +12,9 @@ import numpy as np
 from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
-from .direct import direct, window_direct_from
+from .direct import direct
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, pool_path, first, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
@@ -29,8 +29,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
     item = buf.itemsize
     if p == 1 or not sum(counts):
         return None
-    parts = (one_piece(st, counts, max(1, budget(st) // (p * item)))
-             if buf.nbytes < window_direct_from("allgather", window, p) else None)
+    parts = one_piece(st, counts, max(1, budget(st) // (p * item)))
     through = None  # the window call's copies
     if parts is not None:
         start, n, off = parts[me]
@@ -47,7 +46,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
         made = compile_direct(window, 1, [], after, readers, [0], through if fall else None)
         if made is not None:
             return prepared_from(made, first)
-    if through is None:
+    if through is None or pool_path(window, "allgather", buf.nbytes):
         return None  # the pool's direct path, or pieces (the algorithm's body)
     sources = [r for r, (_, n, _) in enumerate(parts) if r != me and n]
     return prepared_from(compile_call(window, 1, *through, None, sources), first)

@@ -12,8 +12,8 @@ import numpy as np
 from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
-from .direct import direct, window_direct_from
-from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, direct_mode, peer,
+from .direct import direct
+from .compiled_calls import (FALLBACK, arr, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -29,7 +29,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     if p == 1 or not b:
         return None
     through = None  # the window call's copies
-    if sendbuf.nbytes < window_direct_from("alltoall", window, p) and b <= budget(st) // p:
+    if b <= budget(st) // p:
         before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
         before.append((arr(0, me * b), arr(1, me * b), b))
         through = before, [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
@@ -42,7 +42,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
                               through if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
-    if through is None:
+    if through is None or pool_path(window, "alltoall", sendbuf.nbytes):
         return None  # the pool's direct path, or pieces (the algorithm's body)
     return prepared_from(compile_call(window, 2, *through, None, [r for r in range(p) if r != me]), first_two)
 

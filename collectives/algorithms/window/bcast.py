@@ -11,8 +11,8 @@ import numpy as np
 from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
-from .direct import direct, window_direct_from
-from .compiled_calls import (FALLBACK, arr, first, compile_call, compile_direct, direct_mode, peer,
+from .direct import direct
+from .compiled_calls import (FALLBACK, arr, pool_path, first, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
@@ -31,7 +31,7 @@ def _prepare(transport, buf: np.ndarray, root: int):
     if p == 1 or n == 0:
         return None
     through = None  # the window call's copies
-    if n < window_direct_from("bcast", window, p) and n <= budget(st):
+    if n <= budget(st):
         through = ([(arr(0), slot(st, root), n)], []) if me == root else ([], [(slot(st, root), arr(0), n)])
     mode = direct_mode(window, "bcast", n, through)
     if mode is not None:
@@ -44,7 +44,7 @@ def _prepare(transport, buf: np.ndarray, root: int):
                                   [], [], through if fall else None)
         if made is not None:
             return prepared_from(made, first)
-    if through is None:
+    if through is None or pool_path(window, "bcast", n):
         return None  # the pool's direct path, or pieces (the algorithm's body)
     return prepared_from(compile_call(window, 1, *through, None, [] if me == root else [root]), first)
 

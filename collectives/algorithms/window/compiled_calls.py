@@ -20,13 +20,13 @@ import numpy as np
 
 from ... import compiled
 from ...ops import Op
-from ...window_contract import COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES
+from ...window_contract import ADOPTION, COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_where_huge
+from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_from, direct_where_huge
 
 __all__ = [
     "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "DIRECT",
-    "FALLBACK", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
+    "FALLBACK", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
 ]
 
 
@@ -117,10 +117,22 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
     p, cores, cma_from = window.size, window.cores, window.cma_from
     if compiled_direct(collective, nbytes, p, cores, cma_from):
         return DIRECT
-    if through is not None and HUGE_PAGES in window.features and direct_where_huge(collective, nbytes, p, cores,
-                                                                                     cma_from):
+    if (through is not None and HUGE_PAGES in window.features
+            and direct_where_huge(collective, nbytes, p, cores, cma_from)
+            and (ADOPTION in window.features or not pool_path(window, collective, nbytes))):
         return FALLBACK
     return None
+
+
+def pool_path(window, collective: str, nbytes: int) -> bool:
+    """Whether ``collective`` of ``nbytes`` leaves a window call to the pool's
+    direct path (:mod:`.direct`, the algorithm's body): from
+    :data:`~.tuning.DIRECT_FROM` on. A direct compiled call with a
+    fallback still serves there (:func:`direct_mode`), where the pool can
+    adopt buffers: its readers take a peer's array outside huge pages out
+    of the peer's pool, as that path would, and the window's copies only
+    where the pool does not hold it (a buffer seen once)."""
+    return nbytes >= direct_from(collective, window.size, window.cores)
 
 
 def reduction(dst: tuple, srcs: list, count: int, dtype: np.dtype, op: Op) -> tuple | None:

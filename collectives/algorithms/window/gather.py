@@ -14,9 +14,9 @@ import numpy as np
 from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
-from .direct import direct, window_direct_from
+from .direct import direct
 from .pieces import displs
-from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -34,7 +34,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
     starts = displs(list(counts))
     through = None  # the window call's copies
     sources = [r for r in range(p) if r != me and counts[r]] if me == root else []
-    if total < window_direct_from("gather", window, p) and max(counts) * item <= budget(st):
+    if max(counts) * item <= budget(st):
         if me == root:
             through = ([(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else [],
                        [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources])
@@ -53,7 +53,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
                                   through if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
-    if through is None:
+    if through is None or pool_path(window, "gather", total):
         return None  # the pool's direct path (the algorithm's body)
     return prepared_from(compile_call(window, 2, *through, None, sources), first_two)
 

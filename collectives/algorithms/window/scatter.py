@@ -14,9 +14,9 @@ import numpy as np
 from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
-from .direct import direct, window_direct_from
+from .direct import direct
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import (FALLBACK, arr, first_two, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (FALLBACK, arr, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -31,8 +31,7 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
     if p == 1 or not sum(counts):
         return None
     total = sum(counts) * item
-    parts = (one_piece(st, list(counts), max(1, budget(st) // (p * item)))
-             if total < window_direct_from("scatter", window, p) else None)
+    parts = one_piece(st, list(counts), max(1, budget(st) // (p * item)))
     through = None  # the window call's copies
     if parts is not None and me == root:
         own, n, _ = parts[me]  # its own block once the others' are posted, while they copy them out
@@ -56,7 +55,7 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
                                   [], [], through if fall else None)
         if made is not None:
             return prepared_from(made, first_two)
-    if through is None:
+    if through is None or pool_path(window, "scatter", total):
         return None  # the pool's direct path, or pieces (the algorithm's body)
     sources = [root] if me != root and parts[me][1] else []
     return prepared_from(compile_call(window, 2, *through, None, sources), first_two)

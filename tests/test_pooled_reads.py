@@ -1,0 +1,200 @@
+"""A direct compiled call with a fallback reads a peer's array outside huge
+pages out of the peer's shared pool, where the pool holds it (a buffer
+from ``comm.alloc``, or a private buffer used again, which the pool
+adopts): one copy, where the window takes two. The results are right on
+every call (the first, before the pool adopts the buffer, goes through
+the window), the partial first and last pages of an adopted buffer are
+read across, nothing is written outside a buffer, peers of every kind mix,
+and a read past a peer's pooled array is refused even with signature
+checks off."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from collectives import CollectiveError
+from collectives.algorithms.window.tuning import direct_where_huge
+from collectives.bench.faults import guarded, intact
+from collectives.bench.pages import empty
+from harness import run_ranks
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/map_files"), reason="needs Linux")
+
+GUARD = 64  # float64 elements of guard before and after each buffer (the buffers start off the page grid)
+FILL = -7.0
+BOUND = 5.0  # seconds: a refused read is found at the call's first synchronisation
+
+
+@pytest.fixture(autouse=True)
+def _race_says_never(monkeypatch):
+    """The race's answer as on 4 KiB pages: a cross-memory read never beats
+    the window's copies (the spans with a fallback are then the widest)."""
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA_FASTER", "0")
+
+
+def _last_reads(comm) -> list[tuple[int, int, int]]:
+    """(straight, through the window, from the pool) reads of the last run of
+    every prepared direct call with a fallback that the communicator keeps
+    (the calls after its first run there)."""
+    calls = [getattr(e, "call", None) for e in list(comm._prepared.values())]
+    return [(c.last_direct, c.last_window, c.last_pooled) for c in calls if getattr(c, "fallback", 0)]
+
+
+def _placed(n: int, where: str, comm) -> tuple[np.ndarray, np.ndarray]:
+    """(the whole guarded span, its n float64 after the guard): in 4 KiB pages
+    ("small"), huge pages ("huge"), or the transport's pool ("alloc")."""
+    whole = comm.alloc(n + 2 * GUARD, np.float64) if where == "alloc" else empty(n + 2 * GUARD, np.float64, where)
+    whole[:] = FILL
+    return whole, whole[GUARD:GUARD + n]
+
+
+def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
+    """``times`` calls of ``collective`` (n float64 a block) on the same
+    buffers; rank 0's in ``where``, the others' too unless ``where`` is
+    "huge-0" (rank 0 in huge pages, the others in 4 KiB pages)."""
+    p, r = comm.size, comm.rank
+    mine = ("huge" if r == 0 else "small") if where == "huge-0" else where
+    wholes = []
+
+    def buf(count: int) -> np.ndarray:
+        whole, view = _placed(count, mine, comm)
+        wholes.append(whole)
+        return view
+
+    def ramp(rank: int, count: int, offset: int = 0) -> np.ndarray:
+        return rank * 1_000_000 + offset + np.arange(count, dtype=np.float64)
+
+    if collective == "alltoall":
+        x, out = buf(n * p), buf(n * p)
+        args, want = (x, out), np.concatenate([ramp(q, n, r * n) for q in range(p)])
+    elif collective == "allgather":
+        out = buf(n * p)
+        args, want = (None, out), np.concatenate([ramp(q, n) for q in range(p)])
+    elif collective == "scatter":
+        x, out = buf(n * p), buf(n)
+        args, want = (x if r == 0 else None, out), ramp(0, n, r * n)
+    else:  # gather
+        x, out = buf(n), buf(n * p)
+        args, want = (x, out if r == 0 else None), (np.concatenate([ramp(q, n) for q in range(p)]) if r == 0
+                                                     else None)
+    rights = []
+    for i in range(times):
+        if collective == "alltoall":
+            x[:] = ramp(r, n * p) + i
+        elif collective == "allgather":
+            out[:] = 0
+            out[r * n:(r + 1) * n] = ramp(r, n) + i
+            args = (out[r * n:(r + 1) * n].copy(), out)
+        elif collective == "scatter":
+            out[:] = 0
+            if r == 0:
+                x[:] = ramp(0, n * p) + i
+        else:
+            x[:] = ramp(r, n) + i
+        if collective in ("scatter", "gather"):
+            getattr(comm, collective)(*args, root=0)
+        else:
+            getattr(comm, collective)(*args)
+        got = args[1]
+        rights.append(want is None or bool(np.array_equal(got, want + i)))
+    guards = all(np.all(w[:GUARD] == FILL) and np.all(w[-GUARD:] == FILL) for w in wholes)
+    window = comm.transport.window
+    return {"rights": rights, "guards": guards, "reads": _last_reads(comm),
+            "hybrid": direct_where_huge(collective, n * p * 8, p, window.cores, window.cma_from)}
+
+
+# (collective, ranks, float64 a block): every published array of 1 MiB or more
+# (the pool adopts no smaller one); allgather of 2 MiB at 2 ranks is past its
+# DIRECT_FROM, where the pool's direct path ran before
+CASES = [("alltoall", 2, 96 << 10), ("allgather", 2, 96 << 10), ("allgather", 2, 128 << 10),
+         ("scatter", 2, 96 << 10), ("gather", 2, 160 << 10), ("alltoall", 3, 48 << 10), ("gather", 3, 128 << 10)]
+
+
+def _peer_reads(collective: str, p: int) -> int:
+    """The reads of peers' blocks in one call, all ranks together."""
+    return (p - 1) * (p if collective in ("alltoall", "allgather") else 1)
+
+
+@pytest.mark.parametrize("collective,p,n", CASES)
+def test_a_buffer_the_pool_adopted_is_read_from_the_pool(collective, p, n):
+    """4 KiB pages, the same buffers on every call: from the second call on
+    (the pool adopts a buffer it sees again) every read of a peer comes out
+    of its pool; every call's result is right, every guard intact."""
+    got = run_ranks(calls, p, collective, n, "small", 4, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip(f"{collective} of {n * p * 8} B at {p} ranks on these cores has no fallback")
+    for r, g in enumerate(got):
+        assert all(g["rights"]), f"rank {r}: wrong results in calls {g['rights']}"
+        assert g["guards"], f"rank {r}: wrote outside a buffer"
+        assert len(g["reads"]) == 1, f"rank {r}: {g['reads']}"
+    totals = tuple(sum(g["reads"][0][k] for g in got) for k in range(3))
+    assert totals == (0, 0, _peer_reads(collective, p)), [g["reads"] for g in got]
+
+
+@pytest.mark.parametrize("collective,n", [("alltoall", 16 << 10), ("allgather", 16 << 10), ("scatter", 16 << 10),
+                                          ("gather", 160 << 10)])
+def test_an_array_from_alloc_is_read_from_the_pool_at_any_size(collective, n):
+    """Arrays from ``comm.alloc`` lie in the pool from the start, small ones
+    too (256 KiB, which the pool would never adopt; gather has a fallback
+    only from 2 MiB at 2 ranks): read from there."""
+    got = run_ranks(calls, 2, collective, n, "alloc", 2, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip("no fallback on these cores")
+    for r, g in enumerate(got):
+        assert all(g["rights"]) and g["guards"], f"rank {r}: {g}"
+    totals = tuple(sum(g["reads"][0][k] for g in got) for k in range(3))
+    assert totals == (0, 0, _peer_reads(collective, 2)), [g["reads"] for g in got]
+
+
+@pytest.mark.parametrize("collective", ["alltoall", "allgather"])
+def test_peers_in_huge_pages_and_in_the_pool_mix(collective):
+    """Rank 0's arrays in huge pages, rank 1's in 4 KiB pages (adopted):
+    rank 1 reads rank 0's straight, rank 0 reads rank 1's from its pool."""
+    got = run_ranks(calls, 2, collective, 96 << 10, "huge-0", 3, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip("no fallback on these cores")
+    for r, g in enumerate(got):
+        assert all(g["rights"]) and g["guards"], f"rank {r}: {g}"
+    if got[1]["reads"] != [(1, 0, 0)]:  # rank 1 read rank 0's straight: rank 0's really lay in huge pages
+        pytest.skip(f"the kernel gave rank 0 no huge pages: {got[1]['reads']}")
+    assert got[0]["reads"] == [(0, 0, 1)], got[0]["reads"]
+
+
+def past(comm) -> dict:
+    """Signature checks off: two matched gathers to rank 0 (rank 1's block
+    adopted into its pool), then rank 0 expects larger blocks than rank 1
+    sends: rank 0 would read past rank 1's pooled array and refuses to."""
+    n0 = 128 << 10  # 1 MiB of float64, adopted from its second call
+    raw_x, x = guarded(n0, "float64", 2.0)
+    raw_out, out = guarded(n0 * 2 * 2, "float64", 0)
+    for _ in range(2):
+        comm.gather(x, out[:n0 * 2] if comm.rank == 0 else None, root=0)
+    pooled = _last_reads(comm)
+    n = n0 + (n0 // 4) * (comm.rank == 0)  # rank 0 reads 160 Ki elements of rank 1's 128 Ki
+    t0 = time.monotonic()
+    try:
+        comm.gather(x[:n] if comm.rank else np.full(n, 1.0), out[:n * 2] if comm.rank == 0 else None, root=0)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    return {"pooled": pooled, "outcome": outcome, "message": message, "elapsed": time.monotonic() - t0,
+            "guards": intact([raw_x, raw_out], [n0, n0 * 2 * 2])}
+
+
+def test_a_read_past_a_pooled_array_is_refused_even_with_checks_off(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
+    got = run_ranks(past, 2, timeout=60, comm_timeout=5)
+    assert got[0]["pooled"] == [(0, 0, 1)], got[0]["pooled"]  # the matched calls read rank 1's from its pool
+    for r, g in enumerate(got):
+        assert g["guards"], f"rank {r}: wrote outside its buffer"
+        assert g["outcome"] != "ok", f"rank {r}: a call with different sizes completed"
+        assert g["elapsed"] < 5 + BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
+    assert got[0]["outcome"] == "MismatchedCollective", got[0]["message"]
+    assert re.search(r"rank 0, gather #3", got[0]["message"]), got[0]["message"]
+    assert "would read outside rank 1's buffer" in got[0]["message"], got[0]["message"]
+    assert "rank 0" in got[1]["message"], got[1]["message"]  # rank 1 learns of it from rank 0
