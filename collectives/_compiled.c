@@ -53,11 +53,12 @@
  *       such a rank from the window instead: from each after copy's fourth
  *       place, (src, dst, nbytes, window place), which every after copy
  *       that reads a peer then has. With direct = (..., copies_in, pools,
- *       pooler, pool_from), an array outside huge pages that lies in its
- *       rank's shared pool (pools: every rank's (address, bytes) here;
- *       wholly, or the part pooler(address, nbytes) names, asked from
- *       pool_from bytes on) is neither copied in nor read across: its
- *       readers copy that part out of their mapping of the pool.
+ *       pooler, pool_from) (copies_in may be None: no fallback), an array
+ *       outside huge pages that lies in its rank's shared pool (pools:
+ *       every rank's (address, bytes) here; wholly, or the part
+ *       pooler(address, nbytes) names, asked from pool_from bytes on) is
+ *       neither copied in nor read across: its readers copy that part out
+ *       of their mapping of the pool.
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -812,8 +813,9 @@ typedef struct {
     int copied_in;                /* the run in progress made them all (nobody reads its arrays) */
     int last_direct, last_window;  /* the last run's reads of peers' arrays, and of their copies in the window */
     int last_pooled;              /* and of peers' arrays in their shared pools (see pools) */
-    unsigned char kind[MAX_ARRAYS];  /* a call with a fallback: how each shared array of the run is read */
-    char **pool_base;             /* a call with a fallback: every rank's shared pool in this process */
+    int marks;                    /* it publishes how each array is read (a fallback, or pools) */
+    unsigned char kind[MAX_ARRAYS];  /* then how each shared array of the run is read */
+    char **pool_base;             /* reads from pools: every rank's shared pool in this process */
     uint64_t *pool_len;           /* and its bytes (NULL: none) */
     PyObject *pooler;             /* pooler(address, nbytes) -> None or (pool offset of byte 0, first, end) */
     Py_ssize_t pool_from;         /* of arrays from this many bytes on (a private buffer the pool may adopt) */
@@ -1013,7 +1015,7 @@ static int mark_list(PyObject *seq, int limit, unsigned char *flags, const char 
     return 0;
 }
 
-/* A fallback call's pools = [(address, bytes), ...]: every rank's shared
+/* A direct call's pools = [(address, bytes), ...]: every rank's shared
  * pool as this process maps it; pooler (None, or a callable) and
  * pool_from: see CallObject. -1 on error. */
 static int parse_pools(CallObject *pl, PyObject *pools, PyObject *pooler, Py_ssize_t pool_from) {
@@ -1101,8 +1103,9 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
                 return -1;
             }
         pl->fallback = 1;
-        if (pools != Py_None && parse_pools(pl, pools, pooler, pool_from) < 0) return -1;
     }
+    if (pools != Py_None && parse_pools(pl, pools, pooler, pool_from) < 0) return -1;
+    pl->marks = pl->fallback || pl->pool_base;
     return 0;
 }
 
@@ -1135,7 +1138,7 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->at_byte = pl->at_elem = 0;
     pl->f = NULL;
     pl->direct = pl->fallback = pl->ncopies_in = pl->copied_in = pl->last_direct = pl->last_window = 0;
-    pl->last_pooled = 0;
+    pl->last_pooled = pl->marks = 0;
     pl->copies_in = NULL;
     pl->pool_base = NULL;
     pl->pool_len = NULL;
@@ -1474,7 +1477,7 @@ static int array_in_huge_pages(CallObject *pl, int j, char *base) {
     return pl->paged_huge[j] = in_huge_pages((uintptr_t)base, (size_t)pl->lens[j]);
 }
 
-/* Where shared array j (n bytes at base) of a fallback call lies in this
+/* Where shared array j (n bytes at base) of a direct call lies in this
  * rank's shared pool: wholly, when it is inside the pool's mapping (from
  * the transport's alloc); else the pooler's answer (a private buffer the
  * pool adopted, all but its partial first and last pages), asked only from
@@ -1501,11 +1504,12 @@ static int pool_part(CallObject *pl, char *base, Py_ssize_t n, int64_t *off, uin
 }
 
 /* Publish where this rank's shared arrays are (before the post); a call
- * with a fallback also how its readers take each (kind): straight where it
- * lies in huge pages (IN_HUGE_PAGES), from its part in this rank's shared
- * pool (IN_POOL), else from the copy in the window this rank makes (see
- * copies_in). 1 when every one goes through the window (nobody reads this
- * rank's arrays), 0 when not, -1 when the pooler raised. */
+ * with a fallback or pools also how its readers take each (kind): straight
+ * where it lies in huge pages (IN_HUGE_PAGES), from its part in this
+ * rank's shared pool (IN_POOL), else from the copy in the window this rank
+ * makes (see copies_in), or straight without a fallback. 1 when every one
+ * goes through the window (nobody reads this rank's arrays), 0 when not,
+ * -1 when the pooler raised. */
 static int publish_arrays(CallObject *pl, char *const *bases) {
     uint64_t *words = published(pl, pl->window->rank);
     int all_window = 1;
@@ -1513,7 +1517,7 @@ static int publish_arrays(CallObject *pl, char *const *bases) {
         int on = j < pl->narrays && pl->shared[j] && bases[j];
         uint64_t flag = 0;
         pl->kind[j] = BY_WINDOW;
-        if (on && pl->fallback) {
+        if (on && pl->marks) {
             int64_t off = 0;
             uint64_t first = 0, end = 0;
             int pooled = 0;
@@ -1526,7 +1530,7 @@ static int publish_arrays(CallObject *pl, char *const *bases) {
                 pw[0] = (uint64_t)off, pw[1] = first, pw[2] = end;
                 flag = IN_POOL, pl->kind[j] = BY_POOL;
             } else {
-                pl->kind[j] = BY_WINDOW;
+                pl->kind[j] = pl->fallback ? BY_WINDOW : BY_READ;
             }
             all_window &= pl->kind[j] == BY_WINDOW;
         }
@@ -1623,10 +1627,10 @@ static PyObject *direct_reads(CallObject *pl, char *const *bases) {
         int r = (int)c->src.a0, j = PEER_ARRAY(c->src.idx);
         const uint64_t *words = published(pl, r);
         uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
-        uint64_t nbytes = pl->fallback ? word & ~PUBLISHED_FLAGS : word & ~IN_HUGE_PAGES;
+        uint64_t nbytes = word & ~PUBLISHED_FLAGS;
         if (!address || (uint64_t)c->src.a1 + (uint64_t)c->n > nbytes) {
             bad = r, kind = K_OUTSIDE, value = nbytes;
-        } else if (pl->fallback && (word & IN_POOL) && !(word & IN_HUGE_PAGES)) {
+        } else if (pl->marks && (word & IN_POOL) && !(word & IN_HUGE_PAGES)) {
             if ((err = pool_read(pl, r, j, (uintptr_t)address, nbytes, (uint64_t)c->src.a1, dst, (size_t)c->n)) < 0)
                 bad = r, kind = K_OUTSIDE, value = nbytes;
             else if (err)
@@ -1692,7 +1696,7 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
                     return NULL;
                 }
                 pl->copied_in = copied;
-                if (pl->fallback) copy_in_window_arrays(pl, bases);
+                if (pl->fallback) copy_in_window_arrays(pl, bases);  /* (those of kind BY_WINDOW) */
             }
             write_record(w, pl->seq, pl->sig[0], pl->sig[1], pl->sig[2]);
         }

@@ -295,9 +295,17 @@ class SharedWindow(abc.ABC):
                 of waiting for its readers, and they take what they would
                 read from it from the window: every ``after`` copy that
                 reads a peer then names its place in the window fourth,
-                ``(src, dst, nbytes, window place)``. The call's
-                ``last_direct`` and ``last_window`` count its last run's
-                reads of each kind.
+                ``(src, dst, nbytes, window place)``. ``(readers, shared,
+                copies_in, pooled)`` (``copies_in`` may be None: no
+                fallback): with ``pooled`` (feature ``"pool"`` too; the
+                default where there is a fallback), an array outside huge
+                pages that lies in its rank's pool (from
+                :meth:`~collectives.transport.Transport.alloc`, or a
+                buffer the pool adopts, see :meth:`shared_part`) is
+                neither copied in nor read across: its readers copy it out
+                of their mapping of that pool. The call's
+                ``last_direct``, ``last_window`` and ``last_pooled`` count
+                its last run's reads of each kind.
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==

@@ -306,13 +306,14 @@ class ShmWindow(SharedWindow):
         if direct is not None:
             if DIRECT_ACCESS not in self.features:
                 raise NotImplementedError("the window cannot reach peers' memory (no cross-memory attach)")
-            readers, shared, *copies_in = direct
-            described = (self._cross.pids, [reg.ctypes.data for reg in self._regions], readers, shared)
-            if not copies_in or copies_in[0] is None:
-                return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None, described)
-            pools = [(pool.ctypes.data, pool.nbytes) for pool in self._pools]  # read where arrays lie there
-            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None,
-                                          described + (copies_in[0], pools, self._adopted_part, Adoptions.MIN_BYTES))
+            readers, shared, *rest = direct
+            copies_in = rest[0] if rest else None
+            pooled = rest[1] if len(rest) > 1 else copies_in is not None
+            described = (self._cross.pids, [reg.ctypes.data for reg in self._regions], readers, shared, copies_in)
+            if pooled:  # read arrays that lie in their rank's pool out of it
+                described += ([(pool.ctypes.data, pool.nbytes) for pool in self._pools], self._adopted_part,
+                              Adoptions.MIN_BYTES)
+            return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None, described)
         if then is not None:
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then)
         if piece <= 0:

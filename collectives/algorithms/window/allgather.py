@@ -43,7 +43,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
         after = [(peer(r, 0, starts[r] * item), arr(0, starts[r] * item), counts[r] * item)
                  + ((slot(st, r, parts[r][2] * item),) if fall else ()) for r in range(p) if r != me and counts[r]]
         readers = [r for r in range(p) if r != me and counts[me]]
-        made = compile_direct(window, 1, [], after, readers, [0], through if fall else None)
+        made = compile_direct(window, 1, [], after, readers, [0], mode, through)
         if made is not None:
             return prepared_from(made, first)
     if through is None or pool_path(window, "allgather", buf.nbytes):

@@ -39,7 +39,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
         after = [(arr(0, me * b), arr(1, me * b), b)] + [
             (peer(r, 0, me * b), arr(1, r * b), b) + ((slot(st, r, me * b),) if fall else ()) for r in range(p) if r != me]
         made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0],
-                              through if fall else None)
+                              mode, through)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None or pool_path(window, "alltoall", sendbuf.nbytes):

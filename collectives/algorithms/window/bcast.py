@@ -38,10 +38,10 @@ def _prepare(transport, buf: np.ndarray, root: int):
         fall = mode == FALLBACK
         if me == root:
             made = compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0],
-                                  through if fall else None)
+                                  mode, through)
         else:
             made = compile_direct(window, 1, [], [(peer(root, 0), arr(0), n) + ((slot(st, root),) if fall else ())],
-                                  [], [], through if fall else None)
+                                  [], [], mode, through)
         if made is not None:
             return prepared_from(made, first)
     if through is None or pool_path(window, "bcast", n):

@@ -20,13 +20,13 @@ import numpy as np
 
 from ... import compiled
 from ...ops import Op
-from ...window_contract import ADOPTION, COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES
+from ...window_contract import ADOPTION, COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES, POOL
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_from, direct_where_huge
+from .tuning import DIRECT_FROM, PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_from, direct_where_huge
 
 __all__ = [
     "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "DIRECT",
-    "FALLBACK", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
+    "FALLBACK", "POOLED", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
 ]
 
 
@@ -78,49 +78,62 @@ def compile_call(window, narrays: int, before: list, after: list, reduce: tuple 
 
 
 def compile_direct(window, narrays: int, before: list, after: list, readers: list[int], shared: list[int],
-                   fallback: tuple | None = None):
+                   mode: str = "direct", through: tuple | None = None):
     """``(run, settle)`` of a direct compiled call (see
     :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
     publishes its arrays ``shared``; ``after`` reads peers' arrays
     (:func:`peer`) once every record agrees; the run ends once the ranks
-    ``readers`` are done reading this rank's. With ``fallback``, the
-    ``(before, after)`` of the window call (see :func:`direct_mode`), a rank
-    whose arrays do not lie in huge pages makes that call's copies into its
-    region instead, and its readers take theirs from there: every copy of
-    ``after`` that reads a peer then names its place in the window fourth.
-    None where the window has no compiled calls or cannot reach peers'
-    memory (the same on every rank)."""
+    ``readers`` are done reading this rank's. ``mode`` (see
+    :func:`direct_mode`): :data:`DIRECT` reads every peer's straight;
+    :data:`FALLBACK` too where they lie in huge pages, out of the peer's
+    shared pool where they lie there, and else takes them through the
+    window as the window call ``through`` (``(before, after)``) would: a
+    rank whose arrays are elsewhere makes that call's copies into its
+    region instead, and every copy of ``after`` that reads a peer names
+    its place in the window fourth; :data:`POOLED`, out of the pool where
+    they lie there, and straight otherwise. None where the window has no
+    compiled calls or cannot reach peers' memory (the same on every rank)."""
     if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
         return None
-    copies_in = None if fallback is None else [c for c in fallback[0] if c[1][0] < 0]  # into the window
-    made = window.compile(narrays, before, after, None, [], direct=(readers, shared, copies_in))
+    if mode == FALLBACK:
+        described = (readers, shared, [c for c in through[0] if c[1][0] < 0])  # its copies into the window
+    else:
+        described = (readers, shared, None, mode == POOLED)
+    made = window.compile(narrays, before, after, None, [], direct=described)
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 
 
 #: :func:`direct_mode`'s answers.
-DIRECT, FALLBACK = "direct", "fallback"
+DIRECT, FALLBACK, POOLED = "direct", "fallback", "pooled"
 
 
 def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> str | None:
     """How ``collective`` of ``nbytes`` takes its direct compiled call, the
     same on every rank: :data:`DIRECT` (:func:`~.tuning.compiled_direct`),
-    :data:`FALLBACK` where it reads only arrays in huge pages and takes the
-    rest through the window as its window call would (its copies
-    ``through``, ``(before, after)``, which must exist;
-    :func:`~.tuning.direct_where_huge`), or None; no fallback where the
-    window cannot tell huge pages. A fallback's copies are whole where the
-    table runs the window call in pieces (1 MiB copies and more where ranks
-    have a core each): 2 ranks, 2 MiB, the same time for allgather,
-    alltoall, gather and scatter (bcast, whose pieces halve it, has no span
-    with a fallback: ``test_compiled_direct.py``)."""
+    :data:`FALLBACK` where it reads only arrays in huge pages or in their
+    rank's pool and takes the rest through the window as its window call
+    would (its copies ``through``, ``(before, after)``, which must exist;
+    :func:`~.tuning.direct_where_huge`; from :data:`~.tuning.DIRECT_FROM`
+    on only where the pool adopts buffers), :data:`POOLED` in the rest of
+    :func:`pool_path`'s span for the collectives that read any buffer
+    directly there (``DIRECT_FROM``'s ``huge`` false: bcast, gather,
+    alltoall, scatter), or None; no fallback where the window cannot tell
+    huge pages. A fallback's copies are whole where the table runs the
+    window call in pieces (1 MiB copies and more where ranks have a core
+    each): 2 ranks, 2 MiB, the same time for allgather, alltoall, gather
+    and scatter (bcast, whose pieces halve it, has no span with a
+    fallback: ``test_compiled_direct.py``)."""
     p, cores, cma_from = window.size, window.cores, window.cma_from
     if compiled_direct(collective, nbytes, p, cores, cma_from):
         return DIRECT
+    pooled = pool_path(window, collective, nbytes)
     if (through is not None and HUGE_PAGES in window.features
             and direct_where_huge(collective, nbytes, p, cores, cma_from)
-            and (ADOPTION in window.features or not pool_path(window, collective, nbytes))):
+            and (ADOPTION in window.features or not pooled)):
         return FALLBACK
+    if pooled and POOL in window.features and not DIRECT_FROM[collective][2]:
+        return POOLED
     return None
 
 

@@ -47,10 +47,10 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
             after = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
             after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item) + ((slot(st, r),) if fall else ())
                       for r in sources]
-            made = compile_direct(window, 2, [], after, [], [], through if fall else None)
+            made = compile_direct(window, 2, [], after, [], [], mode, through)
         else:
             made = compile_direct(window, 2, [], [], [root] if counts[me] else [], [0],
-                                  through if fall else None)
+                                  mode, through)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None or pool_path(window, "gather", total):

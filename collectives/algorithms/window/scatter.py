@@ -48,11 +48,11 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
         if me == root:
             made = compile_direct(window, 2, [], [(arr(0, start * item), arr(1), n * item)] if n else [],
                                   [r for r in range(p) if r != me and counts[r]], [0],
-                                  through if fall else None)
+                                  mode, through)
         else:
             alt = (slot(st, root, parts[me][2] * item),) if fall else ()
             made = compile_direct(window, 2, [], [(peer(root, 0, start * item), arr(1), n * item) + alt] if n else [],
-                                  [], [], through if fall else None)
+                                  [], [], mode, through)
         if made is not None:
             return prepared_from(made, first_two)
     if through is None or pool_path(window, "scatter", total):
