@@ -53,12 +53,15 @@
  *       such a rank from the window instead: from each after copy's fourth
  *       place, (src, dst, nbytes, window place), which every after copy
  *       that reads a peer then has. With direct = (..., copies_in, pools,
- *       pooler, pool_from) (copies_in may be None: no fallback), an array
+ *       pooler, pool_from[, pool_first]) (copies_in may be None: no fallback), an array
  *       outside huge pages that lies in its rank's shared pool (pools:
  *       every rank's (address, bytes) here; wholly, or the part
  *       pooler(address, nbytes) names, asked from pool_from bytes on) is
  *       neither copied in nor read across: its readers copy that part out
- *       of their mapping of the pool.
+ *       of their mapping of the pool. With pool_first (bytes) too, an
+ *       array of that size or more is read from its pool even where it
+ *       lies in huge pages (the pool may adopt it: a copy runs faster
+ *       than a cross-memory read of huge pages).
  *   Call.run(arrays, seq, sig) -> None or (rank, kind, value); Call.resume(arrays)
  *       the next step of call ``seq`` whose signature is ``sig`` (three
  *       words, without the sequence number), as far as it goes; what to wait
@@ -819,6 +822,7 @@ typedef struct {
     uint64_t *pool_len;           /* and its bytes (NULL: none) */
     PyObject *pooler;             /* pooler(address, nbytes) -> None or (pool offset of byte 0, first, end) */
     Py_ssize_t pool_from;         /* of arrays from this many bytes on (a private buffer the pool may adopt) */
+    Py_ssize_t pool_first;        /* from this many bytes on, asked before whether an array lies in huge pages */
     uintptr_t paged_at[MAX_ARRAYS];    /* each shared array's last answer of in_huge_pages: where, */
     Py_ssize_t paged_len[MAX_ARRAYS];  /* its bytes, the answer, and how many runs it still holds for */
     int paged_huge[MAX_ARRAYS], paged_left[MAX_ARRAYS];
@@ -1059,9 +1063,9 @@ static int parse_pools(CallObject *pl, PyObject *pools, PyObject *pooler, Py_ssi
 static int parse_direct(CallObject *pl, PyObject *direct) {
     WindowObject *w = pl->window;
     PyObject *pids, *metas, *readers, *shared, *copies_in = Py_None, *pools = Py_None, *pooler = Py_None;
-    Py_ssize_t pool_from = 0;
-    if (!PyArg_ParseTuple(direct, "OOOO|OOOn", &pids, &metas, &readers, &shared, &copies_in, &pools, &pooler,
-                          &pool_from))
+    Py_ssize_t pool_from = 0, pool_first = PY_SSIZE_T_MAX;
+    if (!PyArg_ParseTuple(direct, "OOOO|OOOnn", &pids, &metas, &readers, &shared, &copies_in, &pools, &pooler,
+                          &pool_from, &pool_first))
         return -1;
     if (pl->f || pl->two_steps) {
         PyErr_SetString(PyExc_ValueError, "a direct call has one step and no reduction");
@@ -1105,6 +1109,7 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
         pl->fallback = 1;
     }
     if (pools != Py_None && parse_pools(pl, pools, pooler, pool_from) < 0) return -1;
+    pl->pool_first = pool_first;
     pl->marks = pl->fallback || pl->pool_base;
     return 0;
 }
@@ -1143,7 +1148,7 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->pool_base = NULL;
     pl->pool_len = NULL;
     pl->pooler = NULL;
-    pl->pool_from = 0;
+    pl->pool_from = pl->pool_first = 0;
     for (int i = 0; i < MAX_ARRAYS; i++) pl->paged_left[i] = 0;
     pl->pids = NULL;
     pl->metas = NULL;
@@ -1520,10 +1525,11 @@ static int publish_arrays(CallObject *pl, char *const *bases) {
         if (on && pl->marks) {
             int64_t off = 0;
             uint64_t first = 0, end = 0;
-            int pooled = 0;
-            if (array_in_huge_pages(pl, j, bases[j])) {
+            int first_pool = pl->lens[j] >= pl->pool_first, pooled = 0;
+            if (first_pool && (pooled = pool_part(pl, bases[j], pl->lens[j], &off, &first, &end)) < 0) return -1;
+            if (!pooled && array_in_huge_pages(pl, j, bases[j])) {
                 flag = IN_HUGE_PAGES, pl->kind[j] = BY_READ;
-            } else if ((pooled = pool_part(pl, bases[j], pl->lens[j], &off, &first, &end)) < 0) {
+            } else if (!first_pool && (pooled = pool_part(pl, bases[j], pl->lens[j], &off, &first, &end)) < 0) {
                 return -1;
             } else if (pooled) {
                 uint64_t *pw = pool_words(pl, pl->window->rank) + 3 * j;

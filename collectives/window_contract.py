@@ -296,14 +296,15 @@ class SharedWindow(abc.ABC):
                 read from it from the window: every ``after`` copy that
                 reads a peer then names its place in the window fourth,
                 ``(src, dst, nbytes, window place)``. ``(readers, shared,
-                copies_in, pooled)`` (``copies_in`` may be None: no
-                fallback): with ``pooled`` (feature ``"pool"`` too; the
-                default where there is a fallback), an array outside huge
-                pages that lies in its rank's pool (from
+                copies_in, pool_first)`` (``copies_in`` may be None: no
+                fallback; ``pool_first`` None: no pools): with feature
+                ``"pool"`` too, an array outside huge pages that lies in
+                its rank's pool (from
                 :meth:`~collectives.transport.Transport.alloc`, or a
                 buffer the pool adopts, see :meth:`shared_part`) is
                 neither copied in nor read across: its readers copy it out
-                of their mapping of that pool. The call's
+                of their mapping of that pool; so is one of ``pool_first``
+                bytes or more in huge pages. The call's
                 ``last_direct``, ``last_window`` and ``last_pooled`` count
                 its last run's reads of each kind.
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveError
-from collectives.algorithms.window.tuning import direct_where_huge
+from collectives.algorithms.window.tuning import (DIRECT_FROM, compiled_direct, direct_from, direct_where_huge,
+                                                   pooled_call)
 from collectives.bench.faults import guarded, intact
 from collectives.bench.pages import empty
 from harness import run_ranks
@@ -39,10 +40,10 @@ def _race_says_never(monkeypatch):
 
 def _last_reads(comm) -> list[tuple[int, int, int]]:
     """(straight, through the window, from the pool) reads of the last run of
-    every prepared direct call with a fallback that the communicator keeps
-    (the calls after its first run there)."""
+    every prepared direct call that the communicator keeps (the calls after
+    its first run there)."""
     calls = [getattr(e, "call", None) for e in list(comm._prepared.values())]
-    return [(c.last_direct, c.last_window, c.last_pooled) for c in calls if getattr(c, "fallback", 0)]
+    return [(c.last_direct, c.last_window, c.last_pooled) for c in calls if getattr(c, "direct", 0)]
 
 
 def _placed(n: int, where: str, comm) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +79,9 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
     elif collective == "scatter":
         x, out = buf(n * p), buf(n)
         args, want = (x if r == 0 else None, out), ramp(0, n, r * n)
+    elif collective == "bcast":
+        out = buf(n)
+        args, want = (None, out), ramp(0, n)
     else:  # gather
         x, out = buf(n), buf(n * p)
         args, want = (x, out if r == 0 else None), (np.concatenate([ramp(q, n) for q in range(p)]) if r == 0
@@ -94,9 +98,13 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
             out[:] = 0
             if r == 0:
                 x[:] = ramp(0, n * p) + i
+        elif collective == "bcast":
+            out[:] = ramp(0, n) + i if r == 0 else 0
         else:
             x[:] = ramp(r, n) + i
-        if collective in ("scatter", "gather"):
+        if collective == "bcast":
+            comm.bcast(out, root=0)
+        elif collective in ("scatter", "gather"):
             getattr(comm, collective)(*args, root=0)
         else:
             getattr(comm, collective)(*args)
@@ -105,7 +113,18 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
     guards = all(np.all(w[:GUARD] == FILL) and np.all(w[-GUARD:] == FILL) for w in wholes)
     window = comm.transport.window
     return {"rights": rights, "guards": guards, "reads": _last_reads(comm),
-            "hybrid": direct_where_huge(collective, n * p * 8, p, window.cores, window.cma_from)}
+            "hybrid": _with_pools(collective, n * (1 if collective == "bcast" else p) * 8, p, window)}
+
+
+def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
+    """Whether ``collective`` of ``nbytes`` takes a direct compiled call that
+    reads peers' pools (where the race answers "never"): a fallback, or in
+    the pool's direct path's span (see ``compiled_calls.direct_mode``)."""
+    cores = window.cores
+    pool_span = nbytes >= direct_from(collective, p, cores) and pooled_call(collective, nbytes, p, cores)
+    return not compiled_direct(collective, nbytes, p, cores, window.cma_from) and (
+        direct_where_huge(collective, nbytes, p, cores, window.cma_from)
+        or (pool_span and not DIRECT_FROM[collective][2]))
 
 
 # (collective, ranks, float64 a block): every published array of 1 MiB or more
@@ -132,6 +151,20 @@ def test_a_buffer_the_pool_adopted_is_read_from_the_pool(collective, p, n):
         assert all(g["rights"]), f"rank {r}: wrong results in calls {g['rights']}"
         assert g["guards"], f"rank {r}: wrote outside a buffer"
         assert len(g["reads"]) == 1, f"rank {r}: {g['reads']}"
+    totals = tuple(sum(g["reads"][0][k] for g in got) for k in range(3))
+    assert totals == (0, 0, _peer_reads(collective, p)), [g["reads"] for g in got]
+
+
+@pytest.mark.parametrize("collective,p,n", [("bcast", 2, 512 << 10), ("alltoall", 2, 256 << 10)])
+def test_a_large_buffer_in_huge_pages_is_read_from_the_pool(collective, p, n):
+    """Published arrays of 4 MiB and more in huge pages: once the pool has
+    adopted them they are read out of it (a copy beats a cross-memory read
+    of huge pages there)."""
+    got = run_ranks(calls, p, collective, n, "huge", 3, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip(f"{collective} of {n} float64 a block at {p} ranks takes no call with pools on these cores")
+    for r, g in enumerate(got):
+        assert all(g["rights"]) and g["guards"], f"rank {r}: {g}"
     totals = tuple(sum(g["reads"][0][k] for g in got) for k in range(3))
     assert totals == (0, 0, _peer_reads(collective, p)), [g["reads"] for g in got]
 

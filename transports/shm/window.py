@@ -306,13 +306,11 @@ class ShmWindow(SharedWindow):
         if direct is not None:
             if DIRECT_ACCESS not in self.features:
                 raise NotImplementedError("the window cannot reach peers' memory (no cross-memory attach)")
-            readers, shared, *rest = direct
-            copies_in = rest[0] if rest else None
-            pooled = rest[1] if len(rest) > 1 else copies_in is not None
+            readers, shared, copies_in, pool_first = (tuple(direct) + (None, None))[:4]
             described = (self._cross.pids, [reg.ctypes.data for reg in self._regions], readers, shared, copies_in)
-            if pooled:  # read arrays that lie in their rank's pool out of it
+            if pool_first is not None:  # read arrays that lie in their rank's pool out of it
                 described += ([(pool.ctypes.data, pool.nbytes) for pool in self._pools], self._adopted_part,
-                              Adoptions.MIN_BYTES)
+                              Adoptions.MIN_BYTES, pool_first)
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None, described)
         if then is not None:
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then)

@@ -22,7 +22,8 @@ from ... import compiled
 from ...ops import Op
 from ...window_contract import ADOPTION, COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES, POOL
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import DIRECT_FROM, PIECE, PIECED_FROM, compiled_direct, compiled_piece, direct_from, direct_where_huge
+from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, compiled_direct, compiled_piece,
+                     direct_from, direct_where_huge, pooled_call)
 
 __all__ = [
     "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "DIRECT",
@@ -96,9 +97,11 @@ def compile_direct(window, narrays: int, before: list, after: list, readers: lis
     if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
         return None
     if mode == FALLBACK:
-        described = (readers, shared, [c for c in through[0] if c[1][0] < 0])  # its copies into the window
+        described = (readers, shared, [c for c in through[0] if c[1][0] < 0], POOL_FIRST_BYTES)  # (copies in)
+    elif mode == POOLED:
+        described = (readers, shared, None, POOL_FIRST_BYTES)
     else:
-        described = (readers, shared, None, mode == POOLED)
+        described = (readers, shared)
     made = window.compile(narrays, before, after, None, [], direct=described)
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
@@ -128,6 +131,8 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
     if compiled_direct(collective, nbytes, p, cores, cma_from):
         return DIRECT
     pooled = pool_path(window, collective, nbytes)
+    if pooled and not pooled_call(collective, nbytes, p, cores):
+        return None
     if (through is not None and HUGE_PAGES in window.features
             and direct_where_huge(collective, nbytes, p, cores, cma_from)
             and (ADOPTION in window.features or not pooled)):
