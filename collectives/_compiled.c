@@ -1603,9 +1603,9 @@ static int pool_read(CallObject *pl, int r, int j, uintptr_t address, uint64_t n
     const uint64_t *pw = pool_words(pl, r) + 3 * j;
     int64_t off = (int64_t)load_acquire(&pw[0]);
     uint64_t first = load_acquire(&pw[1]), end = load_acquire(&pw[2]);
-    if (!pl->pool_base || first >= end || end > nbytes || off + (int64_t)first < 0 ||
-        (uint64_t)(off + (int64_t)end) > pl->pool_len[r])
-        return -1;
+    if (!pl->pool_base || first >= end || end > nbytes || off < -(int64_t)nbytes ||
+        off > (int64_t)pl->pool_len[r] || off + (int64_t)first < 0 || (uint64_t)(off + (int64_t)end) > pl->pool_len[r])
+        return -1;  /* (off bounded first: the sums cannot overflow) */
     uint64_t stop = at + n, lo = first > at ? (first < stop ? first : stop) : at;
     uint64_t hi = end < stop ? (end > lo ? end : lo) : stop;
     int err = 0;

@@ -231,3 +231,37 @@ def test_a_read_past_a_pooled_array_is_refused_even_with_checks_off(monkeypatch)
     assert re.search(r"rank 0, gather #3", got[0]["message"]), got[0]["message"]
     assert "would read outside rank 1's buffer" in got[0]["message"], got[0]["message"]
     assert "rank 0" in got[1]["message"], got[1]["message"]  # rank 1 learns of it from rank 0
+
+
+def overwrite_at_once(comm, collective: str, rounds: int) -> dict:
+    """Each rank overwrites its buffer as soon as the call returns, the
+    buffers the pool adopted after the first call: a rank whose readers
+    take its array out of its pool must not return before they are done."""
+    p, r = comm.size, comm.rank
+    n = 60_000  # float64 a block: 1.4 MiB a rank sends (the pool adopts it), read far slower than overwritten
+    send = empty(n * p, np.float64, "small")
+    recv = empty(n * p if collective == "alltoall" else n, np.float64, "small")
+    bad = []
+    for i in range(rounds):
+        send[:] = i * 10 + r
+        if collective == "scatter":
+            comm.scatter(send if r == 0 else None, recv, 0)
+            want = np.full(n, i * 10.0)
+        else:
+            comm.alltoall(send, recv)
+            want = np.repeat(np.arange(p) + i * 10.0, n)
+        send[:] = -1.0  # at once
+        if not np.array_equal(recv, want):
+            bad.append(f"round {i}: {np.unique(recv)[:4]}")
+    return {"bad": bad, "reads": _last_reads(comm),
+            "hybrid": _with_pools(collective, send.nbytes, p, comm.transport.window)}
+
+
+@pytest.mark.parametrize("collective", ["scatter", "alltoall"])
+def test_no_rank_returns_while_others_read_its_pool(collective):
+    got = run_ranks(overwrite_at_once, 3, collective, 200, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip("no call with pools on these cores")
+    for r, g in enumerate(got):
+        assert not g["bad"], f"rank {r}: " + "; ".join(g["bad"][:5])
+    assert sum(g["reads"][0][2] for g in got) == _peer_reads(collective, 3), [g["reads"] for g in got]
