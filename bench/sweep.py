@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -183,14 +183,22 @@ class CallBuffers:
         return int(np.count_nonzero(self.bufs[key] != want))
 
 
-def _time(runner: Any, collective: str, algo: str, b: dict[str, Any], iters: int, warmup: int) -> np.ndarray:
+def _time(runner: Any, collective: str, algo: str, b: dict[str, Any], iters: int, warmup: int,
+          write: Callable[[], None] | None = None) -> np.ndarray:
     """Warm up, barrier, then time each iteration; returns each iteration's maximum over ranks.
+    With ``write``, each iteration writes the inputs first, and its time covers the write and the call.
 
     In-place reductions compound over the iterations (a sum doubles at 2
     ranks) and overflow to inf after about 128 of them: numpy's overflow
     warning is expected here and silenced (the checked call runs on reset
     buffers afterwards)."""
     call = runner.bind(collective, algo, b)
+    if write is not None:
+        bare = call
+
+        def call() -> None:
+            write()
+            bare()
     with np.errstate(over="ignore"):
         for _ in range(warmup):
             call()
@@ -206,8 +214,10 @@ def _time(runner: Any, collective: str, algo: str, b: dict[str, Any], iters: int
 
 def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: str = "float32",
             op: str = "sum", root: int = 0, mode: str = "inplace", iters: int = 100,
-            warmup: int = 10) -> dict[str, Any]:
-    """Time one (collective, algorithm, size in bytes, mode) and check its result.
+            warmup: int = 10, rewrite: bool = False) -> dict[str, Any]:
+    """Time one (collective, algorithm, size in bytes, mode) and check its result;
+    with ``rewrite``, every iteration writes the call's inputs again and is
+    timed with the write (see ``collectives bench --rewrite``).
 
     Returns:
         The row (the same on every rank): median (p50), 99th percentile, min and max over
@@ -218,7 +228,7 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
     case = CallBuffers(runner, collective, size // dt.itemsize, dt, op, root % p, mode == "inplace")
     n_iter, n_warm = iterations(size, iters, warmup)
     case.reset()
-    times = _time(runner, collective, algorithm, case.bufs, n_iter, n_warm)
+    times = _time(runner, collective, algorithm, case.bufs, n_iter, n_warm, case.reset if rewrite else None)
     if collective in POINT_TO_POINT:
         times /= 2  # one way
     case.reset()
@@ -234,12 +244,13 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
             "time_us": med * 1e6, "time_us_min": float(times.min()) * 1e6,
             "time_us_max": float(times.max()) * 1e6, "time_us_p99": float(np.percentile(times, 99)) * 1e6,
             "algbw": algbw, "busbw": algbw * BUS_FACTOR[collective](p), "wrong": int(bad[0]),
-            "mpi": getattr(runner, "mpi", None)}
+            "mpi": getattr(runner, "mpi", None), "rewrite": rewrite}
 
 
 def run_sweep(runner: Any, collectives: Sequence[str], sizes: Sequence[int], *, algorithm: str = "auto",
               dtype: str = "float32", op: str = "sum", root: int = 0, iters: int = 100, warmup: int = 10,
-              modes: Sequence[str] = ("inplace",), progress: bool = True) -> list[dict[str, Any]]:
+              modes: Sequence[str] = ("inplace",), progress: bool = True,
+              rewrite: bool = False) -> list[dict[str, Any]]:
     """Time every (collective, algorithm, size, mode) with :func:`measure`.
 
     Args:
@@ -258,7 +269,7 @@ def run_sweep(runner: Any, collectives: Sequence[str], sizes: Sequence[int], *, 
                 size = bytes_of(coll, nbytes, runner.size, itemsize)
                 for mode in (modes if coll in TWO_FORMS else ("inplace",)):
                     row = measure(runner, coll, algo, size, dtype=dtype, op=op, root=root, mode=mode,
-                                  iters=iters, warmup=warmup)
+                                  iters=iters, warmup=warmup, rewrite=rewrite)
                     rows.append(row)
                     if progress and runner.rank == 0 and sys.stderr.isatty():  # one line, rewritten
                         print(f"\r  {runner.name} {coll} {algo} {mode} {size} B: {row['time_us']:.2f} us"
@@ -284,12 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--modes", default="inplace")
+    ap.add_argument("--rewrite", action="store_true")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args(argv)
     runner = make_runner(ns.peer, ns.transport, ns.alloc, ns.pages)
     rows = run_sweep(runner, ns.collectives.split(","), [int(s) for s in ns.sizes.split(",")],
                      algorithm=ns.algorithm, dtype=ns.dtype, op=ns.op, root=ns.root, iters=ns.iters,
-                     warmup=ns.warmup, modes=ns.modes.split(","))
+                     warmup=ns.warmup, modes=ns.modes.split(","), rewrite=ns.rewrite)
     if runner.rank == 0:
         with open(ns.out, "w") as f:
             json.dump({"p": runner.size, "transport": runner.transport, "mpi": getattr(runner, "mpi", None),

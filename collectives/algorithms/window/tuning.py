@@ -132,7 +132,7 @@ COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | No
     "allgather":   ((128 << 10, 64 << 20), (None, None),       (None, None),           (None, None)),
     "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (PerCore(4 << 20), None)),
     "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (PerBlock(512 << 10), None)),
-    "bcast":       ((4 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
+    "bcast":       ((1 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
     "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
 }
 
