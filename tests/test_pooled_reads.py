@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveError
-from collectives.algorithms.window.tuning import (DIRECT_FROM, compiled_direct, direct_from, direct_where_huge,
-                                                   pooled_call)
+from collectives.algorithms.window.tuning import (DIRECT_FROM, POOLED_CALLS, compiled_direct, direct_from,
+                                                   direct_where_huge)
 from collectives.bench.faults import guarded, intact
 from collectives.bench.pages import empty
 from harness import run_ranks
@@ -118,20 +118,23 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
 
 def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
     """Whether ``collective`` of ``nbytes`` takes a direct compiled call that
-    reads peers' pools (where the race answers "never"): a fallback, or in
-    the pool's direct path's span (see ``compiled_calls.direct_mode``)."""
+    reads peers' pools (where the race answers "never"): in the pool's
+    direct path's span, for the collectives a call takes it over for, where
+    no direct call of the table serves (see ``compiled_calls.direct_mode``;
+    allgather, which reads only huge pages or the pool there, where its
+    window call fits: the cases below)."""
     cores = window.cores
-    pool_span = nbytes >= direct_from(collective, p, cores) and pooled_call(collective, nbytes, p, cores)
-    return not compiled_direct(collective, nbytes, p, cores, window.cma_from) and (
-        direct_where_huge(collective, nbytes, p, cores, window.cma_from)
-        or (pool_span and not DIRECT_FROM[collective][2]))
+    return (nbytes >= direct_from(collective, p, cores) and collective in POOLED_CALLS
+            and not compiled_direct(collective, nbytes, p, cores, window.cma_from)
+            and (not DIRECT_FROM[collective][2] or direct_where_huge(collective, nbytes, p, cores, window.cma_from)))
 
 
-# (collective, ranks, float64 a block): every published array of 1 MiB or more
-# (the pool adopts no smaller one); allgather of 2 MiB at 2 ranks is past its
-# DIRECT_FROM, where the pool's direct path ran before
-CASES = [("alltoall", 2, 96 << 10), ("allgather", 2, 96 << 10), ("allgather", 2, 128 << 10),
-         ("scatter", 2, 96 << 10), ("gather", 2, 160 << 10), ("alltoall", 3, 48 << 10), ("gather", 3, 128 << 10)]
+# (collective, ranks, float64 a block): from each collective's DIRECT_FROM on,
+# where the pool's direct path ran before (2 ranks: allgather 2 MiB, alltoall and
+# bcast 4 MiB; 3 ranks on 2 cores: alltoall 2 MiB), every published array of 1 MiB
+# or more (the pool adopts no smaller one)
+CASES = [("allgather", 2, 128 << 10), ("alltoall", 2, 256 << 10), ("bcast", 2, 512 << 10),
+         ("alltoall", 3, 96 << 10)]
 
 
 def _peer_reads(collective: str, p: int) -> int:
@@ -146,7 +149,7 @@ def test_a_buffer_the_pool_adopted_is_read_from_the_pool(collective, p, n):
     of its pool; every call's result is right, every guard intact."""
     got = run_ranks(calls, p, collective, n, "small", 4, timeout=120)
     if not got[0]["hybrid"]:
-        pytest.skip(f"{collective} of {n * p * 8} B at {p} ranks on these cores has no fallback")
+        pytest.skip(f"{collective} of {n} float64 a block at {p} ranks takes no call with pools on these cores")
     for r, g in enumerate(got):
         assert all(g["rights"]), f"rank {r}: wrong results in calls {g['rights']}"
         assert g["guards"], f"rank {r}: wrote outside a buffer"
@@ -169,12 +172,10 @@ def test_a_large_buffer_in_huge_pages_is_read_from_the_pool(collective, p, n):
     assert totals == (0, 0, _peer_reads(collective, p)), [g["reads"] for g in got]
 
 
-@pytest.mark.parametrize("collective,n", [("alltoall", 16 << 10), ("allgather", 16 << 10), ("scatter", 16 << 10),
-                                          ("gather", 160 << 10)])
-def test_an_array_from_alloc_is_read_from_the_pool_at_any_size(collective, n):
-    """Arrays from ``comm.alloc`` lie in the pool from the start, small ones
-    too (256 KiB, which the pool would never adopt; gather has a fallback
-    only from 2 MiB at 2 ranks): read from there."""
+@pytest.mark.parametrize("collective,n", [("allgather", 128 << 10), ("alltoall", 256 << 10), ("bcast", 512 << 10)])
+def test_an_array_from_alloc_is_read_from_the_pool(collective, n):
+    """Arrays from ``comm.alloc`` lie in the pool from the start, nothing
+    adopted: read from there."""
     got = run_ranks(calls, 2, collective, n, "alloc", 2, timeout=120)
     if not got[0]["hybrid"]:
         pytest.skip("no fallback on these cores")
@@ -184,11 +185,11 @@ def test_an_array_from_alloc_is_read_from_the_pool_at_any_size(collective, n):
     assert totals == (0, 0, _peer_reads(collective, 2)), [g["reads"] for g in got]
 
 
-@pytest.mark.parametrize("collective", ["alltoall", "allgather"])
-def test_peers_in_huge_pages_and_in_the_pool_mix(collective):
-    """Rank 0's arrays in huge pages, rank 1's in 4 KiB pages (adopted):
-    rank 1 reads rank 0's straight, rank 0 reads rank 1's from its pool."""
-    got = run_ranks(calls, 2, collective, 96 << 10, "huge-0", 3, timeout=120)
+def test_peers_in_huge_pages_and_in_the_pool_mix():
+    """Allgather of 2 MiB: rank 0's array in huge pages, rank 1's in 4 KiB
+    pages (adopted): rank 1 reads rank 0's straight, rank 0 reads rank 1's
+    from its pool."""
+    got = run_ranks(calls, 2, "allgather", 128 << 10, "huge-0", 3, timeout=120)
     if not got[0]["hybrid"]:
         pytest.skip("no fallback on these cores")
     for r, g in enumerate(got):
@@ -199,38 +200,47 @@ def test_peers_in_huge_pages_and_in_the_pool_mix(collective):
 
 
 def past(comm) -> dict:
-    """Signature checks off: two matched gathers to rank 0 (rank 1's block
-    adopted into its pool), then rank 0 expects larger blocks than rank 1
-    sends: rank 0 would read past rank 1's pooled array and refuses to."""
-    n0 = 128 << 10  # 1 MiB of float64, adopted from its second call
-    raw_x, x = guarded(n0, "float64", 2.0)
-    raw_out, out = guarded(n0 * 2 * 2, "float64", 0)
+    """Signature checks off: two matched alltoalls of 4 MiB (each rank's
+    send buffer adopted into its pool), then rank 1 passes larger blocks
+    than rank 0's: rank 1 would read past rank 0's pooled array and refuses
+    to."""
+    b0 = 256 << 10  # float64 a block: 4 MiB a rank sends, adopted from its second call
+    raws = []
+
+    def buf(n: int) -> np.ndarray:
+        raw, view = guarded(n, "float64", 0)
+        raws.append((raw, n))
+        return view
+
+    send, recv = buf(b0 * 2), buf(b0 * 2)
     for _ in range(2):
-        comm.gather(x, out[:n0 * 2] if comm.rank == 0 else None, root=0)
+        send[:] = comm.rank
+        comm.alltoall(send, recv)
     pooled = _last_reads(comm)
-    n = n0 + (n0 // 4) * (comm.rank == 0)  # rank 0 reads 160 Ki elements of rank 1's 128 Ki
+    if comm.rank == 1:  # reads bytes [2.5, 5) MiB of rank 0's 4 MiB
+        send, recv = buf(b0 * 5 // 2), buf(b0 * 5 // 2)
     t0 = time.monotonic()
     try:
-        comm.gather(x[:n] if comm.rank else np.full(n, 1.0), out[:n * 2] if comm.rank == 0 else None, root=0)
+        comm.alltoall(send, recv)
         outcome, message = "ok", ""
     except CollectiveError as exc:
         outcome, message = type(exc).__name__, str(exc)
     return {"pooled": pooled, "outcome": outcome, "message": message, "elapsed": time.monotonic() - t0,
-            "guards": intact([raw_x, raw_out], [n0, n0 * 2 * 2])}
+            "guards": intact([w for w, _ in raws], [n for _, n in raws])}
 
 
 def test_a_read_past_a_pooled_array_is_refused_even_with_checks_off(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
     got = run_ranks(past, 2, timeout=60, comm_timeout=5)
-    assert got[0]["pooled"] == [(0, 0, 1)], got[0]["pooled"]  # the matched calls read rank 1's from its pool
+    assert got[1]["pooled"] == [(0, 0, 1)], got[1]["pooled"]  # the matched calls read rank 0's from its pool
     for r, g in enumerate(got):
         assert g["guards"], f"rank {r}: wrote outside its buffer"
         assert g["outcome"] != "ok", f"rank {r}: a call with different sizes completed"
         assert g["elapsed"] < 5 + BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
-    assert got[0]["outcome"] == "MismatchedCollective", got[0]["message"]
-    assert re.search(r"rank 0, gather #3", got[0]["message"]), got[0]["message"]
-    assert "would read outside rank 1's buffer" in got[0]["message"], got[0]["message"]
-    assert "rank 0" in got[1]["message"], got[1]["message"]  # rank 1 learns of it from rank 0
+    assert got[1]["outcome"] == "MismatchedCollective", got[1]["message"]
+    assert re.search(r"rank 1, alltoall #3", got[1]["message"]), got[1]["message"]
+    assert "would read outside rank 0's buffer" in got[1]["message"], got[1]["message"]
+    assert "rank 1" in got[0]["message"], got[0]["message"]  # rank 0 learns of it from rank 1
 
 
 def overwrite_at_once(comm, collective: str, rounds: int) -> dict:
@@ -238,30 +248,33 @@ def overwrite_at_once(comm, collective: str, rounds: int) -> dict:
     buffers the pool adopted after the first call: a rank whose readers
     take its array out of its pool must not return before they are done."""
     p, r = comm.size, comm.rank
-    n = 60_000  # float64 a block: 1.4 MiB a rank sends (the pool adopts it), read far slower than overwritten
-    send = empty(n * p, np.float64, "small")
-    recv = empty(n * p if collective == "alltoall" else n, np.float64, "small")
+    n = (512 << 10 if collective == "bcast" else 96 << 10)  # float64 a block: 4 MiB, 2.25 MiB a rank sends
+    send = empty(n * (1 if collective == "bcast" else p), np.float64, "small")
+    recv = empty(n * p, np.float64, "small")
     bad = []
     for i in range(rounds):
         send[:] = i * 10 + r
-        if collective == "scatter":
-            comm.scatter(send if r == 0 else None, recv, 0)
-            want = np.full(n, i * 10.0)
+        if collective == "bcast":  # the root's buffer is read; the others' receive
+            comm.bcast(send, root=0)
+            if r == 0:
+                send[:] = -1.0  # at once
+                continue
+            got, want = send.copy(), np.full(n, i * 10.0)
         else:
             comm.alltoall(send, recv)
-            want = np.repeat(np.arange(p) + i * 10.0, n)
+            got, want = recv, np.repeat(np.arange(p) + i * 10.0, n)
         send[:] = -1.0  # at once
-        if not np.array_equal(recv, want):
-            bad.append(f"round {i}: {np.unique(recv)[:4]}")
+        if not np.array_equal(got, want):
+            bad.append(f"round {i}: {np.unique(got)[:4]}")
     return {"bad": bad, "reads": _last_reads(comm),
             "hybrid": _with_pools(collective, send.nbytes, p, comm.transport.window)}
 
 
-@pytest.mark.parametrize("collective", ["scatter", "alltoall"])
-def test_no_rank_returns_while_others_read_its_pool(collective):
-    got = run_ranks(overwrite_at_once, 3, collective, 200, timeout=120)
+@pytest.mark.parametrize("collective,p", [("bcast", 2), ("alltoall", 3)])
+def test_no_rank_returns_while_others_read_its_pool(collective, p):
+    got = run_ranks(overwrite_at_once, p, collective, 100, timeout=120)
     if not got[0]["hybrid"]:
         pytest.skip("no call with pools on these cores")
     for r, g in enumerate(got):
         assert not g["bad"], f"rank {r}: " + "; ".join(g["bad"][:5])
-    assert sum(g["reads"][0][2] for g in got) == _peer_reads(collective, 3), [g["reads"] for g in got]
+    assert sum(g["reads"][0][2] for g in got) == _peer_reads(collective, p), [g["reads"] for g in got]

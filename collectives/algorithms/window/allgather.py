@@ -14,7 +14,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import (FALLBACK, arr, pool_path, first, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (arr, on_window, pool_path, first, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
@@ -38,7 +38,7 @@ def _prepare(transport, buf: np.ndarray, counts: list[int]):
                     for r, (start, n, off) in enumerate(parts) if r != me and n])
     mode = direct_mode(window, "allgather", buf.nbytes, through)
     if mode is not None:
-        fall = mode == FALLBACK  # (where each peer's copy in puts its block: one piece, whole blocks)
+        fall = on_window(mode, through)  # (where each peer's copy in puts its block: one piece, whole blocks)
         starts = displs(counts)
         after = [(peer(r, 0, starts[r] * item), arr(0, starts[r] * item), counts[r] * item)
                  + ((slot(st, r, parts[r][2] * item),) if fall else ()) for r in range(p) if r != me and counts[r]]

@@ -13,7 +13,7 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct
-from .compiled_calls import (FALLBACK, arr, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (arr, on_window, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -35,7 +35,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
         through = before, [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
     mode = direct_mode(window, "alltoall", sendbuf.nbytes, through)
     if mode is not None:
-        fall = mode == FALLBACK  # (where each peer's copy in puts block me)
+        fall = on_window(mode, through)  # (where each peer's copy in puts block me)
         after = [(arr(0, me * b), arr(1, me * b), b)] + [
             (peer(r, 0, me * b), arr(1, r * b), b) + ((slot(st, r, me * b),) if fall else ()) for r in range(p) if r != me]
         made = compile_direct(window, 2, [], after, [r for r in range(p) if r != me], [0],

@@ -12,7 +12,7 @@ from ... import compiled
 from ...registry import register
 from ...tracing import COPYING
 from .direct import direct
-from .compiled_calls import (FALLBACK, arr, pool_path, first, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (arr, on_window, pool_path, first, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, state_of, window_state
 
@@ -35,7 +35,7 @@ def _prepare(transport, buf: np.ndarray, root: int):
         through = ([(arr(0), slot(st, root), n)], []) if me == root else ([], [(slot(st, root), arr(0), n)])
     mode = direct_mode(window, "bcast", n, through)
     if mode is not None:
-        fall = mode == FALLBACK
+        fall = on_window(mode, through)
         if me == root:
             made = compile_direct(window, 1, [], [], [r for r in range(p) if r != root], [0],
                                   mode, through)

@@ -22,12 +22,12 @@ from ... import compiled
 from ...ops import Op
 from ...window_contract import ADOPTION, COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES, POOL
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, compiled_direct, compiled_piece,
-                     direct_from, direct_where_huge, pooled_call)
+from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_CALLS, compiled_direct,
+                     compiled_piece, direct_from, direct_where_huge)
 
 __all__ = [
     "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "DIRECT",
-    "FALLBACK", "POOLED", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
+    "FALLBACK", "POOLED", "on_window", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
 ]
 
 
@@ -86,25 +86,34 @@ def compile_direct(window, narrays: int, before: list, after: list, readers: lis
     (:func:`peer`) once every record agrees; the run ends once the ranks
     ``readers`` are done reading this rank's. ``mode`` (see
     :func:`direct_mode`): :data:`DIRECT` reads every peer's straight;
-    :data:`FALLBACK` too where they lie in huge pages, out of the peer's
-    shared pool where they lie there, and else takes them through the
-    window as the window call ``through`` (``(before, after)``) would: a
-    rank whose arrays are elsewhere makes that call's copies into its
-    region instead, and every copy of ``after`` that reads a peer names
-    its place in the window fourth; :data:`POOLED`, out of the pool where
-    they lie there, and straight otherwise. None where the window has no
-    compiled calls or cannot reach peers' memory (the same on every rank)."""
+    :data:`FALLBACK` too where they lie in huge pages, and takes the rest
+    through the window as the window call ``through`` (``(before,
+    after)``) would: a rank whose arrays lie elsewhere makes that call's
+    copies into its region instead, and every copy of ``after`` that reads
+    a peer names its place in the window fourth (:func:`on_window`);
+    :data:`POOLED` reads a peer's array out of its shared pool where it
+    lies there, and the rest as a fallback would (with ``through``) or
+    straight (without). None where the window has no compiled calls or
+    cannot reach peers' memory (the same on every rank)."""
     if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
         return None
-    if mode == FALLBACK:
-        described = (readers, shared, [c for c in through[0] if c[1][0] < 0], POOL_FIRST_BYTES)  # (copies in)
-    elif mode == POOLED:
-        described = (readers, shared, None, POOL_FIRST_BYTES)
+    copies_in = [c for c in through[0] if c[1][0] < 0] if on_window(mode, through) else None  # into the window
+    if mode == POOLED:
+        described = (readers, shared, copies_in, POOL_FIRST_BYTES)
+    elif copies_in is not None:
+        described = (readers, shared, copies_in)
     else:
         described = (readers, shared)
     made = window.compile(narrays, before, after, None, [], direct=described)
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
+
+
+def on_window(mode: str | None, through: tuple | None) -> bool:
+    """Whether a direct call of ``mode`` takes what it does not read from a
+    peer's array through the window, as the window call ``through`` would
+    (see :func:`compile_direct`)."""
+    return mode in (FALLBACK, POOLED) and through is not None
 
 
 #: :func:`direct_mode`'s answers.
@@ -113,43 +122,46 @@ DIRECT, FALLBACK, POOLED = "direct", "fallback", "pooled"
 
 def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> str | None:
     """How ``collective`` of ``nbytes`` takes its direct compiled call, the
-    same on every rank: :data:`DIRECT` (:func:`~.tuning.compiled_direct`),
-    :data:`FALLBACK` where it reads only arrays in huge pages or in their
-    rank's pool and takes the rest through the window as its window call
-    would (its copies ``through``, ``(before, after)``, which must exist;
-    :func:`~.tuning.direct_where_huge`; from :data:`~.tuning.DIRECT_FROM`
-    on only where the pool adopts buffers), :data:`POOLED` in the rest of
-    :func:`pool_path`'s span for the collectives that read any buffer
-    directly there (``DIRECT_FROM``'s ``huge`` false: bcast, gather,
-    alltoall, scatter), or None; no fallback where the window cannot tell
-    huge pages. A fallback's copies are whole where the table runs the
-    window call in pieces (1 MiB copies and more where ranks have a core
-    each): 2 ranks, 2 MiB, the same time for allgather, alltoall, gather
-    and scatter (bcast, whose pieces halve it, has no span with a
-    fallback: ``test_compiled_direct.py``)."""
+    same on every rank: :data:`DIRECT` (:func:`~.tuning.compiled_direct`);
+    below :data:`~.tuning.DIRECT_FROM`, :data:`FALLBACK` where it reads
+    only arrays in huge pages and takes the rest through the window as its
+    window call would (its copies ``through``, ``(before, after)``, which
+    must exist; :func:`~.tuning.direct_where_huge`); from ``DIRECT_FROM``
+    on, in the pool's direct path's span (:func:`pool_path`,
+    :data:`~.tuning.POOLED_CALLS`), :data:`POOLED`, which reads what that
+    path reads directly: arrays in huge pages or in their rank's pool, and
+    the rest through the window where a fallback would serve below, else
+    (the collectives that read any buffer there: ``DIRECT_FROM``'s huge
+    false) straight. None otherwise. A fallback's copies are whole where the
+    table runs the window call in pieces (1 MiB copies and more where ranks
+    have a core each): 2 ranks, 2 MiB, the same time for allgather,
+    alltoall, gather and scatter (bcast, whose pieces halve it, has no span
+    with a fallback: ``test_compiled_direct.py``).
+
+    Below ``DIRECT_FROM`` no call reads a peer's pool: where a rank writes
+    its buffer again before the next call (as a training step does), a
+    read of it straight leaves its lines in the reader's cache and makes
+    that write slower, on this host by more than the window's second copy
+    costs (2 ranks, 4 KiB pages, 1 MiB, ``collectives bench --rewrite``:
+    alltoall 53-59 us through the window against 102-113 read from the
+    pool; docs/shared-memory.md, "Reads out of the pool")."""
     p, cores, cma_from = window.size, window.cores, window.cma_from
     if compiled_direct(collective, nbytes, p, cores, cma_from):
         return DIRECT
-    pooled = pool_path(window, collective, nbytes)
-    if pooled and not pooled_call(collective, nbytes, p, cores):
+    hybrid = through is not None and HUGE_PAGES in window.features and direct_where_huge(collective, nbytes, p,
+                                                                                          cores, cma_from)
+    if not pool_path(window, collective, nbytes):
+        return FALLBACK if hybrid else None
+    if collective not in POOLED_CALLS or not {POOL, ADOPTION} <= window.features:
         return None
-    if (through is not None and HUGE_PAGES in window.features
-            and direct_where_huge(collective, nbytes, p, cores, cma_from)
-            and (ADOPTION in window.features or not pooled)):
-        return FALLBACK
-    if pooled and POOL in window.features and not DIRECT_FROM[collective][2]:
-        return POOLED
-    return None
+    return POOLED if hybrid or not DIRECT_FROM[collective][2] else None
 
 
 def pool_path(window, collective: str, nbytes: int) -> bool:
     """Whether ``collective`` of ``nbytes`` leaves a window call to the pool's
     direct path (:mod:`.direct`, the algorithm's body): from
-    :data:`~.tuning.DIRECT_FROM` on. A direct compiled call with a
-    fallback still serves there (:func:`direct_mode`), where the pool can
-    adopt buffers: its readers take a peer's array outside huge pages out
-    of the peer's pool, as that path would, and the window's copies only
-    where the pool does not hold it (a buffer seen once)."""
+    :data:`~.tuning.DIRECT_FROM` on, unless a :data:`POOLED` call takes
+    it over (:func:`direct_mode`)."""
     return nbytes >= direct_from(collective, window.size, window.cores)
 
 

@@ -16,7 +16,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct
 from .pieces import displs
-from .compiled_calls import (FALLBACK, arr, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (arr, on_window, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -42,7 +42,7 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
             through = [(arr(0), slot(st, me), counts[me] * item)] if counts[me] else [], []
     mode = direct_mode(window, "gather", total, through)
     if mode is not None:
-        fall = mode == FALLBACK  # (each peer's copy in puts its block at its region's start)
+        fall = on_window(mode, through)  # (each peer's copy in puts its block at its region's start)
         if me == root:
             after = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
             after += [(peer(r, 0), arr(1, starts[r] * item), counts[r] * item) + ((slot(st, r),) if fall else ())

@@ -16,7 +16,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct
 from .pieces import displs, one_piece, striped_cached
-from .compiled_calls import (FALLBACK, arr, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (arr, on_window, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -43,7 +43,7 @@ def _prepare(transport, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
         through = [], [(slot(st, root, off * item), arr(1), n * item)] if n else []
     mode = direct_mode(window, "scatter", total, through)
     if mode is not None:
-        fall = mode == FALLBACK  # (where the root's copy in puts block me: one piece, whole blocks)
+        fall = on_window(mode, through)  # (where the root's copy in puts block me: one piece, whole blocks)
         start, n = displs(counts)[me], counts[me]
         if me == root:
             made = compile_direct(window, 2, [], [(arr(0, start * item), arr(1), n * item)] if n else [],

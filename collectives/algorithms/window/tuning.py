@@ -17,7 +17,7 @@ __all__ = [
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
     "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
-    "compiled_direct", "direct_where_huge", "POOLED_SPAN", "POOL_FIRST_BYTES", "pooled_call",
+    "compiled_direct", "direct_where_huge", "POOLED_CALLS", "POOL_FIRST_BYTES",
 ]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
@@ -49,17 +49,18 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 }
 
 
-#: Where a direct compiled call takes over the pool's direct path from
-#: :data:`DIRECT_FROM` on (see ``compiled_calls.direct_mode``): up to (not
-#: including) this many times ``DIRECT_FROM`` (None: no end). The call reads
-#: a peer's buffer out of its pool or straight, as the path does, in C
-#: (2 ranks, 4 KiB pages: allgather of 2 MiB 47-48 -> 24-25 us, alltoall
-#: of 4 MiB 96-106 -> 75-78, bcast of 16 MiB 493-538 -> 405). Gather's path
-#: has every sender write its block into the root's buffer at once, while
-#: the root copies its own; in the call the root reads them one after
-#: another after its own: 2 ranks, 2 MiB 47-50 -> 38-40 us, but 4 MiB
-#: 66-67 -> 72-75 and 8 MiB 102-105 -> 146-155.
-POOLED_SPAN: dict[str, int | None] = {"gather": 2}
+#: The collectives whose pool's direct path (from :data:`DIRECT_FROM` on) a
+#: direct compiled call takes over (see ``compiled_calls.direct_mode``). The
+#: call reads a peer's buffer out of its pool or straight, as the path does,
+#: in C (2 ranks, 4 KiB pages: allgather of 2 MiB 47-48 -> 24-25 us,
+#: alltoall of 4 MiB 96-106 -> 75-78, bcast of 16 MiB 493-538 -> 405).
+#: Not gather: its path has every sender write its block into the root's
+#: buffer at once, where the call's root reads them one after another (2
+#: ranks: 4 MiB 66-67 -> 72-75 us, 8 MiB 102-105 -> 146-155), and a read
+#: makes the sender's next write of its buffer slower, a write does not
+#: (2 MiB with ``collectives bench --rewrite``: 68-69 us by the path, 166-171
+#: by the call).
+POOLED_CALLS = frozenset({"allgather", "alltoall", "bcast", "scatter"})
 
 #: Bytes from which a direct compiled call reads a peer's array out of its
 #: pool even where it lies in huge pages (the pool adopts a buffer used
@@ -67,14 +68,6 @@ POOLED_SPAN: dict[str, int | None] = {"gather": 2}
 #: cross-memory read of huge pages (4 MiB: 66 against 81-87 us), by more
 #: than the pool's question costs (about 5 us a call).
 POOL_FIRST_BYTES = 4 << 20
-
-
-def pooled_call(collective: str, nbytes: int, p: int, cores: int) -> bool:
-    """Whether ``collective`` of ``nbytes``, from its :func:`direct_from` on,
-    may take a direct compiled call instead of the pool's direct path (see
-    :data:`POOLED_SPAN`)."""
-    span = POOLED_SPAN.get(collective)
-    return span is None or nbytes < span * direct_from(collective, p, cores)
 
 
 @dataclass(frozen=True)
@@ -132,7 +125,7 @@ COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | No
     "allgather":   ((128 << 10, 64 << 20), (None, None),       (None, None),           (None, None)),
     "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (PerCore(4 << 20), None)),
     "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (PerBlock(512 << 10), None)),
-    "bcast":       ((1 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
+    "bcast":       ((4 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
     "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
 }
 
