@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -369,3 +370,39 @@ def test_pages_goes_to_every_peer_and_into_the_json(tmp_path):
     assert doc["args"]["pages"] == "huge" and validate(doc) == []
     assert {r["peer"] for r in doc["results"]} == {"ours", "mpi"} and not any(r["wrong"] for r in doc["results"])
     assert "our buffers numpy in huge pages, as every peer's" in res.stdout
+
+
+def test_rewrite_goes_to_every_peer_and_into_the_json(tmp_path):
+    res = _run(["alltoall,allreduce", "-n", "2", "--sizes", "1K,64K", "--iters", "3", "--warmup", "1", "--rewrite",
+                "--compare", "mpi", "--json", "r.json"], tmp_path, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["args"]["rewrite"] is True and validate(doc) == []
+    assert {r["peer"] for r in doc["results"]} == {"ours", "mpi"}
+    assert all(r["rewrite"] for r in doc["results"]) and not any(r["wrong"] for r in doc["results"])
+    assert "every call timed with a write of its inputs before it (--rewrite)" in res.stdout
+
+
+def test_rewrite_times_the_write_with_the_call():
+    """With ``rewrite``, each timed iteration writes the inputs (the case's
+    reset) and then calls: a slow write shows in the times."""
+    from collectives.bench.sweep import _time
+
+    class Runner:
+        def bind(self, collective, algo, b):
+            return lambda: None
+
+        def barrier(self):
+            pass
+
+        def max_over_ranks(self, times):
+            return times
+
+    def write():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.002:
+            pass
+
+    times = _time(Runner(), "allreduce", "auto", {}, 3, 1, write)
+    assert times.min() >= 0.002
+    assert _time(Runner(), "allreduce", "auto", {}, 3, 1).max() < 0.002
