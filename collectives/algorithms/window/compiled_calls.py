@@ -27,7 +27,8 @@ from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_C
 
 __all__ = [
     "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "DIRECT",
-    "FALLBACK", "POOLED", "on_window", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from", "run_prepared",
+    "FALLBACK", "POOLED", "on_window", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from",
+    "run_prepared",
 ]
 
 
