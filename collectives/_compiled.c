@@ -68,8 +68,13 @@
  *       for before resuming. A kind of K_VERDICT says the signatures
  *       disagree (at that rank), K_ABORTED that that rank aborted: the run
  *       is over then, nothing read from any peer; K_OUTSIDE that a direct
- *       read would leave rank's published array (value: its bytes), K_LOST
- *       that the kernel refused it (value: the errno).
+ *       read would leave rank's published array (value: its bytes),
+ *       K_WRITE_OUTSIDE that a direct write would, K_LOST that the kernel
+ *       refused either (value: the errno). A direct call's after copy may
+ *       also write a peer's published array (its destination a peer's
+ *       place): inside the array as published, out of the pool or across
+ *       as a read, WRITE_BYTES at a time with a look at the abort inbox
+ *       before each.
  *
  * Signature records: beside its post counter (the same cache line, so a
  * peer reading the post reads them for free) every rank keeps the
@@ -278,7 +283,7 @@ static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize
  * done reading. */
 enum { K_EPOCH = 0, K_POST = 1, K_DONE = 2, K_COUNT = 3 };
 /* Not counters: what a run reports when it stops for good. */
-enum { K_VERDICT = -1, K_ABORTED = -2, K_OUTSIDE = -3, K_LOST = -4 };
+enum { K_VERDICT = -1, K_ABORTED = -2, K_OUTSIDE = -3, K_LOST = -4, K_WRITE_OUTSIDE = -5 };
 
 /* Signature words (collectives.signature): the refused bit and the call
  * number's field in word 0. */
@@ -967,18 +972,22 @@ static int has_peer_place(const Copy *c, int n, int sources_too) {
     return 0;
 }
 
-/* Refuse peers' places anywhere but as a direct call's after copies'
- * sources (their ranks are checked with the direct part); -1 with the
- * error set. */
+/* Refuse peers' places anywhere but in a direct call's after copies, as
+ * a source or as a destination, never both (their ranks are checked with
+ * the direct part); -1 with the error set. */
 static int check_places(CallObject *pl, int direct) {
-    int bad = has_peer_place(pl->before, pl->nbefore, 1) || has_peer_place(pl->after, pl->nafter, !direct) ||
+    int both = 0;
+    for (int i = 0; i < pl->nafter; i++)
+        both |= pl->after[i].src.idx <= PEER_ARRAY(0) && pl->after[i].dst.idx <= PEER_ARRAY(0);
+    int bad = has_peer_place(pl->before, pl->nbefore, 1) || (!direct && has_peer_place(pl->after, pl->nafter, 1)) ||
+              both ||
               has_peer_place(pl->before2, pl->nbefore2, 1) || has_peer_place(pl->after2, pl->nafter2, 1);
     if (pl->f) {
         bad |= pl->rdst.idx <= PEER_ARRAY(0);
         for (int i = 0; i < pl->nsrc; i++) bad |= pl->rsrc[i].idx <= PEER_ARRAY(0);
     }
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "a peer's array is only a direct call's source after the post");
+        PyErr_SetString(PyExc_ValueError, "a peer's array is only a direct call's source or destination after the post");
         return -1;
     }
     return 0;
@@ -1084,7 +1093,7 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
     for (int j = 0; j < pl->narrays; j++)
         if (pl->shared[j] && pl->need[j] < 0) pl->need[j] = 0;  /* taken, to be published */
     for (int i = 0; i < pl->nafter; i++) {
-        const Loc *l = &pl->after[i].src;
+        const Loc *l = pl->after[i].dst.idx <= PEER_ARRAY(0) ? &pl->after[i].dst : &pl->after[i].src;
         if (l->idx <= PEER_ARRAY(0) && (l->a0 >= w->size || l->a0 == w->rank)) {
             PyErr_SetString(PyExc_ValueError, "a peer's place names this rank or a rank out of range");
             return -1;
@@ -1576,30 +1585,37 @@ static int vm_move_bytes(int pid, uintptr_t remote, char *local, size_t n, int w
     return 0;
 }
 
-/* A cross-memory read (vm_move_bytes), through the call's bounce buffer where the copy would run skewed;
- * 0 or an errno (ENOMEM: no bounce buffer). */
-static int direct_read(CallObject *pl, int pid, uintptr_t from, char *to, size_t n) {
-    size_t skew = ((uintptr_t)to - from) & 4095;
-    if (skew == 0 || skew >= SKEW_SLOW_BYTES) return vm_move_bytes(pid, from, to, n, 0);
+/* A cross-memory read of n bytes at remote into local, or (write) a
+ * write of local to remote (vm_move_bytes), through the call's bounce
+ * buffer (placed like the remote side) where the copy would run skewed; 0
+ * or an errno (ENOMEM: no bounce buffer). */
+static int direct_move(CallObject *pl, int pid, uintptr_t remote, char *local, size_t n, int write) {
+    size_t skew = (write ? remote - (uintptr_t)local : (uintptr_t)local - remote) & 4095;
+    if (skew == 0 || skew >= SKEW_SLOW_BYTES) return vm_move_bytes(pid, remote, local, n, write);
     if (!pl->bounce && !(pl->bounce = PyMem_RawMalloc(BOUNCE_BYTES + 4096))) return ENOMEM;
-    char *place = pl->bounce + ((from - (uintptr_t)pl->bounce) & 4095);
+    char *place = pl->bounce + ((remote - (uintptr_t)pl->bounce) & 4095);
     for (size_t a = 0; a < n; a += BOUNCE_BYTES) {
         size_t m = n - a < BOUNCE_BYTES ? n - a : BOUNCE_BYTES;
-        int err = vm_move_bytes(pid, from + a, place, m, 0);
+        if (write) memcpy(place, local + a, m);
+        int err = vm_move_bytes(pid, remote + a, place, m, write);
         if (err) return err;
-        memcpy(to + a, place, m);
+        if (!write) memcpy(local + a, place, m);
     }
     return 0;
 }
 
+static inline int direct_read(CallObject *pl, int pid, uintptr_t from, char *to, size_t n) {
+    return direct_move(pl, pid, from, to, n, 0);
+}
+
 /* Read n bytes at byte at of rank r's array j (published at address,
- * nbytes long, with IN_POOL) into dst: the part in r's shared pool (as its
- * pool words say) by a copy out of this process's mapping of that pool,
- * the rest (the array's partial first and last pages) by cross-memory
- * attach. 0, an errno, or -1 when the pool words leave the array or the
- * pool. */
-static int pool_read(CallObject *pl, int r, int j, uintptr_t address, uint64_t nbytes, uint64_t at, char *dst,
-                     size_t n) {
+ * nbytes long, with IN_POOL) into local, or (write) write local there:
+ * the part in r's shared pool (as its pool words say) by a copy out of or
+ * into this process's mapping of that pool, the rest (the array's partial
+ * first and last pages) by cross-memory attach. 0, an errno, or -1 when
+ * the pool words leave the array or the pool. */
+static int pool_move(CallObject *pl, int r, int j, uintptr_t address, uint64_t nbytes, uint64_t at, char *local,
+                     size_t n, int write) {
     const uint64_t *pw = pool_words(pl, r) + 3 * j;
     int64_t off = (int64_t)load_acquire(&pw[0]);
     uint64_t first = load_acquire(&pw[1]), end = load_acquire(&pw[2]);
@@ -1609,10 +1625,54 @@ static int pool_read(CallObject *pl, int r, int j, uintptr_t address, uint64_t n
     uint64_t stop = at + n, lo = first > at ? (first < stop ? first : stop) : at;
     uint64_t hi = end < stop ? (end > lo ? end : lo) : stop;
     int err = 0;
-    if (lo > at) err = direct_read(pl, pl->pids[r], address + at, dst, (size_t)(lo - at));
-    if (!err && hi > lo) copy_bytes(dst + (lo - at), pl->pool_base[r] + off + (int64_t)lo, (size_t)(hi - lo));
-    if (!err && stop > hi) err = direct_read(pl, pl->pids[r], address + hi, dst + (hi - at), (size_t)(stop - hi));
+    char *pooled = pl->pool_base[r] + off + (int64_t)lo;
+    if (lo > at) err = direct_move(pl, pl->pids[r], address + at, local, (size_t)(lo - at), write);
+    if (!err && hi > lo) {
+        if (write) copy_bytes(pooled, local + (lo - at), (size_t)(hi - lo));
+        else copy_bytes(local + (lo - at), pooled, (size_t)(hi - lo));
+    }
+    if (!err && stop > hi) err = direct_move(pl, pl->pids[r], address + hi, local + (hi - at), (size_t)(stop - hi), write);
     return err;
+}
+
+/* A direct call writes a peer's array this many bytes at a time, and looks
+ * at its abort inbox before each: a peer that gave up on the call (a
+ * timeout) has returned to its caller, who may use the buffer again. */
+#define WRITE_BYTES (1 << 20)
+
+/* Write copy c, whose destination is a peer's published array, as
+ * direct_reads reads: inside the array as published (else K_OUTSIDE), out
+ * of the pool where it lies there, else across. 0 with *pooled or *direct
+ * counted, else sets *bad, *kind, *value. */
+static int direct_write(CallObject *pl, const Copy *c, char *const *bases, int *pooled, int *direct, int *bad,
+                        int *kind, uint64_t *value) {
+    int r = (int)c->dst.a0, j = PEER_ARRAY(c->dst.idx);
+    const uint64_t *words = published(pl, r);
+    uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
+    uint64_t nbytes = word & ~PUBLISHED_FLAGS, at = (uint64_t)c->dst.a1, n = (uint64_t)c->n;
+    int in_pool = pl->marks && (word & IN_POOL) && !(word & IN_HUGE_PAGES);
+    char *src = where(&c->src, bases, pl->half);
+    if (!address || at + n > nbytes) {
+        *bad = r, *kind = K_WRITE_OUTSIDE, *value = nbytes;
+        return -1;
+    }
+    for (uint64_t a = 0; a < n; a += WRITE_BYTES) {
+        uint64_t m = n - a < WRITE_BYTES ? n - a : WRITE_BYTES;
+        int gone = aborted_by(pl->window, pl->seq), err;
+        if (gone) {
+            *bad = gone - 1, *kind = K_ABORTED, *value = 0;
+            return -1;
+        }
+        err = in_pool ? pool_move(pl, r, j, (uintptr_t)address, nbytes, at + a, src + a, (size_t)m, 1)
+                      : direct_move(pl, pl->pids[r], (uintptr_t)address + at + a, src + a, (size_t)m, 1);
+        if (err) {
+            *bad = r, *kind = err < 0 ? K_WRITE_OUTSIDE : K_LOST, *value = err < 0 ? nbytes : (uint64_t)err;
+            return -1;
+        }
+    }
+    if (in_pool) (*pooled)++;
+    else (*direct)++;
+    return 0;
 }
 
 /* A direct call's copies after every rank posted: from peers' published
@@ -1625,6 +1685,10 @@ static PyObject *direct_reads(CallObject *pl, char *const *bases) {
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < pl->nafter && bad < 0; i++) {
         const Copy *c = &pl->after[i];
+        if (c->dst.idx <= PEER_ARRAY(0)) {  /* a write into a peer's array */
+            direct_write(pl, c, bases, &pooled, &direct, &bad, &kind, &value);
+            continue;
+        }
         char *dst = where(&c->dst, bases, pl->half);
         if (c->src.idx > PEER_ARRAY(0)) {
             copy_bytes(dst, where(&c->src, bases, pl->half), (size_t)c->n);
@@ -1637,7 +1701,7 @@ static PyObject *direct_reads(CallObject *pl, char *const *bases) {
         if (!address || (uint64_t)c->src.a1 + (uint64_t)c->n > nbytes) {
             bad = r, kind = K_OUTSIDE, value = nbytes;
         } else if (pl->marks && (word & IN_POOL) && !(word & IN_HUGE_PAGES)) {
-            if ((err = pool_read(pl, r, j, (uintptr_t)address, nbytes, (uint64_t)c->src.a1, dst, (size_t)c->n)) < 0)
+            if ((err = pool_move(pl, r, j, (uintptr_t)address, nbytes, (uint64_t)c->src.a1, dst, (size_t)c->n, 0)) < 0)
                 bad = r, kind = K_OUTSIDE, value = nbytes;
             else if (err)
                 bad = r, kind = K_LOST, value = (uint64_t)err;
@@ -2386,6 +2450,7 @@ PyMODINIT_FUNC PyInit__compiled(void) {
     PyModule_AddIntConstant(m, "K_VERDICT", K_VERDICT);
     PyModule_AddIntConstant(m, "K_ABORTED", K_ABORTED);
     PyModule_AddIntConstant(m, "K_OUTSIDE", K_OUTSIDE);
+    PyModule_AddIntConstant(m, "K_WRITE_OUTSIDE", K_WRITE_OUTSIDE);
     PyModule_AddIntConstant(m, "K_LOST", K_LOST);
     return m;
 }

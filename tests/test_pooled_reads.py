@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveError
+from collectives.algorithms.window.state import WindowState
 from collectives.algorithms.window.tuning import (DIRECT_FROM, POOLED_CALLS, compiled_direct, direct_from,
                                                    direct_where_huge)
 from collectives.bench.faults import guarded, intact
@@ -43,6 +44,15 @@ def _last_reads(comm) -> list[tuple[int, int, int]]:
     every prepared direct call that the communicator keeps (the calls after
     its first run there)."""
     calls = [getattr(e, "call", None) for e in list(comm._prepared.values())]
+    return [(c.last_direct, c.last_window, c.last_pooled) for c in calls if getattr(c, "direct", 0)]
+
+
+def _window_reads(comm) -> list[tuple[int, int, int]]:
+    """The same of the window's own prepared direct calls (those that run
+    through the algorithm's body: gatherv's)."""
+    st = comm.transport.window.kept.get(WindowState)
+    calls = [getattr(v.on_arrays[0], "__self__", None) for v in (st.cache.values() if st else ())
+             if getattr(getattr(v, "on_arrays", None), "__len__", None)]
     return [(c.last_direct, c.last_window, c.last_pooled) for c in calls if getattr(c, "direct", 0)]
 
 
@@ -134,19 +144,21 @@ def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
 # bcast 4 MiB; 3 ranks on 2 cores: alltoall 2 MiB), every published array of 1 MiB
 # or more (the pool adopts no smaller one)
 CASES = [("allgather", 2, 128 << 10), ("alltoall", 2, 256 << 10), ("bcast", 2, 512 << 10),
-         ("alltoall", 3, 96 << 10)]
+         ("gather", 2, 256 << 10), ("alltoall", 3, 96 << 10), ("gather", 3, 384 << 10)]
 
 
 def _peer_reads(collective: str, p: int) -> int:
-    """The reads of peers' blocks in one call, all ranks together."""
+    """The reads of peers' blocks in one call, all ranks together (gather's
+    senders write theirs into the root's buffer: those writes)."""
     return (p - 1) * (p if collective in ("alltoall", "allgather") else 1)
 
 
 @pytest.mark.parametrize("collective,p,n", CASES)
 def test_a_buffer_the_pool_adopted_is_read_from_the_pool(collective, p, n):
     """4 KiB pages, the same buffers on every call: from the second call on
-    (the pool adopts a buffer it sees again) every read of a peer comes out
-    of its pool; every call's result is right, every guard intact."""
+    (the pool adopts a buffer it sees again) every read of a peer (gather:
+    every write into the root's buffer) goes through its pool; every call's
+    result is right, every guard intact."""
     got = run_ranks(calls, p, collective, n, "small", 4, timeout=120)
     if not got[0]["hybrid"]:
         pytest.skip(f"{collective} of {n} float64 a block at {p} ranks takes no call with pools on these cores")
@@ -241,6 +253,87 @@ def test_a_read_past_a_pooled_array_is_refused_even_with_checks_off(monkeypatch)
     assert re.search(r"rank 1, alltoall #3", got[1]["message"]), got[1]["message"]
     assert "would read outside rank 0's buffer" in got[1]["message"], got[1]["message"]
     assert "rank 1" in got[0]["message"], got[0]["message"]  # rank 0 learns of it from rank 1
+
+
+def write_past(comm) -> dict:
+    """Signature checks off: two matched gathers of 2 MiB to rank 0 (its
+    buffer adopted into its pool), then rank 1 passes blocks larger than
+    rank 0's: rank 1 would write past rank 0's pooled buffer and refuses
+    to."""
+    n0 = 128 << 10  # float64 a block: rank 0 receives 2 MiB
+    raws = []
+
+    def buf(n: int) -> np.ndarray:
+        raw, view = guarded(n, "float64", 0)
+        raws.append((raw, n))
+        return view
+
+    send, recv = buf(n0), buf(n0 * 2)
+    for _ in range(2):
+        send[:] = comm.rank
+        comm.gather(send, recv if comm.rank == 0 else None, root=0)
+    pooled = _last_reads(comm)
+    if comm.rank == 1:  # writes bytes [1.25, 2.5) MiB of rank 0's 2 MiB
+        send = buf(n0 * 5 // 4)
+    t0 = time.monotonic()
+    try:
+        comm.gather(send, recv if comm.rank == 0 else None, root=0)
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    return {"pooled": pooled, "outcome": outcome, "message": message, "elapsed": time.monotonic() - t0,
+            "guards": intact([w for w, _ in raws], [n for _, n in raws])}
+
+
+def test_a_write_past_a_pooled_buffer_is_refused_even_with_checks_off(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
+    got = run_ranks(write_past, 2, timeout=60, comm_timeout=5)
+    assert got[1]["pooled"] == [(0, 0, 1)], got[1]["pooled"]  # the matched calls wrote into rank 0's pool
+    for r, g in enumerate(got):
+        assert g["guards"], f"rank {r}: wrote outside its buffer"
+        assert g["outcome"] != "ok", f"rank {r}: a call with different sizes completed"
+        assert g["elapsed"] < 5 + BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
+    assert got[1]["outcome"] == "MismatchedCollective", got[1]["message"]
+    assert re.search(r"rank 1, gather #3", got[1]["message"]), got[1]["message"]
+    assert "would write outside rank 0's buffer" in got[1]["message"], got[1]["message"]
+    assert "rank 1" in got[0]["message"], got[0]["message"]  # rank 0 learns of it from rank 1
+
+
+def written_late(comm, rounds: int) -> dict:
+    """Gather of 4 MiB to rank 0, which sends one element itself (its
+    buffer adopted into its pool): as soon as the call returns, rank 0
+    fills its buffer and checks, after everyone's next barrier, that nothing
+    changed it since: a root must not return before every sender has
+    written."""
+    p, r, n = comm.size, comm.rank, 512 << 10
+    counts = [1] + [n] * (p - 1)
+    send, recv = empty(counts[r], np.float64, "small"), empty(sum(counts), np.float64, "small")
+    want = np.concatenate([np.full(c, q * 1.0) for q, c in enumerate(counts)])
+    bad = []
+    for i in range(rounds):
+        send[:] = i * 10 + r
+        comm.gatherv(send, recv if r == 0 else None, counts, root=0)
+        if r == 0:
+            recv[:] = -1.0  # at once
+        comm.barrier()
+        if r == 0 and not np.all(recv == -1.0):
+            bad.append(f"round {i}: {np.unique(recv)[:4]} written after the call returned")
+    if r == 0:  # and the result, once more, checked
+        comm.gatherv(send, recv, counts, root=0)
+        if not np.array_equal(recv, want + (rounds - 1) * 10):
+            bad.append(f"the last result: {np.unique(recv)[:4]}")
+    else:
+        comm.gatherv(send, None, counts, root=0)
+    return {"bad": bad, "reads": _window_reads(comm),
+            "hybrid": _with_pools("gather", sum(counts) * 8, p, comm.transport.window)}
+
+
+def test_a_root_does_not_return_before_every_sender_wrote():
+    got = run_ranks(written_late, 2, 100, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip("no call with pools on these cores")
+    assert not got[0]["bad"], "; ".join(got[0]["bad"][:5])
+    assert got[1]["reads"] == [(0, 0, 1)], got[1]["reads"]
 
 
 def overwrite_at_once(comm, collective: str, rounds: int) -> dict:

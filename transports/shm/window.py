@@ -260,14 +260,14 @@ class ShmWindow(SharedWindow):
 
     def _stopped(self, rank: int, kind: int, seq: int | None, value: int = 0) -> None:
         """Raise why a compiled run stopped: the records' verdict, a peer's
-        abort, or a direct read refused (outside the peer's array, or by the kernel)."""
+        abort, or a direct read or write refused (outside the peer's array, or by the kernel)."""
         ext = compiled.ext
         if kind == ext.K_ABORTED:
             raise self._t._aborted_error(rank)
-        if kind == ext.K_OUTSIDE:
+        if kind in (ext.K_OUTSIDE, ext.K_WRITE_OUTSIDE):
             raise MismatchedCollective(
-                f"rank {self._t.rank}: would read outside rank {rank}'s buffer, which holds {value} bytes "
-                f"(ranks disagree about the call)")
+                f"rank {self._t.rank}: would {'read' if kind == ext.K_OUTSIDE else 'write'} outside rank {rank}'s "
+                f"buffer, which holds {value} bytes (ranks disagree about the call)")
         if kind == ext.K_LOST:  # the kernel refused: most often the peer is gone, which names it best
             lost = self._t._lost_peer({rank})
             if lost is not None:

@@ -16,7 +16,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .direct import direct
 from .pieces import displs
-from .compiled_calls import (arr, on_window, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
+from .compiled_calls import (POOLED, arr, on_window, pool_path, first_two, compile_call, compile_direct, direct_mode, peer,
                              prepared_from, run_prepared, slot)
 from .state import budget, region, state_of, window_state
 
@@ -24,7 +24,9 @@ __all__ = ["gather"]
 
 
 def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, counts: list[int]):
-    """One compiled call when every block fits one piece through the window."""
+    """One compiled call when every block fits one piece through the window,
+    or a direct one (from :data:`~.tuning.DIRECT_FROM` on, every sender
+    writing its block into the root's buffer)."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     item = sendbuf.itemsize
@@ -41,6 +43,12 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
         else:
             through = [(arr(0), slot(st, me), counts[me] * item)] if counts[me] else [], []
     mode = direct_mode(window, "gather", total, through)
+    if mode == POOLED:  # as the pool's direct path: every sender writes its block into the root's buffer at once
+        own = [(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else []
+        made = (compile_direct(window, 2, [], own, sources, [1], mode) if me == root else
+                compile_direct(window, 2, [], [(arr(0), peer(root, 1, starts[me] * item), counts[me] * item)]
+                               if counts[me] else [], [], [], mode))
+        return prepared_from(made, first_two)
     if mode is not None:
         fall = on_window(mode, through)  # (each peer's copy in puts its block at its region's start)
         if me == root:

@@ -51,16 +51,16 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 
 #: The collectives whose pool's direct path (from :data:`DIRECT_FROM` on) a
 #: direct compiled call takes over (see ``compiled_calls.direct_mode``). The
-#: call reads a peer's buffer out of its pool or straight, as the path does,
-#: in C (2 ranks, 4 KiB pages: allgather of 2 MiB 49-50 -> 24-25 us,
+#: call moves a peer's buffer out of or into its pool, or across, as the path
+#: does, in C (2 ranks, 4 KiB pages: allgather of 2 MiB 49-50 -> 24-25 us,
 #: alltoall of 4 MiB 109-110 -> 78-79, bcast of 16 MiB 513-523 -> 401-422).
-#: Not gather: its path has every sender write its block into the root's
-#: buffer at once, where the call's root reads them one after another (2
-#: ranks: 4 MiB 66-67 -> 72-75 us, 8 MiB 102-105 -> 146-155), and a read
-#: makes the sender's next write of its buffer slower, a write does not
-#: (2 MiB with ``collectives bench --rewrite``: 68-70 us by the path, 166-171
-#: by the call).
-POOLED_CALLS = frozenset({"allgather", "alltoall", "bcast", "scatter"})
+#: Gather's call, as its path, has every sender write its block into the
+#: root's buffer at once: where the root read them one after another it lost
+#: (2 ranks: 4 MiB 66-67 -> 72-75 us, 8 MiB 102-105 -> 146-155), and a read
+#: makes the sender's next write of its buffer slower, a write does not (2
+#: MiB with ``collectives bench --rewrite``: 68-70 us by the path, 166-171
+#: read by the root).
+POOLED_CALLS = frozenset({"allgather", "alltoall", "bcast", "gather", "scatter"})
 
 #: Bytes from which a direct compiled call reads a peer's array out of its
 #: pool even where it lies in huge pages (the pool adopts a buffer used
