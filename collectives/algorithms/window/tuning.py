@@ -55,7 +55,8 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: does, in C (2 ranks, 4 KiB pages: allgather of 2 MiB 49-50 -> 24-25 us,
 #: alltoall of 4 MiB 109-110 -> 78-79, bcast of 16 MiB 513-523 -> 401-422).
 #: Gather's call, as its path, has every sender write its block into the
-#: root's buffer at once: where the root read them one after another it lost
+#: root's buffer at once (2 ranks, 2 MiB 48-51 -> 21-25 us, 16 MiB 286-350 ->
+#: 156-262): where the root read them one after another it lost
 #: (2 ranks: 4 MiB 66-67 -> 72-75 us, 8 MiB 102-105 -> 146-155), and a read
 #: makes the sender's next write of its buffer slower, a write does not (2
 #: MiB with ``collectives bench --rewrite``: 68-70 us by the path, 166-171
