@@ -11,6 +11,7 @@ checks off."""
 from __future__ import annotations
 
 import os
+import signal
 import re
 import time
 
@@ -371,3 +372,61 @@ def test_no_rank_returns_while_others_read_its_pool(collective, p):
     for r, g in enumerate(got):
         assert not g["bad"], f"rank {r}: " + "; ".join(g["bad"][:5])
     assert sum(g["reads"][0][2] for g in got) == _peer_reads(collective, p), [g["reads"] for g in got]
+
+
+def writer_stopped(comm, limit: float, marker: str) -> dict:
+    """Gathers of 4 MiB to rank 0 (its buffer adopted into its pool); in the
+    third, rank 1 is stopped (SIGSTOP) once it has posted, before it
+    writes: rank 0 times out naming rank 1, fills its buffer, and resumes
+    rank 1, which finds rank 0's abort and raises without writing; rank 0's
+    buffer keeps what it filled in, checked once rank 1 is done."""
+    n = 256 << 10
+    send, recv = empty(n, np.float64, "small"), empty(2 * n, np.float64, "small")
+    send[:] = comm.rank
+    for _ in range(2):
+        comm.gather(send, recv if comm.rank == 0 else None, root=0)
+    pooled = _last_reads(comm)
+    t0 = time.monotonic()
+    if comm.rank == 1:
+        try:
+            comm.gather(send, None, root=0)
+            got = {"outcome": "ok", "message": ""}
+        except CollectiveError as exc:
+            got = {"outcome": type(exc).__name__, "message": str(exc)}
+        with open(marker, "w") as f:
+            f.write("done")
+        return dict(got, elapsed=time.monotonic() - t0, pooled=pooled)
+    from collectives.transports.shm.layout import Q_PID, Q_POST
+    own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
+    deadline = time.monotonic() + 30
+    while peer[Q_POST] <= own[Q_POST]:  # rank 1's post of its third call
+        assert time.monotonic() < deadline, "rank 1 never posted"
+        os.sched_yield()
+    pid = int(peer[Q_PID])
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        comm.gather(send, recv, root=0, timeout=limit)
+        got = {"outcome": "ok", "message": ""}
+    except CollectiveError as exc:
+        got = {"outcome": type(exc).__name__, "message": str(exc)}
+    got["elapsed"] = time.monotonic() - t0
+    recv[:] = -1.0
+    os.kill(pid, signal.SIGCONT)
+    while not os.path.exists(marker):  # rank 1's call has returned or raised
+        assert time.monotonic() < deadline, "rank 1 never finished"
+        os.sched_yield()
+    got["kept"] = bool(np.all(recv == -1.0))
+    return got
+
+
+def test_a_writer_stopped_before_it_writes_never_writes_after_the_root_gave_up(tmp_path):
+    limit = 2.0
+    got = run_ranks(writer_stopped, 2, limit, str(tmp_path / "done"), timeout=60, comm_timeout=20)
+    assert got[1]["pooled"] == [(0, 0, 1)], got[1]["pooled"]  # rank 1 wrote into rank 0's pool before
+    assert got[0]["outcome"] == "CollectiveTimeout", got[0]
+    assert "rank 0" in got[0]["message"] and "gather #3" in got[0]["message"] and "rank 1" in got[0]["message"]
+    assert limit <= got[0]["elapsed"] < limit + BOUND, got[0]
+    assert got[0]["kept"], "rank 1 wrote into rank 0's buffer after rank 0 gave up on the call"
+    assert got[1]["outcome"] != "ok", "rank 1 completed a call its root had given up on"
+    assert "rank 1" in got[1]["message"] and "gather #3" in got[1]["message"] and "rank 0" in got[1]["message"], got[1]
