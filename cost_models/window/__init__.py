@@ -9,7 +9,9 @@ Below each collective's ``DIRECT_FROM`` (see
 :func:`collectives.algorithms.window.tuning.direct_from`) data goes through
 the window (copy in, fence, copy out) in pieces of at most ``PIECE_BYTES``
 per rank; from it on, ranks publish their buffers (one fence) and read
-each other's directly (one copy), with a closing fence; so do allgather,
+each other's directly (one copy), with a closing fence (for allgather,
+alltoall, bcast, gather and scatter in one compiled call: docs/shared-memory.md,
+"Reads out of the pool"); so do allgather,
 alltoall, scatter, bcast and gather in their spans of ``COMPILED_DIRECT``
 (one compiled call, cross-memory attach). Where the
 algorithms read directly only from buffers in huge pages
