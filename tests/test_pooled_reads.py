@@ -68,8 +68,11 @@ def _placed(n: int, where: str, comm) -> tuple[np.ndarray, np.ndarray]:
 def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
     """``times`` calls of ``collective`` (n float64 a block) on the same
     buffers; rank 0's in ``where``, the others' too unless ``where`` is
-    "huge-0" (rank 0 in huge pages, the others in 4 KiB pages)."""
+    "huge-0" (rank 0 in huge pages, the others in 4 KiB pages). Gather's
+    root is the last rank: rank 0 writes the first block, across the
+    partial first page of an adopted buffer."""
     p, r = comm.size, comm.rank
+    root = p - 1 if collective == "gather" else 0
     mine = ("huge" if r == 0 else "small") if where == "huge-0" else where
     wholes = []
 
@@ -95,8 +98,8 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
         args, want = (None, out), ramp(0, n)
     else:  # gather
         x, out = buf(n), buf(n * p)
-        args, want = (x, out if r == 0 else None), (np.concatenate([ramp(q, n) for q in range(p)]) if r == 0
-                                                     else None)
+        args, want = (x, out if r == root else None), (np.concatenate([ramp(q, n) for q in range(p)]) if r == root
+                                                        else None)
     rights = []
     for i in range(times):
         if collective == "alltoall":
@@ -116,7 +119,7 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
         if collective == "bcast":
             comm.bcast(out, root=0)
         elif collective in ("scatter", "gather"):
-            getattr(comm, collective)(*args, root=0)
+            getattr(comm, collective)(*args, root=root)
         else:
             getattr(comm, collective)(*args)
         got = args[1]
