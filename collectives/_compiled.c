@@ -1419,13 +1419,13 @@ static inline uint64_t *published(const CallObject *pl, int r) {
 }
 
 /* The top bit of an array's published bytes: it lies in huge pages (a
- * call with a fallback only); the next: bytes of it lie in its rank's
- * shared pool, where the pool words say (and readers take them there). */
+ * call with a fallback or pools only); the next: bytes of it lie in its
+ * rank's shared pool, where the pool words say (and peers move them there). */
 #define IN_HUGE_PAGES (1ULL << 63)
 #define IN_POOL (1ULL << 62)
 #define PUBLISHED_FLAGS (IN_HUGE_PAGES | IN_POOL)
 
-/* The pool words (a call with a fallback): per half, per array, the pool
+/* The pool words (a call with pools): per half, per array, the pool
  * offset of the array's byte 0 (as int64: that byte may lie before the
  * pool's part), and the first and end byte of the part in the pool; from
  * byte 1024 of the metadata block. */
@@ -1436,7 +1436,7 @@ static inline uint64_t *pool_words(const CallObject *pl, int r) {
     return pl->metas[r] + POOL_WORDS_AT + pl->half * POOL_WORDS;
 }
 
-/* How a fallback call's reader takes a shared array (CallObject.kind). */
+/* How a direct call's peers take a shared array (CallObject.kind). */
 enum { BY_WINDOW = 0, BY_READ = 1, BY_POOL = 2 };
 
 /* struct pm_scan_arg and struct page_region of <linux/fs.h> (Linux 6.7 on),
@@ -1641,9 +1641,9 @@ static int pool_move(CallObject *pl, int r, int j, uintptr_t address, uint64_t n
 #define WRITE_BYTES (1 << 20)
 
 /* Write copy c, whose destination is a peer's published array, as
- * direct_reads reads: inside the array as published (else K_OUTSIDE), out
- * of the pool where it lies there, else across. 0 with *pooled or *direct
- * counted, else sets *bad, *kind, *value. */
+ * direct_reads reads: inside the array as published (else
+ * K_WRITE_OUTSIDE), into the pool where it lies there, else across. 0 with
+ * *pooled or *direct counted, else -1 with *bad, *kind, *value set. */
 static int direct_write(CallObject *pl, const Copy *c, char *const *bases, int *pooled, int *direct, int *bad,
                         int *kind, uint64_t *value) {
     int r = (int)c->dst.a0, j = PEER_ARRAY(c->dst.idx);
