@@ -1,18 +1,21 @@
-"""A direct compiled call with a fallback reads a peer's array outside huge
-pages out of the peer's shared pool, where the pool holds it (a buffer
-from ``comm.alloc``, or a private buffer used again, which the pool
-adopts): one copy, where the window takes two. The results are right on
-every call (the first, before the pool adopts the buffer, goes through
-the window), the partial first and last pages of an adopted buffer are
-read across, nothing is written outside a buffer, peers of every kind mix,
-and a read past a peer's pooled array is refused even with signature
-checks off."""
+"""From each collective's DIRECT_FROM on, the direct compiled calls that
+took over the pool's direct path move a peer's array outside huge pages
+(or of 4 MiB and more) out of or into the peer's shared pool, where the
+pool holds it (a buffer from ``comm.alloc``, or a private buffer used
+again, which the pool adopts): allgather, alltoall and bcast read there,
+gather's senders write into the root's buffer there. The results are right
+on every call (the first, before the pool adopts a buffer, reads across or
+through the window), an adopted buffer's partial first and last pages are
+moved across, nothing is written outside a buffer, peers of every kind mix,
+no rank returns while a peer still moves its buffer, a read or write past a
+peer's pooled buffer is refused even with signature checks off, and a
+writer stopped after its post never writes once its root gave up."""
 
 from __future__ import annotations
 
 import os
-import signal
 import re
+import signal
 import time
 
 import numpy as np
