@@ -284,9 +284,11 @@ class SharedWindow(abc.ABC):
                 publishes where its arrays ``shared`` (indices) are; once
                 every rank posted and every record agrees, ``after`` copies
                 may read peers' published arrays straight from their
-                memory, each only inside the array as its rank published it;
-                the run ends once every rank in ``readers`` (those that read
-                this rank's arrays) is done with the step. One step, no
+                memory, or write them, each only inside the array as its
+                rank published it (a write looks at the abort inbox before
+                each MiB); the run ends once every rank in ``readers``
+                (those that read or write this rank's arrays) is done with
+                the step. One step, no
                 reduction, never in pieces. ``(readers, shared,
                 copies_in)``: with a fallback on the window, source by
                 source: each rank also publishes whether its arrays lie in
@@ -302,21 +304,22 @@ class SharedWindow(abc.ABC):
                 its rank's pool (from
                 :meth:`~collectives.transport.Transport.alloc`, or a
                 buffer the pool adopts, see :meth:`shared_part`) is
-                neither copied in nor read across: its readers copy it out
-                of their mapping of that pool; so is one of ``pool_first``
-                bytes or more in huge pages. The call's
+                neither copied in nor moved across: its peers copy it out of
+                (or into) their mapping of that pool; so is one of
+                ``pool_first`` bytes or more in huge pages. The call's
                 ``last_direct``, ``last_window`` and ``last_pooled`` count
-                its last run's reads of each kind.
+                its last run's reads and writes of each kind.
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==
-        0``, a1 on the others; or, as a direct call's ``after`` source,
-        ``(-2 - i, rank, byte offset)`` in rank's published array i.
+        0``, a1 on the others; or, as a direct call's ``after`` source or
+        destination (never both in one copy), ``(-2 - i, rank, byte
+        offset)`` in rank's published array i.
 
         A run that stops for good reports ``(rank, kind, value)`` with a
         negative kind: the records disagree (at rank), rank aborted, a
-        direct read would fall outside rank's published array (value: its
-        bytes), or the kernel refused one (value: the errno).
+        direct read or write would fall outside rank's published array
+        (value: its bytes), or the kernel refused one (value: the errno).
 
         Raises:
             NotImplementedError: the window does not offer ``"compiled_calls"``.
