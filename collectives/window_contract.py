@@ -372,6 +372,16 @@ class SharedWindow(abc.ABC):
         """Make bytes [offset, offset + nbytes) of ``rank``'s pool cheap to touch
         now (a hint before reading or writing them; default: nothing)."""
 
+    def check_aborted(self) -> None:
+        """Raise now if a peer aborted the call in progress: before each piece
+        an algorithm writes into a peer's buffer, as that peer, having given
+        up on the call (a timeout), has returned to its caller, who may use
+        the buffer again (default: nothing).
+
+        Raises:
+            The peer's error (see :meth:`~collectives.transport.Transport.abort`).
+        """
+
     # ----------------------------------------------- feature "direct_access"
 
     def read(self, rank: int, address: int, out: np.ndarray) -> None:

@@ -32,7 +32,7 @@ from collectives.window_contract import (ADOPTION, DIRECT_ACCESS, HUGE_PAGES, CO
                                          CompiledCall)
 
 from .cma import CrossMemory
-from .layout import Q_DONE, Q_EPOCH, Q_COMPILED, Q_PID, Q_POST, Q_SLEEP
+from .layout import Q_DONE, Q_EPOCH, Q_COMPILED, Q_INBOX, Q_PID, Q_POST, Q_SLEEP
 from .pages import Adoptions, huge_pages, populate
 from .waking import compiled_wait_ns
 
@@ -149,6 +149,17 @@ class ShmWindow(SharedWindow):
         if self._adoptions is None or not self._peer_q:
             return None
         return self._adoptions.find(address, nbytes, True)
+
+    def check_aborted(self) -> None:
+        """Raise the error of a peer that aborted without completing this
+        rank's call in progress (its latest record), if one did; one word
+        read (this rank's abort inbox) while none aborted."""
+        if not self._t._segs[self._t.rank].q[Q_INBOX]:
+            return
+        now = self._records.current()
+        aborted = self._t._aborted_in(now[0] if now is not None else None)
+        if aborted is not None:
+            raise self._t._aborted_error(aborted)
 
     def map_in(self, rank: int, offset: int, nbytes: int) -> None:
         """Map the bytes [offset, offset + nbytes) of ``rank``'s pool into this

@@ -182,8 +182,10 @@ def _direct(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> bool:
     Each rank reduces its 1/p piece by piece and writes each reduced piece
     into every other buffer as it is made (in the shared pool) or while it
     is still in the cache (through direct access): no rank reads or writes
-    another's 1/p, so one closing fence suffices. Returns False (every rank
-    alike) when some buffer cannot be reached."""
+    another's 1/p, so one closing fence suffices. Before each piece it writes
+    it looks whether a peer gave up on the call (and may use its buffer
+    again). Returns False (every rank alike) when some buffer cannot be
+    reached."""
     peers = direct(ctx, window, st, buf, buf.nbytes, "allreduce")
     if peers is None:
         return False
@@ -202,6 +204,7 @@ def _direct(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> bool:
             if v is None:
                 peers.read(r, a * item, scratch[r][:b - a])
             srcs.append(scratch[r][:b - a] if v is None else v.view(buf.dtype))
+        window.check_aborted()  # the reduction writes into the peers' pools, a peer that gave up may reuse its buffer
         reduce(ctx, op, buf[a:b], srcs, [v.view(buf.dtype) for v in pooled.values() if v is not None])
         for r, v in pooled.items():
             if v is None:

@@ -165,7 +165,9 @@ class Readers:
             self._timed(rank, byte_offset, out, True)
 
     def write(self, rank: int, byte_offset: int, src: np.ndarray) -> None:
-        """Copy ``src`` to ``byte_offset`` of ``rank``'s buffer."""
+        """Copy ``src`` to ``byte_offset`` of ``rank``'s buffer, unless a peer
+        aborted the call (see :meth:`~collectives.window_contract.SharedWindow.check_aborted`)."""
+        self.window.check_aborted()
         if self.tracer is None:
             self._move(rank, byte_offset, src, False)
         else:
