@@ -436,3 +436,39 @@ def test_a_writer_stopped_before_it_writes_never_writes_after_the_root_gave_up(t
     assert got[0]["kept"], "rank 1 wrote into rank 0's buffer after rank 0 gave up on the call"
     assert got[1]["outcome"] != "ok", "rank 1 completed a call its root had given up on"
     assert "rank 1" in got[1]["message"] and "gather #3" in got[1]["message"] and "rank 0" in got[1]["message"], got[1]
+
+
+def lookup_fails(comm) -> dict:
+    """Alltoall of 4 MiB, rank 1's pool lookups failing from its third
+    call on (an exception in the window's adoption): the calls go on,
+    rank 1's buffer read across, right on every rank."""
+    p, r, n = comm.size, comm.rank, 256 << 10
+    send, recv = empty(n * p, np.float64, "small"), empty(n * p, np.float64, "small")
+    asked = [0]
+    if r == 1:
+        adoptions = comm.transport.window._adoptions
+        lookup = adoptions.find
+
+        def failing(address: int, nbytes: int, adopt: bool):
+            asked[0] += 1
+            if asked[0] >= 3:
+                raise MemoryError("the pool's lookup failed")
+            return lookup(address, nbytes, adopt)
+
+        adoptions.find = failing
+    rights = []
+    for i in range(5):
+        send[:] = np.repeat(np.arange(p) * 0 + r * 10 + i, n) + np.tile(np.arange(n) / n, p)
+        comm.alltoall(send, recv)
+        want = np.concatenate([q * 10 + i + np.arange(n) / n for q in range(p)])
+        rights.append(bool(np.array_equal(recv, want)))
+    return {"rights": rights, "asked": asked[0], "reads": _last_reads(comm)}
+
+
+def test_a_failing_pool_lookup_moves_the_buffer_across():
+    got = run_ranks(lookup_fails, 2, timeout=60)
+    for r, g in enumerate(got):
+        assert all(g["rights"]), f"rank {r}: {g['rights']}"
+    assert got[1]["asked"] >= 3, got[1]
+    assert got[0]["reads"] == [(1, 0, 0)], got[0]["reads"]  # rank 1's read across in the last call
+    assert got[1]["reads"] == [(0, 0, 1)], got[1]["reads"]  # rank 0's still out of its pool

@@ -19,6 +19,7 @@ The window keeps a reference to its transport and uses, of it: ``rank``,
 
 from __future__ import annotations
 
+import logging
 import time
 
 from typing import Any
@@ -35,6 +36,8 @@ from .cma import CrossMemory
 from .layout import Q_DONE, Q_EPOCH, Q_COMPILED, Q_INBOX, Q_PID, Q_POST, Q_SLEEP
 from .pages import Adoptions, huge_pages, populate
 from .waking import compiled_wait_ns
+
+log = logging.getLogger("collectives.shm")
 
 __all__ = ["ShmWindow"]
 
@@ -145,10 +148,17 @@ class ShmWindow(SharedWindow):
     def _adopted_part(self, address: int, nbytes: int) -> tuple[int, int, int] | None:
         """A direct compiled call's question (see ``collectives._compiled``):
         :meth:`shared_part` of the private ``nbytes`` at ``address``, which
-        the pool may adopt now."""
+        the pool may adopt now. A lookup that fails answers None: the call
+        then moves the buffer across (the pool only saves a copy; a buffer
+        half adopted keeps its bytes either way)."""
         if self._adoptions is None or not self._peer_q:
             return None
-        return self._adoptions.find(address, nbytes, True)
+        try:
+            return self._adoptions.find(address, nbytes, True)
+        except Exception as exc:  # the call goes on without the pool
+            log.debug("rank %d: the pool's lookup of %d bytes at %#x failed (%s: %s); moved across",
+                      self._t.rank, nbytes, address, type(exc).__name__, exc)
+            return None
 
     def check_aborted(self) -> None:
         """Raise the error of a peer that aborted without completing this
