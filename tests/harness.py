@@ -20,7 +20,29 @@ from typing import Any, Callable
 
 from collectives.launcher import free_port, rank_environment
 
-__all__ = ["run_ranks", "Outcome", "RankFailure"]
+__all__ = ["run_ranks", "Outcome", "RankFailure", "attempt", "wait_until"]
+
+def attempt(call: Callable[[], Any]) -> dict:
+    """Run one collective call inside a rank: its ``outcome`` ("ok" or the
+    error's class name), ``message`` and ``elapsed`` seconds."""
+    from collectives import CollectiveError
+
+    t0 = time.monotonic()
+    try:
+        call()
+        outcome, message = "ok", ""
+    except CollectiveError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    return {"outcome": outcome, "message": message, "elapsed": time.monotonic() - t0}
+
+
+def wait_until(ready: Callable[[], bool], deadline: float, what: str) -> None:
+    """Yield until ``ready()`` (an event another process makes), failing with
+    ``what`` at ``deadline`` (a time.monotonic() value)."""
+    while not ready():
+        assert time.monotonic() < deadline, what
+        os.sched_yield()
+
 
 _CTX = mp.get_context("fork")
 #: The job id of the latest run_ranks (its shared-memory segments are named after it).

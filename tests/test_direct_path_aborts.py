@@ -13,9 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from collectives import CollectiveError
 from collectives.bench.pages import empty
-from harness import run_ranks
+from harness import attempt, run_ranks, wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux")
 
@@ -41,7 +40,6 @@ def writer_stopped(comm, limit: float, marker: str) -> dict:
     for _ in range(2):
         x[:] = 1.0
         comm.allreduce(x)
-    t0 = time.monotonic()
     if comm.rank == 1:
         from collectives.algorithms.window import direct
 
@@ -57,33 +55,21 @@ def writer_stopped(comm, limit: float, marker: str) -> dict:
         direct.Readers.inside = stop_first
         x[:] = 1.0
         try:
-            comm.allreduce(x)
-            got = {"outcome": "ok", "message": "", "stopped": not armed[0]}
-        except CollectiveError as exc:
-            got = {"outcome": type(exc).__name__, "message": str(exc), "stopped": not armed[0]}
+            got = attempt(lambda: comm.allreduce(x))
         finally:
             direct.Readers.inside = inside
         with open(marker, "w") as f:
             f.write("done")
-        return dict(got, elapsed=time.monotonic() - t0)
+        return dict(got, stopped=not armed[0])
     from collectives.transports.shm.layout import Q_PID
     pid = int(comm.transport._segs[1].q[Q_PID])
     x[:] = 1.0
-    try:
-        comm.allreduce(x, timeout=limit)
-        got = {"outcome": "ok", "message": ""}
-    except CollectiveError as exc:
-        got = {"outcome": type(exc).__name__, "message": str(exc)}
-    got["elapsed"] = time.monotonic() - t0
+    got = attempt(lambda: comm.allreduce(x, timeout=limit))
     x[:] = -1.0  # the caller uses its buffer again
     deadline = time.monotonic() + 30
-    while not _stopped(pid):  # rank 1 stopped itself before this call timed out; this makes sure
-        assert time.monotonic() < deadline, "rank 1 never stopped"
-        os.sched_yield()
+    wait_until(lambda: _stopped(pid), deadline, "rank 1 never stopped")  # it did before this call timed out
     os.kill(pid, signal.SIGCONT)
-    while not os.path.exists(marker):  # rank 1's call has returned or raised
-        assert time.monotonic() < deadline, "rank 1 never finished"
-        os.sched_yield()
+    wait_until(lambda: os.path.exists(marker), deadline, "rank 1 never finished")  # its call returned or raised
     got["kept"] = bool(np.all(x == -1.0))
     return got
 

@@ -21,13 +21,12 @@ import time
 import numpy as np
 import pytest
 
-from collectives import CollectiveError
 from collectives.algorithms.window.state import WindowState
 from collectives.algorithms.window.tuning import (DIRECT_FROM, POOLED_CALLS, compiled_direct, direct_from,
                                                    direct_where_huge)
 from collectives.bench.faults import guarded, intact
 from collectives.bench.pages import empty
-from harness import run_ranks
+from harness import attempt, run_ranks, wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/map_files"), reason="needs Linux")
 
@@ -238,28 +237,28 @@ def past(comm) -> dict:
     pooled = _last_reads(comm)
     if comm.rank == 1:  # reads bytes [2.5, 5) MiB of rank 0's 4 MiB
         send, recv = buf(b0 * 5 // 2), buf(b0 * 5 // 2)
-    t0 = time.monotonic()
-    try:
-        comm.alltoall(send, recv)
-        outcome, message = "ok", ""
-    except CollectiveError as exc:
-        outcome, message = type(exc).__name__, str(exc)
-    return {"pooled": pooled, "outcome": outcome, "message": message, "elapsed": time.monotonic() - t0,
-            "guards": intact([w for w, _ in raws], [n for _, n in raws])}
+    return dict(attempt(lambda: comm.alltoall(send, recv)), pooled=pooled,
+                guards=intact([w for w, _ in raws], [n for _, n in raws]))
 
 
-def test_a_read_past_a_pooled_array_is_refused_even_with_checks_off(monkeypatch):
-    monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
-    got = run_ranks(past, 2, timeout=60, comm_timeout=5)
-    assert got[1]["pooled"] == [(0, 0, 1)], got[1]["pooled"]  # the matched calls read rank 0's from its pool
+def _refused(got: list[dict], collective: str, verb: str) -> None:
+    """Rank 1 refused to ``verb`` past rank 0's pooled buffer in its third
+    ``collective``, within bounded time, and rank 0 learned of it; no guard
+    written; the matched calls before went through rank 0's pool."""
+    assert got[1]["pooled"] == [(0, 0, 1)], got[1]["pooled"]
     for r, g in enumerate(got):
         assert g["guards"], f"rank {r}: wrote outside its buffer"
         assert g["outcome"] != "ok", f"rank {r}: a call with different sizes completed"
         assert g["elapsed"] < 5 + BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
     assert got[1]["outcome"] == "MismatchedCollective", got[1]["message"]
-    assert re.search(r"rank 1, alltoall #3", got[1]["message"]), got[1]["message"]
-    assert "would read outside rank 0's buffer" in got[1]["message"], got[1]["message"]
+    assert re.search(rf"rank 1, {collective} #3", got[1]["message"]), got[1]["message"]
+    assert f"would {verb} outside rank 0's buffer" in got[1]["message"], got[1]["message"]
     assert "rank 1" in got[0]["message"], got[0]["message"]  # rank 0 learns of it from rank 1
+
+
+def test_a_read_past_a_pooled_array_is_refused_even_with_checks_off(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
+    _refused(run_ranks(past, 2, timeout=60, comm_timeout=5), "alltoall", "read")
 
 
 def write_past(comm) -> dict:
@@ -282,28 +281,13 @@ def write_past(comm) -> dict:
     pooled = _last_reads(comm)
     if comm.rank == 1:  # writes bytes [1.25, 2.5) MiB of rank 0's 2 MiB
         send = buf(n0 * 5 // 4)
-    t0 = time.monotonic()
-    try:
-        comm.gather(send, recv if comm.rank == 0 else None, root=0)
-        outcome, message = "ok", ""
-    except CollectiveError as exc:
-        outcome, message = type(exc).__name__, str(exc)
-    return {"pooled": pooled, "outcome": outcome, "message": message, "elapsed": time.monotonic() - t0,
-            "guards": intact([w for w, _ in raws], [n for _, n in raws])}
+    return dict(attempt(lambda: comm.gather(send, recv if comm.rank == 0 else None, root=0)), pooled=pooled,
+                guards=intact([w for w, _ in raws], [n for _, n in raws]))
 
 
 def test_a_write_past_a_pooled_buffer_is_refused_even_with_checks_off(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
-    got = run_ranks(write_past, 2, timeout=60, comm_timeout=5)
-    assert got[1]["pooled"] == [(0, 0, 1)], got[1]["pooled"]  # the matched calls wrote into rank 0's pool
-    for r, g in enumerate(got):
-        assert g["guards"], f"rank {r}: wrote outside its buffer"
-        assert g["outcome"] != "ok", f"rank {r}: a call with different sizes completed"
-        assert g["elapsed"] < 5 + BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
-    assert got[1]["outcome"] == "MismatchedCollective", got[1]["message"]
-    assert re.search(r"rank 1, gather #3", got[1]["message"]), got[1]["message"]
-    assert "would write outside rank 0's buffer" in got[1]["message"], got[1]["message"]
-    assert "rank 1" in got[0]["message"], got[0]["message"]  # rank 0 learns of it from rank 1
+    _refused(run_ranks(write_past, 2, timeout=60, comm_timeout=5), "gather", "write")
 
 
 def written_late(comm, rounds: int) -> dict:
@@ -392,36 +376,21 @@ def writer_stopped(comm, limit: float, marker: str) -> dict:
     for _ in range(2):
         comm.gather(send, recv if comm.rank == 0 else None, root=0)
     pooled = _last_reads(comm)
-    t0 = time.monotonic()
     if comm.rank == 1:
-        try:
-            comm.gather(send, None, root=0)
-            got = {"outcome": "ok", "message": ""}
-        except CollectiveError as exc:
-            got = {"outcome": type(exc).__name__, "message": str(exc)}
+        got = attempt(lambda: comm.gather(send, None, root=0))
         with open(marker, "w") as f:
             f.write("done")
-        return dict(got, elapsed=time.monotonic() - t0, pooled=pooled)
+        return dict(got, pooled=pooled)
     from collectives.transports.shm.layout import Q_PID, Q_POST
     own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
     deadline = time.monotonic() + 30
-    while peer[Q_POST] <= own[Q_POST]:  # rank 1's post of its third call
-        assert time.monotonic() < deadline, "rank 1 never posted"
-        os.sched_yield()
+    wait_until(lambda: peer[Q_POST] > own[Q_POST], deadline, "rank 1 never posted")  # its third call's post
     pid = int(peer[Q_PID])
     os.kill(pid, signal.SIGSTOP)
-    t0 = time.monotonic()
-    try:
-        comm.gather(send, recv, root=0, timeout=limit)
-        got = {"outcome": "ok", "message": ""}
-    except CollectiveError as exc:
-        got = {"outcome": type(exc).__name__, "message": str(exc)}
-    got["elapsed"] = time.monotonic() - t0
+    got = attempt(lambda: comm.gather(send, recv, root=0, timeout=limit))
     recv[:] = -1.0
     os.kill(pid, signal.SIGCONT)
-    while not os.path.exists(marker):  # rank 1's call has returned or raised
-        assert time.monotonic() < deadline, "rank 1 never finished"
-        os.sched_yield()
+    wait_until(lambda: os.path.exists(marker), deadline, "rank 1 never finished")  # its call returned or raised
     got["kept"] = bool(np.all(recv == -1.0))
     return got
 
