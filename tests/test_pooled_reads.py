@@ -290,6 +290,20 @@ def test_a_write_past_a_pooled_buffer_is_refused_even_with_checks_off(monkeypatc
     _refused(run_ranks(write_past, 2, timeout=60, comm_timeout=5), "gather", "write")
 
 
+@pytest.mark.parametrize("fn,collective", [(past, "alltoall"), (write_past, "gather")])
+def test_a_mismatch_after_pooled_calls_is_caught_on_every_rank_before_any_move(fn, collective):
+    """The same calls with signature checks on: every rank raises
+    ``MismatchedCollective`` naming itself and the call, before any byte of
+    a peer is read or written."""
+    got = run_ranks(fn, 2, timeout=60, comm_timeout=5)
+    assert got[1]["pooled"] == [(0, 0, 1)], got[1]["pooled"]
+    for r, g in enumerate(got):
+        assert g["outcome"] == "MismatchedCollective", f"rank {r}: {g['outcome']}: {g['message']}"
+        assert re.search(rf"rank {r}[:,] {collective} #3", g["message"]), f"rank {r}: {g['message']}"
+        assert g["elapsed"] < BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
+        assert g["guards"], f"rank {r}: wrote outside its buffer"
+
+
 def written_late(comm, rounds: int) -> dict:
     """Gather of 4 MiB to rank 0, which sends one element itself (its
     buffer adopted into its pool): as soon as the call returns, rank 0
