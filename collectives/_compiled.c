@@ -247,7 +247,9 @@ static void stream_done(void) {
 }
 
 /* out = srcs[0] op srcs[1] op ... op srcs[p-1], in that order (p >= 2), and
- * the result also into each of ``ncopies`` buffers (stream_bytes).
+ * the result also into each of ``ncopies`` buffers (stream_bytes). out may
+ * be one of the sources (in place; a later one is kept chunk by chunk
+ * before the first operation overwrites it).
  * Chunk by chunk, so that the partial result stays in the L1 cache while the
  * sources stream past once: p reads and one write of memory per element
  * instead of the 2(p-1) reads and p-1 writes of whole-vector passes, and the
@@ -262,11 +264,15 @@ static void reduce_all(binop_fn f, char *out, char *const *srcs, int p, Py_ssize
      * one chunk's streaming stores and half by the next's would be read in */
     size_t skew = ncopies ? (size_t)((uintptr_t)copies[0] & 63) : 0;
     Py_ssize_t len = skew % (size_t)itemsize ? step : (Py_ssize_t)((CHUNK_BYTES - skew) / (size_t)itemsize);
+    int later = 0;  /* a source after the first two that is out itself */
+    for (int r = 2; r < p && !later; r++) later = srcs[r] == out ? r : 0;
+    _Alignas(64) char kept[later ? CHUNK_BYTES : 1];
     for (Py_ssize_t lo = 0; lo < count; lo += len, len = step) {
         Py_ssize_t n = count - lo < len ? count - lo : len;
         Py_ssize_t off = lo * itemsize;
+        if (later) memcpy(kept, out + off, (size_t)(n * itemsize));
         f(out + off, srcs[0] + off, srcs[1] + off, n);
-        for (int r = 2; r < p; r++) f(out + off, out + off, srcs[r] + off, n);
+        for (int r = 2; r < p; r++) f(out + off, out + off, r == later ? kept : srcs[r] + off, n);
         for (int c = 0; c < ncopies; c++) stream_bytes(copies[c] + off, out + off, (size_t)(n * itemsize));
     }
     if (ncopies) stream_done();
@@ -837,6 +843,13 @@ typedef struct {
     unsigned char shared[MAX_ARRAYS];  /* the arrays this rank publishes */
     Py_ssize_t lens[MAX_ARRAYS];  /* the bytes of the run's arrays */
     char *bounce;                 /* a buffer for cross-memory reads that would run skewed */
+    int dreduce;                  /* a direct reduction (see parse_direct): the reduction's peer sources */
+    Loc *ralt;                    /* and, with a fallback, each one's copy in its rank's region; */
+    int ncopies_out;              /* copies out of this rank's region into its output once every peer */
+    Copy *copies_out;             /* is done, where that output went by the window (kind BY_WINDOW); */
+    Py_ssize_t rpiece;            /* bytes a piece of the reduction, */
+    Py_ssize_t huge_from;         /* arrays of fewer bytes go as if outside huge pages (a fallback's window) */
+    char *scratch;                /* and a piece (and a page) per source for reads across */
 } CallObject;
 
 static PyTypeObject CallType;
@@ -883,9 +896,9 @@ static int parse_copies(PyObject *seq, Copy **out, int *n, int narrays, Py_ssize
             Py_DECREF(fast);
             return -1;
         }
-        if (alt && (c->alt.idx != -1 || c->src.idx > PEER_ARRAY(0))) {
+        if (alt && (c->alt.idx != -1 || (c->src.idx > PEER_ARRAY(0) && c->dst.idx > PEER_ARRAY(0)))) {
             Py_DECREF(fast);
-            PyErr_SetString(PyExc_ValueError, "a fourth place is the window's, for a copy that reads a peer");
+            PyErr_SetString(PyExc_ValueError, "a fourth place is the window's, for a copy that reads or writes a peer");
             return -1;
         }
         if (c->dst.idx >= 0) writes[c->dst.idx] = 1;
@@ -982,12 +995,13 @@ static int check_places(CallObject *pl, int direct) {
     int bad = has_peer_place(pl->before, pl->nbefore, 1) || (!direct && has_peer_place(pl->after, pl->nafter, 1)) ||
               both ||
               has_peer_place(pl->before2, pl->nbefore2, 1) || has_peer_place(pl->after2, pl->nafter2, 1);
-    if (pl->f) {
+    if (pl->f) {  /* a direct call's reduction may read peers' arrays */
         bad |= pl->rdst.idx <= PEER_ARRAY(0);
-        for (int i = 0; i < pl->nsrc; i++) bad |= pl->rsrc[i].idx <= PEER_ARRAY(0);
+        for (int i = 0; i < pl->nsrc && !direct; i++) bad |= pl->rsrc[i].idx <= PEER_ARRAY(0);
     }
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "a peer's array is only a direct call's source or destination after the post");
+        PyErr_SetString(PyExc_ValueError,
+                        "a peer's array is only a direct call's source or destination after the post, or its reduction's source");
         return -1;
     }
     return 0;
@@ -1066,18 +1080,84 @@ static int parse_pools(CallObject *pl, PyObject *pools, PyObject *pooler, Py_ssi
     return 0;
 }
 
-/* compile's direct = (pids, metas, readers, shared): every rank's process
- * id and metadata block (an address in this process), the ranks that read
- * this rank's arrays, the arrays this rank publishes. -1 on error. */
+/* A direct call's reduction (compile's reduce, with direct's ralts,
+ * copies_out and piece): this rank's block, read from its own array and
+ * every peer's (in rank order), reduced into its own array and written
+ * into every peer's (its after copies, each from the reduction's
+ * destination, all of it). With a fallback, each peer source names its
+ * copy in the peer's region (ralts: None for this rank's own), and so does
+ * each write (the same place: the peer copies it out, copies_out); an
+ * array of fewer than huge_from bytes in huge pages goes through the
+ * window as if it were not (a read across costs more there); -1 on error. */
+static int parse_direct_reduction(CallObject *pl, PyObject *ralts, PyObject *copies_out, Py_ssize_t piece,
+                                  Py_ssize_t huge_from) {
+    Py_ssize_t extent = pl->count * pl->itemsize;
+    if (pl->rdst.idx < 0 || piece < pl->itemsize) {
+        PyErr_SetString(PyExc_ValueError, "a direct reduction goes into this rank's array, in pieces of an element or more");
+        return -1;
+    }
+    for (int i = 0; i < pl->nafter; i++) {
+        const Copy *c = &pl->after[i];
+        if (c->dst.idx > PEER_ARRAY(0) || c->src.idx != pl->rdst.idx || c->src.a0 != pl->rdst.a0 || c->n != extent) {
+            PyErr_SetString(PyExc_ValueError, "a direct reduction's after copies write its result into peers' arrays");
+            return -1;
+        }
+    }
+    pl->rpiece = piece / pl->itemsize * pl->itemsize;
+    pl->huge_from = huge_from;
+    pl->ralt = PyMem_Calloc((size_t)pl->nsrc, sizeof(Loc));
+    if (!pl->ralt) { PyErr_NoMemory(); return -1; }
+    PyObject *fast = PySequence_Fast(ralts, "ralts must be a sequence");
+    if (!fast) return -1;
+    int bad = PySequence_Fast_GET_SIZE(fast) != pl->nsrc;
+    for (int i = 0; !bad && i < pl->nsrc; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
+        pl->ralt[i].idx = 0;
+        if (t == Py_None) continue;
+        bad = parse_loc(t, &pl->ralt[i], pl->narrays, pl->need, extent) < 0 || pl->ralt[i].idx != -1 ||
+              pl->rsrc[i].idx > PEER_ARRAY(0);
+    }
+    Py_DECREF(fast);
+    if (bad) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "ralts: a window place for each peer source of the reduction, else None");
+        return -1;
+    }
+    for (int i = 0; pl->fallback && i < pl->nsrc; i++)
+        bad |= pl->rsrc[i].idx <= PEER_ARRAY(0) && pl->ralt[i].idx != -1;
+    for (int i = 0; pl->fallback && i < pl->nafter; i++) bad |= pl->after[i].alt.idx != -1;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "a fallback's direct reduction names the window place of every peer's part");
+        return -1;
+    }
+    if (parse_copies(copies_out, &pl->copies_out, &pl->ncopies_out, pl->narrays, pl->need, pl->writes) < 0) return -1;
+    for (int i = 0; i < pl->ncopies_out; i++)
+        bad |= pl->copies_out[i].src.idx != -1 || pl->copies_out[i].dst.idx != pl->rdst.idx;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "copies out go from this rank's region into the reduction's array");
+        return -1;
+    }
+    pl->dreduce = 1;
+    return 0;
+}
+
+/* compile's direct = (pids, metas, readers, shared[, copies_in, pools,
+ * pooler, pool_from, pool_first, ralts, copies_out, piece, huge_from]): every rank's
+ * process id and metadata block (an address in this process), the ranks
+ * that read (or write) this rank's arrays, the arrays this rank publishes;
+ * a fallback's copies into the window; the pools (see parse_pools), and
+ * from how many bytes an array's pool is asked before its pages; a
+ * reduction's (parse_direct_reduction). -1 on error. */
 static int parse_direct(CallObject *pl, PyObject *direct) {
     WindowObject *w = pl->window;
     PyObject *pids, *metas, *readers, *shared, *copies_in = Py_None, *pools = Py_None, *pooler = Py_None;
-    Py_ssize_t pool_from = 0, pool_first = PY_SSIZE_T_MAX;
-    if (!PyArg_ParseTuple(direct, "OOOO|OOOnn", &pids, &metas, &readers, &shared, &copies_in, &pools, &pooler,
-                          &pool_from, &pool_first))
+    PyObject *ralts = Py_None, *copies_out = Py_None;
+    Py_ssize_t pool_from = 0, pool_first = PY_SSIZE_T_MAX, piece = 0, huge_from = 0;
+    if (!PyArg_ParseTuple(direct, "OOOO|OOOnnOOnn", &pids, &metas, &readers, &shared, &copies_in, &pools, &pooler,
+                          &pool_from, &pool_first, &ralts, &copies_out, &piece, &huge_from))
         return -1;
-    if (pl->f || pl->two_steps) {
-        PyErr_SetString(PyExc_ValueError, "a direct call has one step and no reduction");
+    if (pl->two_steps || (pl->f && (ralts == Py_None || copies_out == Py_None))) {
+        PyErr_SetString(PyExc_ValueError, "a direct call has one step, and a reduction names its ralts and copies out");
         return -1;
     }
     pl->pids = PyMem_Calloc((size_t)w->size, sizeof(int));
@@ -1120,7 +1200,7 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
     if (pools != Py_None && parse_pools(pl, pools, pooler, pool_from) < 0) return -1;
     pl->pool_first = pool_first;
     pl->marks = pl->fallback || pl->pool_base;
-    return 0;
+    return pl->f ? parse_direct_reduction(pl, ralts, copies_out, piece, huge_from) : 0;
 }
 
 /* Window.compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call
@@ -1163,6 +1243,11 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->metas = NULL;
     pl->readers = NULL;
     pl->bounce = NULL;
+    pl->dreduce = pl->ncopies_out = 0;
+    pl->ralt = NULL;
+    pl->copies_out = NULL;
+    pl->rpiece = pl->huge_from = 0;
+    pl->scratch = NULL;
     for (int i = 0; i < MAX_ARRAYS; i++) pl->shared[i] = 0;
     pl->stage = pl->half = 0;
     pl->step = 0;
@@ -1251,7 +1336,10 @@ static void Call_dealloc(CallObject *pl) {
     PyMem_Free(pl->pids);
     PyMem_Free(pl->metas);
     PyMem_Free(pl->readers);
-    PyMem_Free(pl->bounce);
+    PyMem_RawFree(pl->bounce);
+    PyMem_Free(pl->ralt);
+    PyMem_Free(pl->copies_out);
+    PyMem_RawFree(pl->scratch);
     PyMem_Free(pl->pool_base);
     PyMem_Free(pl->pool_len);
     Py_XDECREF(pl->pooler);
@@ -1536,7 +1624,7 @@ static int publish_arrays(CallObject *pl, char *const *bases) {
             uint64_t first = 0, end = 0;
             int first_pool = pl->lens[j] >= pl->pool_first, pooled = 0;
             if (first_pool && (pooled = pool_part(pl, bases[j], pl->lens[j], &off, &first, &end)) < 0) return -1;
-            if (!pooled && array_in_huge_pages(pl, j, bases[j])) {
+            if (!pooled && pl->lens[j] >= pl->huge_from && array_in_huge_pages(pl, j, bases[j])) {
                 flag = IN_HUGE_PAGES, pl->kind[j] = BY_READ;
             } else if (!first_pool && (pooled = pool_part(pl, bases[j], pl->lens[j], &off, &first, &end)) < 0) {
                 return -1;
@@ -1734,6 +1822,131 @@ static PyObject *direct_after(CallObject *pl, char *const *bases) {
     return a ? stopped(a - 1, K_ABORTED) : NULL;
 }
 
+/* Where bytes [at, at + n) of rank r's array j (nbytes as published,
+ * with IN_POOL) lie in this process's mapping of r's pool, when they all
+ * lie in its part there and its pool words stay inside the array and the
+ * pool; else NULL (pool_move then moves them, or refuses). */
+static char *in_pool_place(const CallObject *pl, int r, int j, uint64_t nbytes, uint64_t at, uint64_t n) {
+    const uint64_t *pw = pool_words(pl, r) + 3 * j;
+    int64_t off = (int64_t)load_acquire(&pw[0]);
+    uint64_t first = load_acquire(&pw[1]), end = load_acquire(&pw[2]);
+    if (!pl->pool_base || first >= end || end > nbytes || off < -(int64_t)nbytes || off > (int64_t)pl->pool_len[r] ||
+        off + (int64_t)first < 0 || (uint64_t)(off + (int64_t)end) > pl->pool_len[r] || at < first || at + n > end)
+        return NULL;  /* (off bounded first: the sums cannot overflow) */
+    return pl->pool_base[r] + off + (int64_t)at;
+}
+
+/* How a direct call takes rank r's published array j: BY_POOL (its part
+ * in r's shared pool), BY_WINDOW (its copy in r's region: a fallback, the
+ * array in 4 KiB pages outside the pool) or BY_READ (across). */
+static inline int taken_by(const CallObject *pl, uint64_t word) {
+    if (pl->marks && (word & IN_POOL) && !(word & IN_HUGE_PAGES)) return BY_POOL;
+    return pl->fallback && !(word & IN_HUGE_PAGES) ? BY_WINDOW : BY_READ;
+}
+
+/* Whether every peer's place of a direct reduction (its sources and the
+ * after copies' destinations) lies inside the array its rank published;
+ * -1 when so, else the first rank whose does not, with *kind and *value
+ * (K_OUTSIDE or K_WRITE_OUTSIDE, and the bytes it published). */
+static int reduction_outside(const CallObject *pl, int *kind, uint64_t *value) {
+    uint64_t extent = (uint64_t)(pl->count * pl->itemsize);
+    for (int i = 0; i < pl->nsrc + pl->nafter; i++) {
+        int writes = i >= pl->nsrc;
+        const Loc *l = writes ? &pl->after[i - pl->nsrc].dst : &pl->rsrc[i];
+        if (l->idx > PEER_ARRAY(0)) continue;
+        const uint64_t *words = published(pl, (int)l->a0);
+        int j = PEER_ARRAY(l->idx);
+        uint64_t address = load_acquire(&words[2 * j]), nbytes = load_acquire(&words[2 * j + 1]) & ~PUBLISHED_FLAGS;
+        if (!address || (uint64_t)l->a1 + extent > nbytes) {
+            *kind = writes ? K_WRITE_OUTSIDE : K_OUTSIDE, *value = nbytes;
+            return (int)l->a0;
+        }
+    }
+    return -1;
+}
+
+/* A direct call's reduction (see parse_direct_reduction), piece by piece,
+ * once every place was found inside its array: each peer's piece is read
+ * where it lies (in its pool, in place; in its region, a fallback's copy;
+ * else across into scratch placed like it in a page); the reduction, in
+ * rank order, goes into this rank's array and is streamed from there into
+ * every peer's pool or region that takes it; the rest is written across.
+ * Before each piece's writes, the abort inbox: a peer that gave up may use
+ * its buffer again. NULL when done, else why the run stopped. */
+static PyObject *direct_reduce(CallObject *pl, char *const *bases) {
+    WindowObject *w = pl->window;
+    int p = pl->nsrc, bad = -1, kind = 0, direct = 0, window = 0, pooled = 0;
+    uint64_t value = 0;
+    if ((bad = reduction_outside(pl, &kind, &value)) >= 0)
+        return Py_BuildValue("(iiK)", bad, kind, (unsigned long long)value);
+    uint64_t extent = (uint64_t)(pl->count * pl->itemsize), piece = (uint64_t)pl->rpiece;
+    size_t stride = (size_t)piece + 4096;
+    char *out = where(&pl->rdst, bases, pl->half), *srcs[p], *copies[pl->nafter + 1];
+    int across[pl->nafter + 1];
+    Py_BEGIN_ALLOW_THREADS
+    if (!pl->scratch) pl->scratch = PyMem_RawMalloc(stride * (size_t)p);
+    if (!pl->scratch) bad = w->rank, kind = K_LOST, value = ENOMEM;
+    for (uint64_t lo = 0; lo < extent && bad < 0; lo += piece) {
+        uint64_t n = extent - lo < piece ? extent - lo : piece;
+        for (int i = 0; i < p && bad < 0; i++) {
+            const Loc *l = &pl->rsrc[i];
+            if (l->idx > PEER_ARRAY(0)) {
+                srcs[i] = where(l, bases, pl->half) + lo;
+                continue;
+            }
+            int r = (int)l->a0, j = PEER_ARRAY(l->idx), err = 0;
+            const uint64_t *words = published(pl, r);
+            uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
+            uint64_t nbytes = word & ~PUBLISHED_FLAGS, at = (uint64_t)l->a1 + lo;
+            char *scratch = pl->scratch + stride * (size_t)i;
+            scratch += ((uintptr_t)address + at - (uintptr_t)scratch) & 4095;
+            int by = taken_by(pl, word);
+            if (by == BY_WINDOW) {
+                srcs[i] = where(&pl->ralt[i], bases, pl->half) + lo;
+                window++;
+            } else if (by == BY_POOL) {
+                srcs[i] = in_pool_place(pl, r, j, nbytes, at, n);
+                if (!srcs[i]) err = pool_move(pl, r, j, (uintptr_t)address, nbytes, at, srcs[i] = scratch, (size_t)n, 0);
+                pooled++;
+            } else {
+                err = direct_read(pl, pl->pids[r], (uintptr_t)address + at, srcs[i] = scratch, (size_t)n);
+                direct++;
+            }
+            if (err) bad = r, kind = err < 0 ? K_OUTSIDE : K_LOST, value = err < 0 ? nbytes : (uint64_t)err;
+        }
+        int gone = bad < 0 ? aborted_by(w, pl->seq) : 0, ncopies = 0;
+        if (gone) bad = gone - 1, kind = K_ABORTED, value = 0;
+        if (bad >= 0) break;
+        for (int i = 0; i < pl->nafter; i++) {  /* where each write goes: streamed from the reduction, or across */
+            const Copy *c = &pl->after[i];
+            int r = (int)c->dst.a0, j = PEER_ARRAY(c->dst.idx);
+            uint64_t word = load_acquire(&published(pl, r)[2 * j + 1]), at = (uint64_t)c->dst.a1 + lo;
+            int by = taken_by(pl, word);
+            char *to = by == BY_WINDOW ? where(&c->alt, bases, pl->half) + lo
+                     : by == BY_POOL ? in_pool_place(pl, r, j, word & ~PUBLISHED_FLAGS, at, n) : NULL;
+            across[i] = !to;
+            if (to) copies[ncopies++] = to;
+        }
+        reduce_all(pl->f, out + lo, srcs, p, (Py_ssize_t)(n / (uint64_t)pl->itemsize), pl->itemsize, copies, ncopies);
+        for (int i = 0; i < pl->nafter && bad < 0; i++) {
+            if (!across[i]) continue;
+            const Copy *c = &pl->after[i];
+            int r = (int)c->dst.a0, j = PEER_ARRAY(c->dst.idx), err;
+            const uint64_t *words = published(pl, r);
+            uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
+            uint64_t nbytes = word & ~PUBLISHED_FLAGS, at = (uint64_t)c->dst.a1 + lo;
+            err = taken_by(pl, word) == BY_POOL ? pool_move(pl, r, j, (uintptr_t)address, nbytes, at, out + lo, (size_t)n, 1)
+                                                : direct_move(pl, pl->pids[r], (uintptr_t)address + at, out + lo, (size_t)n, 1);
+            if (err) bad = r, kind = err < 0 ? K_WRITE_OUTSIDE : K_LOST, value = err < 0 ? nbytes : (uint64_t)err;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    pl->last_direct = direct, pl->last_window = window, pl->last_pooled = pooled;
+    if (bad >= 0) return Py_BuildValue("(iiK)", bad, kind, (unsigned long long)value);
+    int a = aborted_by(w, pl->seq);
+    return a ? stopped(a - 1, K_ABORTED) : NULL;
+}
+
 /* The call from its stage on: 1, wait until the half is free (when it
  * writes into the window), copy before, post with this call's signature
  * record; 2, wait for every rank's post, verify every record, copy after
@@ -1791,7 +2004,7 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
             pl->at = 0;
             pl->at_byte = pl->at_elem = 0;
         } else if (pl->direct) {
-            PyObject *failed = direct_after(pl, bases);
+            PyObject *failed = pl->dreduce ? direct_reduce(pl, bases) : direct_after(pl, bases);
             if (failed) return failed;
         } else {
             do_after(pl, bases, pl->half);
@@ -1804,7 +2017,7 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
     }
     if (pl->stage == 0) {  /* the first step is done */
         publish(w, K_DONE, k);
-        if (pl->direct && !pl->copied_in) pl->stage = 6;
+        if (pl->direct && (!pl->copied_in || pl->dreduce)) pl->stage = 6;  /* (a reduction's peers write too) */
         if (pl->two_steps) {
             k = pl->step = ++w->turn;
             pl->half = (int)((k - 1) & 1);
@@ -1831,6 +2044,8 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
         r = wait_for(w, K_DONE, k, pl->readers);
         if (r < w->size) return late(r, K_DONE, k);
         pl->stage = 0;
+        if (pl->dreduce && pl->fallback && pl->kind[pl->rdst.idx] == BY_WINDOW)  /* peers wrote into its region */
+            do_copies(pl->copies_out, pl->ncopies_out, bases, pl->half);
     }
     if (w->t_calls) {  /* its end, never before its start (the clock's anchor may move between) */
         double *row = w->t_calls + 8 * (pl->seq & w->t_mask), end = recorder_seconds();

@@ -288,8 +288,7 @@ class SharedWindow(abc.ABC):
                 rank published it (a write looks at the abort inbox before
                 each MiB); the run ends once every rank in ``readers``
                 (those that read or write this rank's arrays) is done with
-                the step. One step, no
-                reduction, never in pieces. ``(readers, shared,
+                the step. One step, never in pieces. ``(readers, shared,
                 copies_in)``: with a fallback on the window, source by
                 source: each rank also publishes whether its arrays lie in
                 huge pages; one whose do not makes the copies ``copies_in``
@@ -309,6 +308,20 @@ class SharedWindow(abc.ABC):
                 ``pool_first`` bytes or more in huge pages. The call's
                 ``last_direct``, ``last_window`` and ``last_pooled`` count
                 its last run's reads and writes of each kind.
+                ``(readers, shared, copies_in, pool_first, (ralts,
+                copies_out, piece))``: a direct reduction. ``reduce``
+                reduces this rank's block: its sources, in rank order, are
+                this rank's array and peers' published arrays, read ``piece``
+                bytes at a time (a peer's part in its pool in place, else
+                across); ``dst`` is this rank's array, and every ``after``
+                copy writes all of it (``src`` is ``dst``) into a peer's
+                array, piece by piece as it is reduced. With a fallback,
+                ``ralts`` names each peer source's copy in its rank's region
+                (None for this rank's own source), each ``after`` copy
+                names the same place fourth (a peer whose array is taken
+                through the window gets its reduced block there), and such
+                a rank, once every peer is done, makes the copies
+                ``copies_out`` from its region into its array.
 
         A place is ``(i, byte offset, 0)`` in the run's array i, or ``(-1, a0,
         a1)`` in the window: address a0 on steps k with ``(k - 1) % 2 ==

@@ -20,6 +20,7 @@ The window keeps a reference to its transport and uses, of it: ``rank``,
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 from typing import Any
@@ -327,11 +328,15 @@ class ShmWindow(SharedWindow):
         if direct is not None:
             if DIRECT_ACCESS not in self.features:
                 raise NotImplementedError("the window cannot reach peers' memory (no cross-memory attach)")
-            readers, shared, copies_in, pool_first = (tuple(direct) + (None, None))[:4]
+            readers, shared, copies_in, pool_first, reduction = (tuple(direct) + (None,) * 3)[:5]
             described = (self._cross.pids, [reg.ctypes.data for reg in self._regions], readers, shared, copies_in)
             if pool_first is not None:  # read arrays that lie in their rank's pool out of it
                 described += ([(pool.ctypes.data, pool.nbytes) for pool in self._pools], self._adopted_part,
                               Adoptions.MIN_BYTES, pool_first)
+            elif reduction is not None:
+                described += (None, None, 0, sys.maxsize)
+            if reduction is not None:  # (ralts, copies_out, piece)
+                described += tuple(reduction)
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, None, described)
         if then is not None:
             return self._compiled.compile(narrays, before, after, reduce, sources, 0, None, then)

@@ -25,12 +25,15 @@ from ...ops import Op
 from ...prepared import CopyIn
 from ...registry import register
 from ...tracing import COPYING
+from ...window_contract import COMPILED_CALLS, DIRECT_ACCESS
 from .direct import SCRATCH_PEER_FIRST, direct, window_direct_from
 from .pieces import blocks, displs, piece_elems, striped
-from .compiled_calls import arr, first, first_two, compile_call, other_half, prepared_from, reduction, run_prepared, slot
+from .compiled_calls import (arr, first, first_two, compile_call, compile_reduction, other_half, peer, prepared_from,
+                             reduction, run_prepared, slot)
 from .reduction import LOW, reduce
 from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, two_step_call, window_state
-from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, allreduce_two_steps
+from .tuning import (ALLREDUCE_DIRECT_PIECE, ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, ALLREDUCE_READ_HUGE_FROM,
+                     allreduce_two_steps, compiled_direct)
 
 __all__ = ["allreduce"]
 
@@ -46,13 +49,16 @@ def _prepare(transport, buf: np.ndarray, op: Op, copy_in: CopyIn | None = None):
     nbytes, dtype = buf.nbytes, buf.dtype
     window, st = window_state(transport.window, p)
     one_fence, two = single_fence(nbytes, p, st), two_step_call(window, st, buf, allreduce_two_steps)
-    if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two):
+    direct_call = compiled_reduction(window, st, buf, op)
+    if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two or direct_call):
         return None
     if copy_in is not None and copy_in.at != 0:
         return None
     src = 0 if copy_in is None else 1  # the array the vector is read from
     peers = [r for r in range(p) if r != rank]
-    if two:
+    if direct_call:
+        made = _direct_call(window, st, rank, buf, op, peers, src)
+    elif two:
         made = _two_steps(window, st, rank, buf, op, peers, src)
     else:
         reduced = reduction(arr(0), [slot(st, r) for r in range(p)], buf.size, dtype, op)
@@ -102,6 +108,45 @@ def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peer
     return compile_call(window, src + 1, before, [], reduced, peers, then=then)
 
 
+def compiled_reduction(window, st: WindowState, buf: np.ndarray, op: Op) -> bool:
+    """Whether ``buf`` takes the direct compiled call (:func:`_direct_call`):
+    the window has one, ``buf``'s size is in its span
+    (:data:`~.tuning.COMPILED_DIRECT`), it has an element for every rank,
+    fits a half (where its fallback goes) and has a compiled kernel; the
+    same on every rank."""
+    return (compiled_direct("allreduce", buf.nbytes, window.size, window.cores)
+            and {COMPILED_CALLS, DIRECT_ACCESS} <= window.features and window.size <= buf.size
+            and buf.nbytes <= st.half and buf.dtype not in LOW
+            and compiled.kernel_codes(buf.dtype, op.name, op.ufunc) is not None)
+
+
+def _direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int], src: int = 0):
+    """The direct compiled call (see :func:`~.compiled_calls.compile_reduction`):
+    every rank reduces its block (1/p), in rank order, from its own array
+    ``src`` and every peer's, and writes it into every peer's array 0,
+    piece by piece, in one step. A peer's block is reduced where it lies:
+    in its pool (nothing copied), across from huge pages, or from the copy
+    in the peer's region that a rank whose array lies in 4 KiB pages
+    outside its pool makes before its post; such a rank gets the reduced
+    blocks in its region too, and copies them out once every peer is done.
+    Every element is reduced as the window's calls reduce it, so the bits
+    are theirs."""
+    item, p = buf.itemsize, len(peers) + 1
+    counts = blocks(buf.size, p)
+    starts = [s * item for s in displs(counts)]
+    mine, n = starts[rank], counts[rank] * item
+    srcs = [arr(src, mine) if r == rank else peer(r, src, mine) for r in range(p)]
+    reduced = reduction(arr(0, mine), srcs, counts[rank], buf.dtype, op)
+    if reduced is None:
+        return None
+    writes = [(arr(0, mine), peer(r, 0, mine), n, slot(st, r, mine)) for r in peers]
+    copies_in = [(arr(src, starts[b]), slot(st, rank, starts[b]), counts[b] * item) for b in peers]
+    ralts = [None if r == rank else slot(st, r, mine) for r in range(p)]
+    copies_out = [(slot(st, rank, starts[b]), arr(0, starts[b]), counts[b] * item) for b in peers]
+    return compile_reduction(window, src + 1, writes, reduced, peers, sorted({0, src}), copies_in, ralts, copies_out,
+                             ALLREDUCE_DIRECT_PIECE, ALLREDUCE_READ_HUGE_FROM)
+
+
 @register("allreduce", "shared_window", needs=("window",), prepare=_prepare, copies_in=True,
           description="single-copy reduction through the shared window (1/p per rank)")
 def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
@@ -110,6 +155,8 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         return
     window, st = state_of(ctx)
     key = ("allreduce", buf.dtype, buf.size, op.name)
+    if compiled_reduction(window, st, buf, op) and run_prepared(ctx, _prepare, key, buf, op):
+        return
     if single_fence(buf.nbytes, p, st):
         if not run_prepared(ctx, _prepare, key, buf, op):
             _small(ctx, window, st, buf, op)

@@ -26,7 +26,7 @@ from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_C
                      compiled_piece, direct_from, direct_where_huge)
 
 __all__ = [
-    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "direct_mode", "DIRECT",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "compile_reduction", "direct_mode", "DIRECT",
     "FALLBACK", "POOLED", "on_window", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from",
     "run_prepared",
 ]
@@ -106,6 +106,29 @@ def compile_direct(window, narrays: int, before: list, after: list, readers: lis
     else:
         described = (readers, shared)
     made = window.compile(narrays, before, after, None, [], direct=described)
+    settle = window.settle
+    return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
+
+
+def compile_reduction(window, narrays: int, writes: list, reduce: tuple, peers: list[int], shared: list[int],
+                      copies_in: list, ralts: list, copies_out: list, piece: int, huge_from: int = 0):
+    """``(run, settle)`` of a direct compiled call that reduces (see
+    :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
+    reduces its block ``reduce`` straight from its peers' published arrays
+    (out of their pools in place where they lie there, across where they
+    lie in huge pages, else from the copies ``copies_in`` each such peer
+    makes into its region, ``ralts``), ``piece`` bytes at a time, and
+    ``writes`` the result into theirs (``after`` copies, each naming that
+    peer's region as its fallback: a peer taking its array through the
+    window copies its blocks out, ``copies_out``). None where the window
+    has no compiled calls or cannot reach peers' memory (the same on every
+    rank). An array of fewer than ``huge_from`` bytes goes through the window
+    even where it lies in huge pages."""
+    if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
+        return None
+    pool_first = 0 if POOL in window.features else None  # a pooled block is reduced in place, never read
+    made = window.compile(narrays, [], writes, reduce, [],
+                          direct=(peers, shared, copies_in, pool_first, (ralts, copies_out, piece, huge_from)))
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 

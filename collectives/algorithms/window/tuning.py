@@ -16,7 +16,7 @@ __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
-    "allreduce_two_steps", "reduce_two_steps", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
+    "allreduce_two_steps", "reduce_two_steps", "ALLREDUCE_DIRECT_PIECE", "ALLREDUCE_READ_HUGE_FROM", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
     "compiled_direct", "direct_where_huge", "POOLED_CALLS", "POOL_FIRST_BYTES",
 ]
 
@@ -31,6 +31,8 @@ ALLREDUCE_PIECE = 32 * 1024        # every rank's vector as it is filled), in pi
 ALLREDUCE_TWO_STEPS_FROM = 16 * 1024  # bytes: where ranks share cores, allreduce from this up to a half
                                       # takes one compiled call of two steps (each rank reduces 1/p)
 REDUCE_TWO_STEPS_FROM = 64 * 1024    # bytes: the same for reduce (each rank reduces 1/p, the root gathers)
+ALLREDUCE_DIRECT_PIECE = 512 * 1024  # bytes: allreduce's direct compiled call reduces and writes pieces of this
+ALLREDUCE_READ_HUGE_FROM = 256 * 1024  # bytes: and reads a vector in huge pages across from this size on
 
 #: From which size each collective reads and writes peers' buffers directly
 #: (one copy, through the kernel or the shared pool) rather than through
@@ -128,6 +130,7 @@ COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | No
     "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (PerBlock(512 << 10), None)),
     "bcast":       ((4 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
     "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
+    "allreduce":   ((64 << 10, None),      (64 << 10, None),   (1 << 20, None),        (1 << 20, None)),
 }
 
 
@@ -230,6 +233,8 @@ def allreduce_two_steps(nbytes: int, p: int, cores: int) -> bool:
     51-52 (out of place 93-96 -> 54-55), 2 MiB 121-133 -> 110-113; at 8
     KiB no change. More ranks than 2, each on its own core, were not
     measured (this machine has 2 cores)."""
+    import os
+    if os.environ.get('XX_NO2') and nbytes >= (1<<20): return False
     return two_steps(nbytes, p, cores) or (p == 2 and nbytes >= ALLREDUCE_TWO_STEPS_FROM)
 
 
