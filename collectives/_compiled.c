@@ -861,7 +861,9 @@ static inline char *where(const Loc *l, char *const *bases, int half) {
 
 static int parse_loc(PyObject *t, Loc *l, int narrays, Py_ssize_t *need, Py_ssize_t extent) {
     if (!PyArg_ParseTuple(t, "inn", &l->idx, &l->a0, &l->a1)) return -1;
-    if (l->idx >= narrays || (l->idx <= PEER_ARRAY(0) && PEER_ARRAY(l->idx) >= narrays)) {
+    /* (a peer's array j is checked at run time against what it published; a reduction in place publishes its
+     * array as its array 1 too, see publish_arrays) */
+    if (l->idx >= narrays || (l->idx <= PEER_ARRAY(0) && PEER_ARRAY(l->idx) >= MAX_ARRAYS)) {
         PyErr_SetString(PyExc_ValueError, "array index out of range");
         return -1;
     }
@@ -1639,6 +1641,11 @@ static int publish_arrays(CallObject *pl, char *const *bases) {
         }
         words[2 * j] = on ? (uint64_t)(uintptr_t)bases[j] : 0;
         words[2 * j + 1] = on ? (uint64_t)pl->lens[j] | flag : 0;
+    }
+    if (pl->dreduce && pl->narrays == 1) {  /* in place: its input, which peers read as array 1, is array 0 */
+        uint64_t *pw = pool_words(pl, pl->window->rank);
+        words[2] = words[0], words[3] = words[1];
+        pw[3] = pw[0], pw[4] = pw[1], pw[5] = pw[2];
     }
     return pl->fallback && all_window;
 }

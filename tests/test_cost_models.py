@@ -416,7 +416,7 @@ def test_a_chain_sends_one_piece_hop_by_hop_and_pipelines_the_rest() -> None:
 
 
 def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatch) -> None:
-    from collectives.algorithms.window.tuning import DIRECT_FROM, compiled_direct, direct_from
+    from collectives.algorithms.window.tuning import DIRECT_FROM, PIECE_BYTES, compiled_direct, direct_from
     from collectives.cost_models.window import direct
     from collectives.window_contract import CMA_NEVER
 
@@ -430,7 +430,11 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
     for collective in DIRECT_FROM:
         at = direct_from(collective, 4, 2)
         assert direct(collective, 4, at, P)
-        assert direct(collective, 4, at - 1, P) == compiled_direct(collective, at - 1, 4, 2)  # its compiled call
+        fits = collective != "allreduce" or at - 1 <= PIECE_BYTES  # allreduce's compiled call: up to a half
+        assert direct(collective, 4, at - 1, P) == (fits and compiled_direct(collective, at - 1, 4, 2))
+    assert direct("allreduce", 2, 64 << 10, P) and not direct("allreduce", 2, (64 << 10) - 1, P)
+    assert direct("allreduce", 4, MiB, P) and not direct("allreduce", 4, MiB - 1, P)  # ranks share cores
+    assert not direct("allreduce", 2, PIECE_BYTES + 1, P)  # past a half: the window's pieces
     assert direct("scatter", 4, 128 << 10, P) and not direct("scatter", 4, (128 << 10) - 1, P)
     assert direct("alltoall", 4, 256 << 10, P) and not direct("alltoall", 4, (256 << 10) - 1, P)
     for collective in ("gather", "bcast"):  # the compiled call from 512 KiB, then the pool's direct path

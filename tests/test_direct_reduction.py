@@ -78,10 +78,11 @@ def _reduction_call(comm, keys_before: set):
     return calls[0] if calls else None
 
 
-def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum") -> dict:
+def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum", odd_in_place: bool = False) -> dict:
     """``times`` allreduces of N elements for each kind of buffer (rank 0's
     in huge pages and the others' in 4 KiB pages: "mixed"), in place and
-    out of place, each kind with its own size (its own compiled call):
+    out of place (with ``odd_in_place``, odd ranks call in place where
+    the others call out of place), each kind with its own size:
     every result against the reduction in rank order, the input of an out
     of place call unchanged, guards, and the last run's reads by kind."""
     r, p = comm.rank, comm.size
@@ -91,8 +92,9 @@ def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum") -> dic
     rows = {}
     for i, kind in enumerate(KINDS):
         where = ("huge" if r == 0 else "small") if kind == "mixed" else kind
-        for inplace in (True, False):
-            n = N * 8 // np.dtype(dtype).itemsize + 2 * i + (0 if inplace else 1)  # just over 1 MiB
+        for asked in (True, False):
+            inplace = asked or (odd_in_place and r % 2 == 1)
+            n = N * 8 // np.dtype(dtype).itemsize + 2 * i + (0 if asked else 1)  # just over 1 MiB
             x, out = bufs(n, dtype, where), bufs(n, dtype, where)
             keys = set(comm._prepared)
             bad = []
@@ -105,7 +107,7 @@ def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum") -> dic
                 if not inplace and not np.array_equal(x, _data(r, n, dtype, t)):
                     bad.append(f"call {t}: the input changed")
             call = _reduction_call(comm, keys)
-            rows[(kind, inplace)] = {"bad": bad, "reads": None if call is None else
+            rows[(kind, asked)] = {"bad": bad, "reads": None if call is None else
                                      (call.last_direct, call.last_window, call.last_pooled)}
     return {"rows": rows, "guards": bufs.intact(), "span": compiled_direct("allreduce", N * 8, p, comm.transport.window.cores)}
 
@@ -132,6 +134,17 @@ def _check_rows(got: list[dict], adopt: bool) -> None:
 def test_every_kind_of_buffer_reduces_right(monkeypatch, p, adopt):
     monkeypatch.setenv("COLLECTIVES_SHM_ADOPT", "1" if adopt else "0")
     got = run_ranks(every_kind, p, 3, timeout=180)
+    if not got[0]["span"]:
+        pytest.skip(f"allreduce of {N * 8} B at {p} ranks on these cores takes no direct call")
+    _check_rows(got, adopt)
+
+
+@pytest.mark.parametrize("p,adopt", [(2, True), (3, False)])
+def test_ranks_in_place_and_out_of_place_mix(monkeypatch, p, adopt):
+    """The same signature: a rank out of place reads a peer in place, whose
+    one array is both its input and its output, and the other way round."""
+    monkeypatch.setenv("COLLECTIVES_SHM_ADOPT", "1" if adopt else "0")
+    got = run_ranks(every_kind, p, 3, "float64", "sum", True, timeout=180)
     if not got[0]["span"]:
         pytest.skip(f"allreduce of {N * 8} B at {p} ranks on these cores takes no direct call")
     _check_rows(got, adopt)

@@ -1,5 +1,10 @@
 """allreduce through the shared window.
 
+* from its span in ``COMPILED_DIRECT`` up to a half of the window (taken as
+  PIECE_BYTES): one direct compiled call, publish F, each rank reduces its
+  1/p straight from every rank's buffer (in their pools: nothing copied)
+  and writes it into every other rank's ((p-1)/p n copy), F:
+  T = 2F + copy((p-1)/p n) + (p-1)/p n gamma.
 * where ranks share cores, and at 2 ranks, from 16 KiB to a half of the
   window (taken as PIECE_BYTES): one call of two steps, copy in the
   (p-1)/p the peers reduce, F, reduce this rank's 1/p from p sources into
@@ -20,14 +25,18 @@
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from collectives.algorithms.window.tuning import PIECE_BYTES, allreduce_two_steps
+from collectives.algorithms.window.tuning import PIECE_BYTES, allreduce_two_steps, compiled_direct
 
 from .common import direct, one_fence, pieces
 
 
 @cost_model("allreduce", "shared_window", call=False)
 def allreduce(p: int, n: int, P: Params) -> float:
-    """copy(n) + F + (p-1) n gamma small; two steps on shared cores or at 2 ranks; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
+    """2F + (p-1)/p (copy(n) + n gamma) by the direct call; copy(n) + F + (p-1) n gamma small; two steps on shared
+    cores or at 2 ranks; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
+    if p > 1 and n <= PIECE_BYTES and compiled_direct("allreduce", n, p, P.cores):
+        share = (p - 1) / p * n
+        return 2 * P.fence + P.copy(share) + share * P.gamma
     if n < PIECE_BYTES and allreduce_two_steps(n, p, P.cores):
         share = (p - 1) / p * n
         return P.copy(share) + 2 * P.fence + share * P.gamma + P.copy(n)

@@ -123,8 +123,9 @@ def compiled_reduction(window, st: WindowState, buf: np.ndarray, op: Op) -> bool
 def _direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int], src: int = 0):
     """The direct compiled call (see :func:`~.compiled_calls.compile_reduction`):
     every rank reduces its block (1/p), in rank order, from its own array
-    ``src`` and every peer's, and writes it into every peer's array 0,
-    piece by piece, in one step. A peer's block is reduced where it lies:
+    ``src`` and every peer's array 1 (a call in place publishes its one
+    array as its array 1 too, so ranks in place and out of place mix), and
+    writes it into every peer's array 0, piece by piece, in one step. A peer's block is reduced where it lies:
     in its pool (nothing copied), across from huge pages, or from the copy
     in the peer's region that a rank whose array lies in 4 KiB pages
     outside its pool makes before its post; such a rank gets the reduced
@@ -135,7 +136,7 @@ def _direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, pe
     counts = blocks(buf.size, p)
     starts = [s * item for s in displs(counts)]
     mine, n = starts[rank], counts[rank] * item
-    srcs = [arr(src, mine) if r == rank else peer(r, src, mine) for r in range(p)]
+    srcs = [arr(src, mine) if r == rank else peer(r, 1, mine) for r in range(p)]  # in place too: see compile
     reduced = reduction(arr(0, mine), srcs, counts[rank], buf.dtype, op)
     if reduced is None:
         return None
