@@ -32,7 +32,7 @@ ALLREDUCE_TWO_STEPS_FROM = 16 * 1024  # bytes: where ranks share cores, allreduc
                                       # takes one compiled call of two steps (each rank reduces 1/p)
 REDUCE_TWO_STEPS_FROM = 64 * 1024    # bytes: the same for reduce (each rank reduces 1/p, the root gathers)
 ALLREDUCE_DIRECT_PIECE = 512 * 1024  # bytes: allreduce's direct compiled call reduces and writes pieces of this
-ALLREDUCE_READ_HUGE_FROM = 256 * 1024  # bytes: and reads a vector in huge pages across from this size on
+ALLREDUCE_READ_HUGE_FROM = 512 * 1024  # bytes: and reads a vector in huge pages across from this size on
 
 #: From which size each collective reads and writes peers' buffers directly
 #: (one copy, through the kernel or the shared pool) rather than through
