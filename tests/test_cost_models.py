@@ -430,19 +430,25 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
     for collective in DIRECT_FROM:
         at = direct_from(collective, 4, 2)
         assert direct(collective, 4, at, P)
-        fits = collective != "allreduce" or at - 1 <= PIECE_BYTES  # allreduce's compiled call: up to a half
-        assert direct(collective, 4, at - 1, P) == (fits and compiled_direct(collective, at - 1, 4, 2))
+        assert direct(collective, 4, at - 1, P) == compiled_direct(collective, at - 1, 4, 2)  # its compiled call
     assert direct("allreduce", 2, 64 << 10, P) and not direct("allreduce", 2, (64 << 10) - 1, P)
     assert direct("allreduce", 4, MiB, P) and not direct("allreduce", 4, MiB - 1, P)  # ranks share cores
-    assert not direct("allreduce", 2, PIECE_BYTES + 1, P)  # past a half: the window's pieces
+    assert direct("allreduce", 2, 2 * PIECE_BYTES - 2, P)  # the compiled call up to where DIRECT_FROM takes over
     assert direct("scatter", 4, 128 << 10, P) and not direct("scatter", 4, (128 << 10) - 1, P)
     assert direct("alltoall", 4, 256 << 10, P) and not direct("alltoall", 4, (256 << 10) - 1, P)
     for collective in ("gather", "bcast"):  # the compiled call from 512 KiB, then the pool's direct path
         assert direct(collective, 4, 512 << 10, P) and not direct(collective, 4, (512 << 10) - 1, P)
         assert direct(collective, 4, 16 << 20, P)
     assert not direct("gather", 4, 512 << 10, replace(P, cma_from=CMA_NEVER))  # the race's answer: the window
-    small, large = (predict("allreduce", "shared_window", 2, n, P) for n in (4 * MiB - 4, 4 * MiB))
-    assert large < small  # the single copy of the direct path costs less in the model too
+    # allreduce: the direct compiled call up to DIRECT_FROM (each rank writes its reduced 1/p into every
+    # peer's pooled buffer), then the pool's direct path (which reads what it reduces too)
+    own = replace(P, cores=4)  # a core each (no stretch)
+    share = 3 / 4 * 3 * MiB
+    assert predict("allreduce", "shared_window", 4, 3 * MiB, own) == pytest.approx(
+        2 * P.fence + P.copy(share) + share * P.gamma)
+    share = 3 / 4 * 4 * MiB
+    assert predict("allreduce", "shared_window", 4, 4 * MiB, own) == pytest.approx(
+        2 * P.fence + 2 * P.copy(share) + share * P.gamma)
     monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(MiB))
     assert direct_from("gather", 8, 2) == MiB and direct("bcast", 2, MiB, P)
 

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from collectives import get_op
 from collectives.algorithms.window.tuning import compiled_direct
 from collectives.bench.pages import empty
 from harness import attempt, run_ranks, wait_until
@@ -78,8 +79,9 @@ def _reduction_call(comm, keys_before: set):
     return calls[0] if calls else None
 
 
-def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum", odd_in_place: bool = False) -> dict:
-    """``times`` allreduces of N elements for each kind of buffer (rank 0's
+def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum", odd_in_place: bool = False,
+               size: int = N) -> dict:
+    """``times`` allreduces of ``size`` float64's bytes for each kind of buffer (rank 0's
     in huge pages and the others' in 4 KiB pages: "mixed"), in place and
     out of place (with ``odd_in_place``, odd ranks call in place where
     the others call out of place), each kind with its own size:
@@ -94,7 +96,7 @@ def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum", odd_in
         where = ("huge" if r == 0 else "small") if kind == "mixed" else kind
         for asked in (True, False):
             inplace = asked or (odd_in_place and r % 2 == 1)
-            n = N * 8 // np.dtype(dtype).itemsize + 2 * i + (0 if asked else 1)  # just over 1 MiB
+            n = size * 8 // np.dtype(dtype).itemsize + 2 * i + (0 if asked else 1)
             x, out = bufs(n, dtype, where), bufs(n, dtype, where)
             keys = set(comm._prepared)
             bad = []
@@ -109,10 +111,17 @@ def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum", odd_in
             call = _reduction_call(comm, keys)
             rows[(kind, asked)] = {"bad": bad, "reads": None if call is None else
                                      (call.last_direct, call.last_window, call.last_pooled)}
-    return {"rows": rows, "guards": bufs.intact(), "span": compiled_direct("allreduce", N * 8, p, comm.transport.window.cores)}
+    from collectives.algorithms.window.allreduce import compiled_reduction
+    from collectives.algorithms.window.state import window_state
+    window, st = window_state(comm.transport.window, p)
+    return {"rows": rows, "guards": bufs.intact(),
+            "span": compiled_reduction(window, st, np.empty(size * 8 // np.dtype(dtype).itemsize, dtype), get_op(op))}
 
 
-def _check_rows(got: list[dict], adopt: bool) -> None:
+def _check_rows(got: list[dict], adopt: bool, falls_back: bool = True) -> None:
+    """Every rank's results and guards, and the kinds of its reads: out of
+    pools (adopted or from alloc), across (huge pages; 4 KiB pages too
+    where the call has no fallback), or from the window."""
     p = len(got)
     for r, g in enumerate(got):
         assert g["guards"], f"rank {r}: wrote outside a buffer"
@@ -122,6 +131,8 @@ def _check_rows(got: list[dict], adopt: bool) -> None:
             assert row["reads"] is not None, f"{where}: no direct compiled call ran"
             if kind == "alloc" or adopt:  # from comm.alloc, or adopted by the pool once seen twice
                 want = (False, False, True)
+            elif not falls_back:  # read across from either kind of page
+                want = (True, False, False)
             elif kind == "mixed":  # rank 0's in huge pages, read across; the others' through the window
                 want = (r != 0, r == 0 or p > 2, False)
             else:
@@ -148,6 +159,29 @@ def test_ranks_in_place_and_out_of_place_mix(monkeypatch, p, adopt):
     if not got[0]["span"]:
         pytest.skip(f"allreduce of {N * 8} B at {p} ranks on these cores takes no direct call")
     _check_rows(got, adopt)
+
+
+@pytest.mark.parametrize("p,size", [(2, 3 * N - 16), (3, 5 * N // 2)])
+def test_a_vector_past_a_half_reduces_right(monkeypatch, p, size):
+    """About 3 MiB at 2 ranks, 2.5 MiB at 3: more than a half of the window,
+    but the blocks a rank's peers reduce fit there, where a rank whose
+    array lies in 4 KiB pages outside its pool puts them (no adoption)."""
+    monkeypatch.setenv("COLLECTIVES_SHM_ADOPT", "0")
+    got = run_ranks(every_kind, p, 2, "float64", "sum", False, size, timeout=180)
+    if not got[0]["span"]:
+        pytest.skip(f"allreduce of {size * 8} B at {p} ranks on these cores takes no direct call")
+    _check_rows(got, False)
+
+
+def test_a_vector_whose_blocks_do_not_fit_a_half_is_read_across(monkeypatch):
+    """3.5 MiB at 3 ranks: the blocks a rank's peers reduce take more than a
+    half, and the pool's direct path begins at 4 MiB; no adoption: arrays in
+    4 KiB pages are read across too."""
+    monkeypatch.setenv("COLLECTIVES_SHM_ADOPT", "0")
+    got = run_ranks(every_kind, 3, 2, "float64", "sum", False, 7 * N // 2, timeout=180)
+    if not got[0]["span"]:
+        pytest.skip("no direct call on these cores")
+    _check_rows(got, False, falls_back=False)
 
 
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float64", "max"), ("int64", "bxor"),

@@ -1,7 +1,8 @@
 """allreduce through the shared window.
 
-* from its span in ``COMPILED_DIRECT`` up to a half of the window (taken as
-  PIECE_BYTES): one direct compiled call, publish F, each rank reduces its
+* from its span in ``COMPILED_DIRECT`` while (p-1)/p n fits a half of the
+  window (taken as PIECE_BYTES), or up to its ``DIRECT_FROM``: one direct
+  compiled call, publish F, each rank reduces its
   1/p straight from every rank's buffer (in their pools: nothing copied)
   and writes it into every other rank's ((p-1)/p n copy), F:
   T = 2F + copy((p-1)/p n) + (p-1)/p n gamma.
@@ -25,7 +26,7 @@
 from __future__ import annotations
 
 from ..model import Params, cost_model
-from collectives.algorithms.window.tuning import PIECE_BYTES, allreduce_two_steps, compiled_direct
+from collectives.algorithms.window.tuning import PIECE_BYTES, allreduce_two_steps, compiled_direct, direct_from
 
 from .common import direct, one_fence, pieces
 
@@ -34,7 +35,8 @@ from .common import direct, one_fence, pieces
 def allreduce(p: int, n: int, P: Params) -> float:
     """2F + (p-1)/p (copy(n) + n gamma) by the direct call; copy(n) + F + (p-1) n gamma small; two steps on shared
     cores or at 2 ranks; pieces; 2F + 2 (p-1)/p copy(n) + (p-1)/p n gamma direct."""
-    if p > 1 and n <= PIECE_BYTES and compiled_direct("allreduce", n, p, P.cores):
+    if p > 1 and compiled_direct("allreduce", n, p, P.cores) and (
+            (p - 1) * n <= p * PIECE_BYTES or n < direct_from("allreduce", p, P.cores)):
         share = (p - 1) / p * n
         return 2 * P.fence + P.copy(share) + share * P.gamma
     if n < PIECE_BYTES and allreduce_two_steps(n, p, P.cores):

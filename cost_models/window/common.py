@@ -14,10 +14,8 @@ __all__ = ["direct", "one_fence", "pieces", "filled"]
 
 def direct(collective: str, p: int, n: int, P: Params) -> bool:
     """Whether ``collective`` reads peers' buffers directly at ``n`` bytes (as the implementation decides:
-    through the pool from its ``DIRECT_FROM``, or in its direct compiled call below it; allreduce's
-    takes vectors that fit a half of the window, taken as ``PIECE_BYTES``)."""
-    fits = collective != "allreduce" or n <= PIECE_BYTES
-    return n >= direct_from(collective, p, P.cores) or (fits and compiled_direct(collective, n, p, P.cores, P.cma_from))
+    through the pool from its ``DIRECT_FROM``, or in its direct compiled call below it)."""
+    return n >= direct_from(collective, p, P.cores) or compiled_direct(collective, n, p, P.cores, P.cma_from)
 
 
 def one_fence(p: int, n: int, P: Params, limit: int | None = None) -> float | None:

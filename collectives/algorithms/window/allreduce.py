@@ -112,12 +112,24 @@ def compiled_reduction(window, st: WindowState, buf: np.ndarray, op: Op) -> bool
     """Whether ``buf`` takes the direct compiled call (:func:`_direct_call`):
     the window has one, ``buf``'s size is in its span
     (:data:`~.tuning.COMPILED_DIRECT`), it has an element for every rank,
-    fits a half (where its fallback goes) and has a compiled kernel; the
-    same on every rank."""
-    return (compiled_direct("allreduce", buf.nbytes, window.size, window.cores)
-            and {COMPILED_CALLS, DIRECT_ACCESS} <= window.features and window.size <= buf.size
-            and buf.nbytes <= st.half and buf.dtype not in LOW
+    and a compiled kernel; and either the blocks a rank's peers reduce fit
+    a half (:func:`_falls_back`) or the pool's direct path has not begun
+    (:data:`~.tuning.DIRECT_FROM`, which decides once every rank published
+    whether every buffer can be reached); the same on every rank."""
+    p = window.size
+    return (compiled_direct("allreduce", buf.nbytes, p, window.cores)
+            and {COMPILED_CALLS, DIRECT_ACCESS} <= window.features and p <= buf.size and buf.dtype not in LOW
+            and (_falls_back(st, buf, p) or buf.nbytes < window_direct_from("allreduce", window, p))
             and compiled.kernel_codes(buf.dtype, op.name, op.ufunc) is not None)
+
+
+def _falls_back(st: WindowState, buf: np.ndarray, p: int) -> bool:
+    """Whether the direct call takes an array in 4 KiB pages outside its
+    rank's pool through the window: the blocks its peers reduce fit a half.
+    Otherwise it reads such an array across (from its span's start up to
+    :data:`~.tuning.DIRECT_FROM`: 4 ranks on 2 cores, 3 MiB, 825 us in the
+    window's pieces against 517 by Open MPI)."""
+    return buf.nbytes - buf.size // p * buf.itemsize <= st.half
 
 
 def _direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int], src: int = 0):
@@ -125,13 +137,15 @@ def _direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, pe
     every rank reduces its block (1/p), in rank order, from its own array
     ``src`` and every peer's array 1 (a call in place publishes its one
     array as its array 1 too, so ranks in place and out of place mix), and
-    writes it into every peer's array 0, piece by piece, in one step. A peer's block is reduced where it lies:
-    in its pool (nothing copied), across from huge pages, or from the copy
-    in the peer's region that a rank whose array lies in 4 KiB pages
-    outside its pool makes before its post; such a rank gets the reduced
-    blocks in its region too, and copies them out once every peer is done.
-    Every element is reduced as the window's calls reduce it, so the bits
-    are theirs."""
+    writes it into every peer's array 0, piece by piece, in one step. A
+    peer's block is reduced where it lies: in its pool (nothing copied),
+    across from huge pages, or from the copy in the peer's region that a
+    rank whose array lies in 4 KiB pages outside its pool makes before its
+    post (its peers' blocks one after another, :func:`_placed_blocks`);
+    such a rank gets the reduced blocks in the same places, and copies them
+    out once every peer is done. Where those blocks do not fit a half
+    (:func:`_falls_back`), such an array is read across. Every element is reduced as the window's
+    calls reduce it, so the bits are theirs."""
     item, p = buf.itemsize, len(peers) + 1
     counts = blocks(buf.size, p)
     starts = [s * item for s in displs(counts)]
@@ -140,12 +154,29 @@ def _direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, pe
     reduced = reduction(arr(0, mine), srcs, counts[rank], buf.dtype, op)
     if reduced is None:
         return None
-    writes = [(arr(0, mine), peer(r, 0, mine), n, slot(st, r, mine)) for r in peers]
-    copies_in = [(arr(src, starts[b]), slot(st, rank, starts[b]), counts[b] * item) for b in peers]
-    ralts = [None if r == rank else slot(st, r, mine) for r in range(p)]
-    copies_out = [(slot(st, rank, starts[b]), arr(0, starts[b]), counts[b] * item) for b in peers]
+    if not _falls_back(st, buf, p):  # arrays neither in huge pages nor in a pool are read across
+        writes = [(arr(0, mine), peer(r, 0, mine), n) for r in peers]
+        return compile_reduction(window, src + 1, writes, reduced, peers, sorted({0, src}), None, [None] * p, [],
+                                 ALLREDUCE_DIRECT_PIECE)
+    placed = [_placed_blocks(counts, q, item) for q in range(p)]  # placed[q][b]: block b in q's region
+    writes = [(arr(0, mine), peer(r, 0, mine), n, slot(st, r, placed[r][rank])) for r in peers]
+    copies_in = [(arr(src, starts[b]), slot(st, rank, placed[rank][b]), counts[b] * item) for b in peers]
+    ralts = [None if r == rank else slot(st, r, placed[r][rank]) for r in range(p)]
+    copies_out = [(slot(st, rank, placed[rank][b]), arr(0, starts[b]), counts[b] * item) for b in peers]
     return compile_reduction(window, src + 1, writes, reduced, peers, sorted({0, src}), copies_in, ralts, copies_out,
                              ALLREDUCE_DIRECT_PIECE, ALLREDUCE_READ_HUGE_FROM)
+
+
+def _placed_blocks(counts: list[int], owner: int, item: int) -> dict[int, int]:
+    """Byte offset in ``owner``'s region of each block but its own, one after
+    another in rank order (where a rank whose array goes through the window
+    puts the blocks its peers reduce)."""
+    at, offsets = 0, {}
+    for b, c in enumerate(counts):
+        if b != owner:
+            offsets[b] = at
+            at += c * item
+    return offsets
 
 
 @register("allreduce", "shared_window", needs=("window",), prepare=_prepare, copies_in=True,

@@ -111,7 +111,7 @@ def compile_direct(window, narrays: int, before: list, after: list, readers: lis
 
 
 def compile_reduction(window, narrays: int, writes: list, reduce: tuple, peers: list[int], shared: list[int],
-                      copies_in: list, ralts: list, copies_out: list, piece: int, huge_from: int = 0):
+                      copies_in: list | None, ralts: list, copies_out: list, piece: int, huge_from: int = 0):
     """``(run, settle)`` of a direct compiled call that reduces (see
     :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
     reduces its block ``reduce`` straight from its peers' published arrays
@@ -120,7 +120,8 @@ def compile_reduction(window, narrays: int, writes: list, reduce: tuple, peers: 
     makes into its region, ``ralts``), ``piece`` bytes at a time, and
     ``writes`` the result into theirs (``after`` copies, each naming that
     peer's region as its fallback: a peer taking its array through the
-    window copies its blocks out, ``copies_out``). None where the window
+    window copies its blocks out, ``copies_out``; without ``copies_in``,
+    no fallback: such arrays are read across). None where the window
     has no compiled calls or cannot reach peers' memory (the same on every
     rank). An array of fewer than ``huge_from`` bytes goes through the window
     even where it lies in huge pages."""
