@@ -120,8 +120,12 @@ class PerBlock:
 #: there. Where ranks share cores, the reads of bcast and gather from huge
 #: pages beat the window from 512 KiB to 4 MiB (measured) at 3, 4 and 8
 #: ranks on 2 cores; allgather's did at 3 and 4 ranks but lost at 8, and
-#: keeps the window (from 4 KiB pages every read lost there). The numbers
-#: are in docs/shared-memory.md.
+#: keeps the window (from 4 KiB pages every read lost there). Allreduce's
+#: call reduces from the peers' buffers where they lie and writes into
+#: them (its own fallback, see ``allreduce._direct_call``): from 64 KiB at
+#: 2 ranks (1 MiB 46 -> 27-30 us, 64 KiB 3.5 -> 2.8-2.9), from 1 MiB where
+#: ranks share cores (4 ranks: 1 MiB 134-137 -> 92-96; 512 KiB from 4 KiB
+#: pages lost, 78 against 70). The numbers are in docs/shared-memory.md.
 COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | None], ...]] = {
     #              a core each:                                ranks share cores:
     # collective:  the read wins,         below,               the read wins,          below
