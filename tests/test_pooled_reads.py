@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from collectives.algorithms.window.state import WindowState
-from collectives.algorithms.window.tuning import (DIRECT_FROM, POOLED_CALLS, compiled_direct, direct_from,
-                                                   direct_where_huge)
+from collectives.algorithms.window.tuning import (DIRECT_FROM, POOLED_ACROSS, POOLED_CALLS, compiled_direct,
+                                                   direct_from, direct_where_huge)
 from collectives.bench.faults import guarded, intact
 from collectives.bench.pages import empty
 from harness import attempt, run_ranks, wait_until
@@ -138,11 +138,12 @@ def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
     direct path's span, for the collectives a call takes it over for, where
     no direct call of the table serves (see ``compiled_calls.direct_mode``;
     allgather, which reads only huge pages or the pool there, where its
-    window call fits: the cases below)."""
+    window call fits, and past it where ranks have a core each: the cases below)."""
     cores = window.cores
     return (nbytes >= direct_from(collective, p, cores) and collective in POOLED_CALLS
             and not compiled_direct(collective, nbytes, p, cores, window.cma_from)
-            and (not DIRECT_FROM[collective][2] or direct_where_huge(collective, nbytes, p, cores, window.cma_from)))
+            and (not DIRECT_FROM[collective][2] or direct_where_huge(collective, nbytes, p, cores, window.cma_from)
+                 or (collective in POOLED_ACROSS and not (cores and p > cores))))
 
 
 # (collective, ranks, float64 a block): from each collective's DIRECT_FROM on,
@@ -150,7 +151,8 @@ def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
 # bcast 4 MiB; 3 ranks on 2 cores: alltoall 2 MiB), every published array of 1 MiB
 # or more (the pool adopts no smaller one)
 CASES = [("allgather", 2, 128 << 10), ("alltoall", 2, 256 << 10), ("bcast", 2, 512 << 10),
-         ("gather", 2, 256 << 10), ("alltoall", 3, 96 << 10), ("gather", 3, 384 << 10)]
+         ("gather", 2, 256 << 10), ("alltoall", 3, 96 << 10), ("gather", 3, 384 << 10),
+         ("allgather", 2, 256 << 10), ("allgather", 2, 512 << 10)]  # past allgather's window call: 4 and 8 MiB
 
 
 def _peer_reads(collective: str, p: int) -> int:
@@ -174,6 +176,33 @@ def test_a_buffer_the_pool_adopted_is_read_from_the_pool(collective, p, n):
         assert len(g["reads"]) == 1, f"rank {r}: {g['reads']}"
     totals = tuple(sum(g["reads"][0][k] for g in got) for k in range(3))
     assert totals == (0, 0, _peer_reads(collective, p)), [g["reads"] for g in got]
+
+
+def first_allgather(comm, n: int) -> dict:
+    """One allgather (n float64 a block) on buffers in 4 KiB pages that the
+    pool has not seen before (it adopts a buffer on its second sight)."""
+    p, r = comm.size, comm.rank
+    whole, out = _placed(n * p, "small", comm)
+    out[:] = 0
+    out[r * n:(r + 1) * n] = r + np.arange(n)
+    comm.allgather(out[r * n:(r + 1) * n].copy(), out)
+    want = np.concatenate([q + np.arange(n, dtype=np.float64) for q in range(p)])
+    return {"right": bool(np.array_equal(out, want)), "reads": _window_reads(comm),
+            "guards": bool(np.all(whole[:GUARD] == FILL) and np.all(whole[-GUARD:] == FILL)),
+            "hybrid": _with_pools("allgather", n * p * 8, p, comm.transport.window)}
+
+
+@pytest.mark.parametrize("n,kind", [(256 << 10, 1), (512 << 10, 0)])
+def test_allgather_past_its_window_call_before_the_pool_adopts(n, kind):
+    """2 ranks, 4 KiB pages, a first call (nothing adopted yet): 4 MiB
+    (blocks of 2 MiB) come through the window, each rank's block at the
+    start of its region; 8 MiB (blocks past a half) are read across."""
+    got = run_ranks(first_allgather, 2, n, timeout=120)
+    if not got[0]["hybrid"]:
+        pytest.skip("no call with pools on these cores")
+    for r, g in enumerate(got):
+        assert g["right"] and g["guards"], f"rank {r}: {g}"
+        assert len(g["reads"]) == 1 and g["reads"][0][kind] == 1 and sum(g["reads"][0]) == 1, g["reads"]
 
 
 @pytest.mark.parametrize("collective,p,n", [("bcast", 2, 512 << 10), ("alltoall", 2, 256 << 10)])

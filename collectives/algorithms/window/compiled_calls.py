@@ -22,7 +22,7 @@ from ... import compiled
 from ...ops import Op
 from ...window_contract import ADOPTION, COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES, POOL
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_CALLS, compiled_direct,
+from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_ACROSS, POOLED_CALLS, compiled_direct,
                      compiled_piece, direct_from, direct_where_huge)
 
 __all__ = [
@@ -157,7 +157,9 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
     path reads directly: arrays in huge pages or in their rank's pool, and
     the rest through the window where a fallback would serve below, else
     (the collectives that read any buffer there: ``DIRECT_FROM``'s huge
-    false) straight. None otherwise. A fallback's copies are whole where the
+    false; and those of :data:`~.tuning.POOLED_ACROSS` where ranks have a
+    core each and the window cannot take their blocks) straight. None
+    otherwise. A fallback's copies are whole where the
     table runs the window call in pieces (1 MiB copies and more where ranks
     have a core each): 2 ranks, 2 MiB, the same time for allgather,
     alltoall, gather and scatter (bcast, whose pieces halve it, has no span
@@ -179,7 +181,8 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
         return FALLBACK if hybrid else None
     if collective not in POOLED_CALLS or not {POOL, ADOPTION} <= window.features:
         return None
-    return POOLED if hybrid or not DIRECT_FROM[collective][2] else None
+    across = through is None and collective in POOLED_ACROSS and not (cores and p > cores)
+    return POOLED if hybrid or across or not DIRECT_FROM[collective][2] else None
 
 
 def pool_path(window, collective: str, nbytes: int) -> bool:

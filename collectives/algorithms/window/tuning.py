@@ -15,8 +15,9 @@ from ... import config
 __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
-    "DIRECT_FROM", "one_fence_limit", "reduce_one_fence_limit", "direct_from", "compiled_piece", "two_steps",
-    "allreduce_two_steps", "reduce_two_steps", "ALLREDUCE_DIRECT_PIECE", "ALLREDUCE_READ_HUGE_FROM", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
+    "DIRECT_FROM", "POOLED_ACROSS", "one_fence_limit", "reduce_one_fence_limit", "direct_from",
+    "compiled_piece", "two_steps", "allreduce_two_steps", "reduce_two_steps", "ALLREDUCE_DIRECT_PIECE",
+    "ALLREDUCE_READ_HUGE_FROM", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
     "compiled_direct", "direct_where_huge", "POOLED_CALLS", "POOL_FIRST_BYTES",
 ]
 
@@ -64,6 +65,20 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 #: MiB with ``collectives bench --rewrite``: 68-70 us by the path, 166-171
 #: read by the root).
 POOLED_CALLS = frozenset({"allgather", "alltoall", "bcast", "gather", "scatter"})
+
+#: Of :data:`POOLED_CALLS` whose ``DIRECT_FROM`` wants huge pages, those
+#: whose call, where ranks have a core each and the window cannot take a
+#: rank's block (past a half), still runs, and reads across an array that
+#: lies neither in huge pages nor in its rank's pool (as the MPIs read
+#: every array) rather than leaving the call to the pool's direct path and
+#: the window's pieces. Allgather at 2 ranks, ``collectives bench allgather
+#: -n 2 --sizes 8M,16M,64M --pages P``, us, the call / the path: buffers
+#: used again (the pool adopts them) 77 / 106-114, 170-184 / 215-320,
+#: 1439-1671 / 1726-2839; in huge pages, nothing adopted, 109 / 125, 224 /
+#: 395, 2300 / 3466; but in 4 KiB pages and never adopted (a buffer made
+#: anew every call, outside numpy, which gives huge pages from 4 MiB) 332 /
+#: 216, 1038 / 524, 5846 / 3367.
+POOLED_ACROSS = frozenset({"allgather"})
 
 #: Bytes from which a direct compiled call reads a peer's array out of its
 #: pool even where it lies in huge pages (the pool adopts a buffer used
