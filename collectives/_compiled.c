@@ -1002,8 +1002,8 @@ static int check_places(CallObject *pl, int direct) {
         for (int i = 0; i < pl->nsrc && !direct; i++) bad |= pl->rsrc[i].idx <= PEER_ARRAY(0);
     }
     if (bad) {
-        PyErr_SetString(PyExc_ValueError,
-                        "a peer's array is only a direct call's source or destination after the post, or its reduction's source");
+        PyErr_SetString(PyExc_ValueError, "a peer's array is only a direct call's source or destination after "
+                                          "the post, or its reduction's source");
         return -1;
     }
     return 0;
@@ -1095,7 +1095,8 @@ static int parse_direct_reduction(CallObject *pl, PyObject *ralts, PyObject *cop
                                   Py_ssize_t huge_from) {
     Py_ssize_t extent = pl->count * pl->itemsize;
     if (pl->rdst.idx < 0 || piece < pl->itemsize) {
-        PyErr_SetString(PyExc_ValueError, "a direct reduction goes into this rank's array, in pieces of an element or more");
+        PyErr_SetString(PyExc_ValueError,
+                        "a direct reduction goes into this rank's array, in pieces of an element or more");
         return -1;
     }
     for (int i = 0; i < pl->nafter; i++) {
@@ -1913,7 +1914,8 @@ static PyObject *direct_reduce(CallObject *pl, char *const *bases) {
                 window++;
             } else if (by == BY_POOL) {
                 srcs[i] = in_pool_place(pl, r, j, nbytes, at, n);
-                if (!srcs[i]) err = pool_move(pl, r, j, (uintptr_t)address, nbytes, at, srcs[i] = scratch, (size_t)n, 0);
+                if (!srcs[i])  /* partly outside its part in the pool (an adopted buffer's first or last page) */
+                    err = pool_move(pl, r, j, (uintptr_t)address, nbytes, at, srcs[i] = scratch, (size_t)n, 0);
                 pooled++;
             } else {
                 err = direct_read(pl, pl->pids[r], (uintptr_t)address + at, srcs[i] = scratch, (size_t)n);
@@ -1942,8 +1944,10 @@ static PyObject *direct_reduce(CallObject *pl, char *const *bases) {
             const uint64_t *words = published(pl, r);
             uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
             uint64_t nbytes = word & ~PUBLISHED_FLAGS, at = (uint64_t)c->dst.a1 + lo;
-            err = taken_by(pl, word) == BY_POOL ? pool_move(pl, r, j, (uintptr_t)address, nbytes, at, out + lo, (size_t)n, 1)
-                                                : direct_move(pl, pl->pids[r], (uintptr_t)address + at, out + lo, (size_t)n, 1);
+            if (taken_by(pl, word) == BY_POOL)
+                err = pool_move(pl, r, j, (uintptr_t)address, nbytes, at, out + lo, (size_t)n, 1);
+            else
+                err = direct_move(pl, pl->pids[r], (uintptr_t)address + at, out + lo, (size_t)n, 1);
             if (err) bad = r, kind = err < 0 ? K_WRITE_OUTSIDE : K_LOST, value = err < 0 ? nbytes : (uint64_t)err;
         }
     }

@@ -13,7 +13,8 @@ each other's directly (one copy), with a closing fence (for allgather,
 alltoall, bcast, gather and scatter in one compiled call: docs/shared-memory.md,
 "Reads out of the pool"); so do allgather,
 alltoall, scatter, bcast and gather in their spans of ``COMPILED_DIRECT``
-(one compiled call, cross-memory attach). Where the
+(one compiled call, cross-memory attach), and allreduce in its span, which
+reduces peers' pooled buffers in place and writes into them. Where the
 algorithms read directly only from buffers in huge pages
 (``DIRECT_FROM``'s ``huge``), the models assume such buffers, as
 calibration's are; on 4 KiB pages the pieces run instead.

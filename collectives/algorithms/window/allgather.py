@@ -59,8 +59,9 @@ def _blocks_at_the_start(st, counts: list[int], starts: list[int], me: int, item
     """A direct call's copies through the window where the window call's do
     not fit one piece: each rank's block at the start of its region, read
     from there (``(before, after)`` as a window call's), or None where a
-    block is larger than a half. 2 ranks, huge pages, 4 and 8 MiB: from
-    70-72 and 115-118 us on the pool's direct path (MPICH 44-45 and 87-92)."""
+    block is larger than a half (past that: :data:`~.tuning.POOLED_ACROSS`).
+    2 ranks, huge pages, 4 MiB: 42-48 us, where the pool's direct path took
+    70-72 (MPICH 44-47)."""
     if max(counts) * item > st.half:
         return None
     return ([(arr(0, starts[me] * item), slot(st, me), counts[me] * item)] if counts[me] else [],

@@ -22,13 +22,13 @@ from ... import compiled
 from ...ops import Op
 from ...window_contract import ADOPTION, COMPILED_CALLS, DIRECT_ACCESS, HUGE_PAGES, POOL
 from .state import DATA_OFFSET, WindowState, state_of
-from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_ACROSS, POOLED_CALLS, compiled_direct,
-                     compiled_piece, direct_from, direct_where_huge)
+from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_ACROSS, POOLED_CALLS,
+                     compiled_direct, compiled_piece, direct_from, direct_where_huge)
 
 __all__ = [
-    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "compile_reduction", "direct_mode", "DIRECT",
-    "FALLBACK", "POOLED", "on_window", "pool_path", "reduction", "first", "first_two", "no_arrays", "prepared_from",
-    "run_prepared",
+    "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "compile_reduction", "direct_mode",
+    "DIRECT", "FALLBACK", "POOLED", "on_window", "pool_path", "reduction", "first", "first_two", "no_arrays",
+    "prepared_from", "run_prepared",
 ]
 
 
