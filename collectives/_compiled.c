@@ -1084,8 +1084,9 @@ static int parse_pools(CallObject *pl, PyObject *pools, PyObject *pooler, Py_ssi
 
 /* A direct call's reduction (compile's reduce, with direct's ralts,
  * copies_out and piece): this rank's block, read from its own array and
- * every peer's (in rank order), reduced into its own array and written
- * into every peer's (its after copies, each from the reduction's
+ * every peer's (in the order of the sources), reduced into its own array
+ * (or its region: a reduce's rank that is not the root) and written into
+ * every peer's that the after copies name (each from the reduction's
  * destination, all of it). With a fallback, each peer source names its
  * copy in the peer's region (ralts: None for this rank's own), and so does
  * each write (the same place: the peer copies it out, copies_out); an
@@ -1094,14 +1095,14 @@ static int parse_pools(CallObject *pl, PyObject *pools, PyObject *pooler, Py_ssi
 static int parse_direct_reduction(CallObject *pl, PyObject *ralts, PyObject *copies_out, Py_ssize_t piece,
                                   Py_ssize_t huge_from) {
     Py_ssize_t extent = pl->count * pl->itemsize;
-    if (pl->rdst.idx < 0 || piece < pl->itemsize) {
-        PyErr_SetString(PyExc_ValueError,
-                        "a direct reduction goes into this rank's array, in pieces of an element or more");
+    if (piece < pl->itemsize) {
+        PyErr_SetString(PyExc_ValueError, "a direct reduction goes in pieces of an element or more");
         return -1;
     }
     for (int i = 0; i < pl->nafter; i++) {
         const Copy *c = &pl->after[i];
-        if (c->dst.idx > PEER_ARRAY(0) || c->src.idx != pl->rdst.idx || c->src.a0 != pl->rdst.a0 || c->n != extent) {
+        if (c->dst.idx > PEER_ARRAY(0) || c->src.idx != pl->rdst.idx || c->src.a0 != pl->rdst.a0 ||
+            c->src.a1 != pl->rdst.a1 || c->n != extent) {
             PyErr_SetString(PyExc_ValueError, "a direct reduction's after copies write its result into peers' arrays");
             return -1;
         }
@@ -1135,9 +1136,9 @@ static int parse_direct_reduction(CallObject *pl, PyObject *ralts, PyObject *cop
     }
     if (parse_copies(copies_out, &pl->copies_out, &pl->ncopies_out, pl->narrays, pl->need, pl->writes) < 0) return -1;
     for (int i = 0; i < pl->ncopies_out; i++)
-        bad |= pl->copies_out[i].src.idx != -1 || pl->copies_out[i].dst.idx != pl->rdst.idx;
+        bad |= pl->copies_out[i].src.idx != -1 || pl->copies_out[i].dst.idx < 0;
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "copies out go from this rank's region into the reduction's array");
+        PyErr_SetString(PyExc_ValueError, "copies out go from this rank's region into its array");
         return -1;
     }
     pl->dreduce = 1;
@@ -2055,8 +2056,8 @@ static PyObject *advance(CallObject *pl, char *const *bases) {
         r = wait_for(w, K_DONE, k, pl->readers);
         if (r < w->size) return late(r, K_DONE, k);
         pl->stage = 0;
-        if (pl->dreduce && pl->fallback && pl->kind[pl->rdst.idx] == BY_WINDOW)  /* peers wrote into its region */
-            do_copies(pl->copies_out, pl->ncopies_out, bases, pl->half);
+        if (pl->dreduce && pl->fallback && pl->ncopies_out && pl->kind[pl->copies_out[0].dst.idx] == BY_WINDOW)
+            do_copies(pl->copies_out, pl->ncopies_out, bases, pl->half);  /* peers wrote into its region */
     }
     if (w->t_calls) {  /* its end, never before its start (the clock's anchor may move between) */
         double *row = w->t_calls + 8 * (pl->seq & w->t_mask), end = recorder_seconds();

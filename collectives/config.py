@@ -96,8 +96,8 @@ def _settings() -> dict[str, Setting]:
                 "machine costs every call 100 us or more", "shm"),
         Setting("WINDOW_DIRECT_BYTES", "bytes", None, "read peers' buffers directly from this size on, for every "
                 "collective (default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
-        Setting("WINDOW_COMPILED_DIRECT_BYTES", "bytes", None, "allgather, alltoall, scatter, bcast, gather and "
-                "allreduce read peers' buffers directly in one compiled call at every size from this one on "
+        Setting("WINDOW_COMPILED_DIRECT_BYTES", "bytes", None, "allgather, alltoall, scatter, bcast, gather, "
+                "allreduce and reduce read peers' buffers directly in one compiled call at every size from this one on "
                 "(default: per collective, see docs/shared-memory.md); all ranks must agree", "shm"),
         Setting("WINDOW_PIECE_BYTES", "bytes", None, "every compiled call of two pieces or more moves its data "
                 "through the window in pieces of this size, a reader taking each piece once its writer has filled "

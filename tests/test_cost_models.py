@@ -449,6 +449,10 @@ def test_window_models_switch_to_direct_reads_where_the_algorithms_do(monkeypatc
     share = 3 / 4 * 4 * MiB
     assert predict("allreduce", "shared_window", 4, 4 * MiB, own) == pytest.approx(
         2 * P.fence + 2 * P.copy(share) + share * P.gamma)
+    from collectives.cost_models.window.reduce import reduce as reduce_model
+    share = 3 / 4 * MiB  # reduce's direct call from 1 MiB where ranks share cores: each rank writes 1/p to the root
+    assert reduce_model(4, MiB, P) == pytest.approx(2 * P.fence + P.copy(MiB / 4) + share * P.gamma)
+    assert reduce_model(4, MiB - 4, P) != pytest.approx(2 * P.fence + P.copy((MiB - 4) / 4) + share * P.gamma)
     monkeypatch.setenv("COLLECTIVES_WINDOW_DIRECT_BYTES", str(MiB))
     assert direct_from("gather", 8, 2) == MiB and direct("bcast", 2, MiB, P)
 

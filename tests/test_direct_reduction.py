@@ -1,10 +1,12 @@
-"""Allreduce's direct compiled call: each rank reduces its block straight
-from its peers' buffers, where each lies (in its rank's shared pool, in
-place; in huge pages, across; else from the copy its rank makes in the
-window), and writes the reduced block into theirs (the pool, across, or
-the owner's region, which the owner copies out). The results carry the
-bits of a reduction in rank order, for every kind of buffer, in place and
-out of place; nothing is written outside a buffer; no rank returns while
+"""Allreduce's and reduce's direct compiled calls: each rank reduces its
+block straight from its peers' buffers, where each lies (in its rank's
+shared pool, in place; in huge pages, across; else from the copy its rank
+makes in the window), and writes the reduced block into theirs (reduce:
+the root's only) through the pool, across, or the owner's region, which
+the owner copies out. The results carry the bits of the window's calls
+(allreduce: rank order; reduce: each block's owner first), for every kind
+of buffer, in place and out of place; reduce leaves the other ranks'
+buffers alone; nothing is written outside a buffer; no rank returns while
 a peer still writes into its buffer; a mismatch is caught on every rank
 before anything moves; a read past a peer's buffer is refused even with
 signature checks off; and a rank stopped after its post never writes once
@@ -21,6 +23,8 @@ import numpy as np
 import pytest
 
 from collectives import get_op
+from collectives.algorithms.window.direct_reduction import takes_direct_call
+from collectives.algorithms.window.pieces import blocks
 from collectives.algorithms.window.tuning import compiled_direct
 from collectives.bench.pages import empty
 from harness import attempt, run_ranks, wait_until
@@ -111,11 +115,11 @@ def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum", odd_in
             call = _reduction_call(comm, keys)
             rows[(kind, asked)] = {"bad": bad, "reads": None if call is None else
                                      (call.last_direct, call.last_window, call.last_pooled)}
-    from collectives.algorithms.window.allreduce import compiled_reduction
     from collectives.algorithms.window.state import window_state
     window, st = window_state(comm.transport.window, p)
     return {"rows": rows, "guards": bufs.intact(),
-            "span": compiled_reduction(window, st, np.empty(size * 8 // np.dtype(dtype).itemsize, dtype), get_op(op))}
+            "span": takes_direct_call("allreduce", window, st, np.empty(size * 8 // np.dtype(dtype).itemsize, dtype),
+                                      get_op(op))}
 
 
 def _check_rows(got: list[dict], adopt: bool, falls_back: bool = True) -> None:
@@ -147,6 +151,54 @@ def test_every_kind_of_buffer_reduces_right(monkeypatch, p, adopt):
     got = run_ranks(every_kind, p, 3, timeout=180)
     if not got[0]["span"]:
         pytest.skip(f"allreduce of {N * 8} B at {p} ranks on these cores takes no direct call")
+    _check_rows(got, adopt)
+
+
+def _owner_first(p: int, n: int, dtype, seed: int, ufunc) -> np.ndarray:
+    """Reduce's order: each block its owner's values first, then the others' in rank order."""
+    ins, out, lo = [_data(q, n, dtype, seed) for q in range(p)], np.empty(n, dtype), 0
+    for q, c in enumerate(blocks(n, p)):
+        part = ins[q][lo:lo + c].copy()
+        for r in range(p):
+            if r != q:
+                part = ufunc(part, ins[r][lo:lo + c])
+        out[lo:lo + c] = part
+        lo += c
+    return out
+
+
+def reduce_every_kind(comm, times: int, root: int) -> dict:
+    """``times`` reduces to ``root`` of just over 1 MiB of float64 for each
+    kind of buffer: the root's result against reduce's order, bit for bit;
+    the other ranks' buffers unchanged; guards; the last run's reads."""
+    r, p = comm.rank, comm.size
+    bufs, rows = Guarded(comm), {}
+    for i, kind in enumerate(KINDS):
+        where = ("huge" if r == 0 else "small") if kind == "mixed" else kind
+        n = N + 2 * i
+        x = bufs(n, "float64", where)
+        keys, bad = set(comm._prepared), []
+        for t in range(times):
+            x[:] = _data(r, n, "float64", t)
+            comm.reduce(x, root=root)
+            want = _owner_first(p, n, "float64", t, np.add) if r == root else _data(r, n, "float64", t)
+            if not np.array_equal(x, want):
+                bad.append(f"call {t}: {int(np.sum(x != want))} elements {'wrong' if r == root else 'changed'}")
+        call = _reduction_call(comm, keys)
+        rows[(kind, True)] = {"bad": bad, "reads": None if call is None else
+                              (call.last_direct, call.last_window, call.last_pooled)}
+    from collectives.algorithms.window.state import window_state
+    window, st = window_state(comm.transport.window, p)
+    return {"rows": rows, "guards": bufs.intact(),
+            "span": takes_direct_call("reduce", window, st, np.empty(N), get_op("sum"))}
+
+
+@pytest.mark.parametrize("p,root,adopt", [(3, 2, True), (3, 1, False), (4, 0, True), (4, 3, False)])
+def test_reduce_reads_every_kind_of_buffer_and_writes_only_the_roots(monkeypatch, p, root, adopt):
+    monkeypatch.setenv("COLLECTIVES_SHM_ADOPT", "1" if adopt else "0")
+    got = run_ranks(reduce_every_kind, p, 3, root, timeout=180)
+    if not got[0]["span"]:
+        pytest.skip(f"reduce of {N * 8} B at {p} ranks on these cores takes no direct call")
     _check_rows(got, adopt)
 
 

@@ -1,6 +1,7 @@
 """Allreduce's and reduce's compiled calls of two steps, where ranks share
 cores: each rank reduces 1/p of the vector, posts it in the other half, and
-the others (reduce: the root) copy the reduced blocks. They must give the
+the others (reduce: the root) copy the reduced blocks; and their direct
+calls, where those take over (test_direct_reduction.py). They must give the
 bits of the paths they replace (allreduce: every element reduced in rank
 order; reduce: each block by its owner, its own values first), leave
 reduce's non-roots' buffers alone, take over exactly where the rule says,
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from collectives import compiled, get_op
-from collectives.algorithms.window.allreduce import compiled_reduction
+from collectives.algorithms.window.direct_reduction import takes_direct_call
 from collectives.algorithms.window.state import window_state
 from collectives.algorithms.window.pieces import blocks
 from collectives.algorithms.window.tuning import (ALLREDUCE_TWO_STEPS_FROM, REDUCE_TWO_STEPS_FROM,
@@ -114,7 +115,7 @@ def allreduce_every_count(comm, pin: bool) -> list[str]:
                     failures.append(f"{dtype} {op} n={n} #{rep}: differs first at {bad}")
             steps = _steps_of(c, ("allreduce", x.dtype, x.size, op))
             expect = 2 if allreduce_two_steps(nbytes, p, window.cores) else 1
-            if compiled_reduction(window, st, x, get_op(op)):  # the direct call takes over
+            if takes_direct_call("allreduce", window, st, x, get_op(op)):  # the direct call takes over
                 expect = "direct"
             if steps not in (None, expect) or (expect != 1 and steps is None):
                 failures.append(f"{dtype} {op} n={n}: {steps} steps, the rule says {expect}")
@@ -176,7 +177,10 @@ def reduce_every_count(comm, pin: bool) -> list[str]:
                         failures.append(f"{dtype} {op} n={n} root {root} #{rep}: differs first at "
                                         f"{int(np.flatnonzero(x != want)[0])}")
                 steps = _steps_of(c, ("reduce", x.dtype, x.size, root, op))
-                if (expect == 2 and steps != 2) or (expect == 1 and steps == 2):
+                if takes_direct_call("reduce", window, st, x, get_op(op)):  # the direct call takes over
+                    if steps != "direct":
+                        failures.append(f"{dtype} {op} n={n} root {root}: {steps} steps, not the direct call")
+                elif (expect == 2 and steps != 2) or (expect == 1 and steps == 2):
                     failures.append(f"{dtype} {op} n={n} root {root}: {steps} steps, the rule says {expect}")
     c.close()
     return failures

@@ -6,6 +6,9 @@ rank gets the same bits (one compiled call where the window has them).
 Where ranks share cores, and at 2 ranks, from 16 KiB up to a half, that
 call takes two steps instead: each rank reduces 1/p in the same order,
 then copies the others' reduced blocks (:func:`~.tuning.allreduce_two_steps`).
+From its span in :data:`~.tuning.COMPILED_DIRECT` on (64 KiB with a core
+each), one direct compiled call reduces each rank's 1/p straight from the
+peers' buffers and writes it into theirs (:mod:`.direct_reduction`).
 Larger ones go in pieces that fit a half: copy in, fence, each rank reduces
 1/p of the piece straight from every region, fence, everyone copies the
 reduced blocks out. From :data:`~.tuning.DIRECT_FROM` on, where every
@@ -25,15 +28,13 @@ from ...ops import Op
 from ...prepared import CopyIn
 from ...registry import register
 from ...tracing import COPYING
-from ...window_contract import COMPILED_CALLS, DIRECT_ACCESS
 from .direct import SCRATCH_PEER_FIRST, direct, window_direct_from
 from .pieces import blocks, displs, piece_elems, striped
-from .compiled_calls import (arr, first, first_two, compile_call, compile_reduction, other_half, peer, prepared_from,
-                             reduction, run_prepared, slot)
+from .compiled_calls import arr, first, first_two, compile_call, other_half, prepared_from, reduction, run_prepared, slot
+from .direct_reduction import direct_call, takes_direct_call
 from .reduction import LOW, reduce
 from .state import DATA_OFFSET, PAGE, WindowState, single_fence, state_of, two_step_call, window_state
-from .tuning import (ALLREDUCE_DIRECT_PIECE, ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, ALLREDUCE_READ_HUGE_FROM,
-                     allreduce_two_steps, compiled_direct)
+from .tuning import ALLREDUCE_PIECE, ALLREDUCE_PIECED_FROM, allreduce_two_steps
 
 __all__ = ["allreduce"]
 
@@ -49,15 +50,15 @@ def _prepare(transport, buf: np.ndarray, op: Op, copy_in: CopyIn | None = None):
     nbytes, dtype = buf.nbytes, buf.dtype
     window, st = window_state(transport.window, p)
     one_fence, two = single_fence(nbytes, p, st), two_step_call(window, st, buf, allreduce_two_steps)
-    direct_call = compiled_reduction(window, st, buf, op)
-    if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two or direct_call):
+    one_call = takes_direct_call("allreduce", window, st, buf, op)
+    if p == 1 or nbytes == 0 or dtype in LOW or not (one_fence or two or one_call):
         return None
     if copy_in is not None and copy_in.at != 0:
         return None
     src = 0 if copy_in is None else 1  # the array the vector is read from
     peers = [r for r in range(p) if r != rank]
-    if direct_call:
-        made = _direct_call(window, st, rank, buf, op, peers, src)
+    if one_call:
+        made = direct_call(window, st, rank, buf, op, src)
     elif two:
         made = _two_steps(window, st, rank, buf, op, peers, src)
     else:
@@ -108,77 +109,6 @@ def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peer
     return compile_call(window, src + 1, before, [], reduced, peers, then=then)
 
 
-def compiled_reduction(window, st: WindowState, buf: np.ndarray, op: Op) -> bool:
-    """Whether ``buf`` takes the direct compiled call (:func:`_direct_call`):
-    the window has one, ``buf``'s size is in its span
-    (:data:`~.tuning.COMPILED_DIRECT`), it has an element for every rank,
-    and a compiled kernel; and either the blocks a rank's peers reduce fit
-    a half (:func:`_falls_back`) or the pool's direct path has not begun
-    (:data:`~.tuning.DIRECT_FROM`, which decides once every rank published
-    whether every buffer can be reached); the same on every rank."""
-    p = window.size
-    return (compiled_direct("allreduce", buf.nbytes, p, window.cores)
-            and {COMPILED_CALLS, DIRECT_ACCESS} <= window.features and p <= buf.size and buf.dtype not in LOW
-            and (_falls_back(st, buf, p) or buf.nbytes < window_direct_from("allreduce", window, p))
-            and compiled.kernel_codes(buf.dtype, op.name, op.ufunc) is not None)
-
-
-def _falls_back(st: WindowState, buf: np.ndarray, p: int) -> bool:
-    """Whether the direct call takes an array in 4 KiB pages outside its
-    rank's pool through the window: the blocks its peers reduce fit a half.
-    Otherwise it reads such an array across (from its span's start up to
-    :data:`~.tuning.DIRECT_FROM`, where the window's pieces ran before: 4
-    ranks on 2 cores, 3 MiB, 202-342 us against 825, Open MPI 367-641)."""
-    return buf.nbytes - buf.size // p * buf.itemsize <= st.half
-
-
-def _direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peers: list[int], src: int = 0):
-    """The direct compiled call (see :func:`~.compiled_calls.compile_reduction`):
-    every rank reduces its block (1/p), in rank order, from its own array
-    ``src`` and every peer's array 1 (a call in place publishes its one
-    array as its array 1 too, so ranks in place and out of place mix), and
-    writes it into every peer's array 0, piece by piece, in one step. A
-    peer's block is reduced where it lies: in its pool (nothing copied),
-    across from huge pages, or from the copy in the peer's region that a
-    rank whose array lies in 4 KiB pages outside its pool makes before its
-    post (its peers' blocks one after another, :func:`_placed_blocks`);
-    such a rank gets the reduced blocks in the same places, and copies them
-    out once every peer is done. Where those blocks do not fit a half
-    (:func:`_falls_back`), such an array is read across. Every element is
-    reduced as the window's calls reduce it, so the bits are theirs."""
-    item, p = buf.itemsize, len(peers) + 1
-    counts = blocks(buf.size, p)
-    starts = [s * item for s in displs(counts)]
-    mine, n = starts[rank], counts[rank] * item
-    srcs = [arr(src, mine) if r == rank else peer(r, 1, mine) for r in range(p)]  # in place too: see compile
-    reduced = reduction(arr(0, mine), srcs, counts[rank], buf.dtype, op)
-    if reduced is None:
-        return None
-    if not _falls_back(st, buf, p):  # arrays neither in huge pages nor in a pool are read across
-        writes = [(arr(0, mine), peer(r, 0, mine), n) for r in peers]
-        return compile_reduction(window, src + 1, writes, reduced, peers, sorted({0, src}), None, [None] * p, [],
-                                 ALLREDUCE_DIRECT_PIECE)
-    placed = [_placed_blocks(counts, q, item) for q in range(p)]  # placed[q][b]: block b in q's region
-    writes = [(arr(0, mine), peer(r, 0, mine), n, slot(st, r, placed[r][rank])) for r in peers]
-    copies_in = [(arr(src, starts[b]), slot(st, rank, placed[rank][b]), counts[b] * item) for b in peers]
-    ralts = [None if r == rank else slot(st, r, placed[r][rank]) for r in range(p)]
-    copies_out = [(slot(st, rank, placed[rank][b]), arr(0, starts[b]), counts[b] * item) for b in peers]
-    return compile_reduction(window, src + 1, writes, reduced, peers, sorted({0, src}), copies_in, ralts, copies_out,
-                             ALLREDUCE_DIRECT_PIECE, ALLREDUCE_READ_HUGE_FROM)
-
-
-def _placed_blocks(counts: list[int], owner: int, item: int) -> dict[int, int]:
-    """Byte offset in ``owner``'s region of each block but its own, one after
-    another in rank order (where a rank whose array goes through the window
-    puts the blocks its peers reduce)."""
-    at, offsets = 0, {}
-    for b, c in enumerate(counts):
-        if b != owner:
-            offsets[b] = at
-            at += c * item
-    return offsets
-
-
 @register("allreduce", "shared_window", needs=("window",), prepare=_prepare, copies_in=True,
           description="single-copy reduction through the shared window (1/p per rank)")
 def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
@@ -187,7 +117,7 @@ def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
         return
     window, st = state_of(ctx)
     key = ("allreduce", buf.dtype, buf.size, op.name)
-    if compiled_reduction(window, st, buf, op) and run_prepared(ctx, _prepare, key, buf, op):
+    if takes_direct_call("allreduce", window, st, buf, op) and run_prepared(ctx, _prepare, key, buf, op):
         return
     if single_fence(buf.nbytes, p, st):
         if not run_prepared(ctx, _prepare, key, buf, op):

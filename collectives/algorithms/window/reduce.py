@@ -17,6 +17,7 @@ from ...registry import register
 from ...tracing import COPYING
 from .pieces import blocks, displs, striped_cached
 from .compiled_calls import arr, first, compile_call, other_half, prepared_from, reduction, run_prepared, slot
+from .direct_reduction import direct_call, takes_direct_call
 from .reduction import LOW, reduce as reduce_blocks
 from .state import budget, region, single_fence, state_of, two_step_call, window_state
 from .tuning import reduce_one_fence_limit, reduce_two_steps
@@ -29,6 +30,8 @@ def _prepare(transport, buf: np.ndarray, root: int, op: Op):
     reduces; or, where ranks share cores, of two steps (:func:`_two_steps`)."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
+    if p > 1 and buf.size and takes_direct_call("reduce", window, st, buf, op):
+        return prepared_from(direct_call(window, st, me, buf, op, root=root), first)
     two = two_step_call(window, st, buf, reduce_two_steps)
     if p == 1 or buf.size == 0 or buf.dtype in LOW or not (two or _one_fence(buf.nbytes, p, window, st)):
         return None

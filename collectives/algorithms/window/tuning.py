@@ -16,8 +16,8 @@ __all__ = [
     "SMALL_BYTES", "SMALL_TOTAL_BYTES", "PIECE_BYTES", "COMPILED_REDUCE_BYTES", "PIECED_FROM", "PIECE",
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "POOLED_ACROSS", "one_fence_limit", "reduce_one_fence_limit", "direct_from",
-    "compiled_piece", "two_steps", "allreduce_two_steps", "reduce_two_steps", "ALLREDUCE_DIRECT_PIECE",
-    "ALLREDUCE_READ_HUGE_FROM", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
+    "compiled_piece", "two_steps", "allreduce_two_steps", "reduce_two_steps", "DIRECT_REDUCTION_PIECE",
+    "DIRECT_REDUCTION_HUGE_FROM", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
     "compiled_direct", "direct_where_huge", "POOLED_CALLS", "POOL_FIRST_BYTES",
 ]
 
@@ -32,8 +32,8 @@ ALLREDUCE_PIECE = 32 * 1024        # every rank's vector as it is filled), in pi
 ALLREDUCE_TWO_STEPS_FROM = 16 * 1024  # bytes: where ranks share cores, allreduce from this up to a half
                                       # takes one compiled call of two steps (each rank reduces 1/p)
 REDUCE_TWO_STEPS_FROM = 64 * 1024    # bytes: the same for reduce (each rank reduces 1/p, the root gathers)
-ALLREDUCE_DIRECT_PIECE = 512 * 1024  # bytes: allreduce's direct compiled call reduces and writes pieces of this
-ALLREDUCE_READ_HUGE_FROM = 512 * 1024  # bytes: and reads a vector in huge pages across from this size on
+DIRECT_REDUCTION_PIECE = 512 * 1024  # bytes: allreduce's and reduce's direct calls reduce and write pieces of this
+DIRECT_REDUCTION_HUGE_FROM = 512 * 1024  # bytes: and read a vector in huge pages across from this size on
 
 #: From which size each collective reads and writes peers' buffers directly
 #: (one copy, through the kernel or the shared pool) rather than through
@@ -140,7 +140,11 @@ class PerBlock:
 #: them (its own fallback, see ``allreduce._direct_call``): from 64 KiB at
 #: 2 ranks (1 MiB 46 -> 27-30 us, 64 KiB 3.5 -> 2.8-2.9), from 1 MiB where
 #: ranks share cores (4 ranks: 1 MiB 134-137 -> 92-96; 512 KiB from 4 KiB
-#: pages lost, 78 against 70). The numbers are in docs/shared-memory.md.
+#: pages lost, 78 against 70). Reduce's, which writes the root's buffer
+#: only, from 1 MiB where ranks share cores (4 ranks, 1 MiB 79-89 -> 65-70
+#: us, 2 MiB 170-191 -> 101-105; 3 and 8 ranks won too); at 2 ranks the
+#: root reducing alone won (1 MiB 20-21 against 34). The numbers are in
+#: docs/shared-memory.md.
 COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | None], ...]] = {
     #              a core each:                                ranks share cores:
     # collective:  the read wins,         below,               the read wins,          below
@@ -150,6 +154,7 @@ COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | No
     "bcast":       ((4 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
     "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
     "allreduce":   ((64 << 10, None),      (64 << 10, None),   (1 << 20, None),        (1 << 20, None)),
+    "reduce":      ((None, None),          (None, None),       (1 << 20, None),        (1 << 20, None)),
 }
 
 
