@@ -248,28 +248,32 @@ def test_every_dtype_and_op_reduces_right(dtype, op):
     _check_rows(got, True)
 
 
-def overwrite_at_once(comm, rounds: int) -> dict:
+def overwrite_at_once(comm, rounds: int, collective: str = "allreduce") -> dict:
     """Each rank overwrites its buffer as soon as the call returns and
     checks, after the next barrier, that nothing wrote into it since: no
-    rank may return while a peer still writes its reduced block there."""
+    rank may return while a peer still writes its reduced block there
+    (reduce: to the last rank, whose result is checked)."""
     r, p, n = comm.rank, comm.size, N
     x = empty(n, np.float64, "small")
     bad = []
     for i in range(rounds):
         x[:] = i + r
-        comm.allreduce(x)
-        if not np.all(x == p * i + p * (p - 1) // 2):
+        if collective == "reduce":
+            comm.reduce(x, root=p - 1)
+        else:
+            comm.allreduce(x)
+        if (collective == "allreduce" or r == p - 1) and not np.all(x == p * i + p * (p - 1) // 2):
             bad.append(f"round {i}: {np.unique(x)[:4]}")
         x[:] = -1.0  # at once
         comm.barrier()
         if not np.all(x == -1.0):
             bad.append(f"round {i}: {np.unique(x)[:4]} written after the call returned")
-    return {"bad": bad, "span": compiled_direct("allreduce", n * 8, p, comm.transport.window.cores)}
+    return {"bad": bad, "span": compiled_direct(collective, n * 8, p, comm.transport.window.cores)}
 
 
-@pytest.mark.parametrize("p", [2, 3])
-def test_no_rank_returns_while_peers_write_into_its_buffer(p):
-    got = run_ranks(overwrite_at_once, p, 100, timeout=120)
+@pytest.mark.parametrize("p,collective", [(2, "allreduce"), (3, "allreduce"), (3, "reduce")])
+def test_no_rank_returns_while_peers_write_into_its_buffer(p, collective):
+    got = run_ranks(overwrite_at_once, p, 100, collective, timeout=120)
     if not got[0]["span"]:
         pytest.skip("no direct call on these cores")
     for r, g in enumerate(got):
