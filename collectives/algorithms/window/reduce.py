@@ -2,8 +2,10 @@
 path, the root alone reducing; larger ones in pieces: each rank reduces 1/p
 of the piece from every region (the root into its buffer), then the root
 copies the others' reduced blocks out. Where ranks share cores, from 64 KiB
-up to a half, that is one compiled call of two steps (:func:`_two_steps`).
-Other ranks' buffers stay unchanged."""
+up to a half, that is one compiled call of two steps (:func:`_two_steps`),
+and from 1 MiB one direct call: each rank reduces its block from the peers'
+buffers and writes it into the root's (:mod:`.direct_reduction`). Other
+ranks' buffers stay unchanged."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ __all__ = ["reduce"]
 
 def _prepare(transport, buf: np.ndarray, root: int, op: Op):
     """One compiled call for the one-fence case: copy in, fence, the root
-    reduces; or, where ranks share cores, of two steps (:func:`_two_steps`)."""
+    reduces; or, where ranks share cores, of two steps (:func:`_two_steps`),
+    or the direct call in its span."""
     p, me = transport.size, transport.rank
     window, st = window_state(transport.window, p)
     if p > 1 and buf.size and takes_direct_call("reduce", window, st, buf, op):
