@@ -137,7 +137,7 @@ class PerBlock:
 #: ranks on 2 cores; allgather's did at 3 and 4 ranks but lost at 8, and
 #: keeps the window (from 4 KiB pages every read lost there). Allreduce's
 #: call reduces from the peers' buffers where they lie and writes into
-#: them (its own fallback, see ``allreduce._direct_call``): from 64 KiB at
+#: them (its own fallback, see ``direct_reduction.direct_call``): from 64 KiB at
 #: 2 ranks (1 MiB 46 -> 27-30 us, 64 KiB 3.5 -> 2.8-2.9), from 1 MiB where
 #: ranks share cores (4 ranks: 1 MiB 134-137 -> 92-96; 512 KiB from 4 KiB
 #: pages lost, 78 against 70). Reduce's, which writes the root's buffer
