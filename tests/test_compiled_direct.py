@@ -15,12 +15,11 @@ import time
 import numpy as np
 import pytest
 
-from collectives import CollectiveError
 from collectives.algorithms.window.state import WindowState
 from collectives.algorithms.window.tuning import compiled_direct
 from collectives.transports.shm.copy_race import NEVER
 from collectives.bench.faults import guarded, intact
-from harness import run_ranks
+from harness import attempt, run_ranks, wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux")
 
@@ -189,61 +188,49 @@ def test_the_race_picks_the_direct_call(monkeypatch, faster):
     assert run_ranks(_allgather_direct_runs, 2, timeout=60) == [want, want]
 
 
-def mismatched(comm, collective: str, n: int) -> tuple:
+def mismatched(comm, collective: str, n: int) -> dict:
     """Rank 1 passes one more element per block: every rank raises in this call."""
     counts = [n + (comm.rank == 1)] * comm.size
-    t0 = time.monotonic()
-    try:
-        _, guards = _one(comm, collective, counts, 0)
-        outcome, message = "ok", ""
-    except CollectiveError as exc:
-        outcome, message, guards = type(exc).__name__, str(exc), True
-    return outcome, message, time.monotonic() - t0, guards
+    seen = {}
+    got = attempt(lambda: seen.update(guards=_one(comm, collective, counts, 0)[1]))
+    return dict(got, guards=seen.get("guards", True))
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_a_mismatch_is_caught_on_every_rank_before_any_read(monkeypatch, collective):
     monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
-    for r, (outcome, message, elapsed, guards) in enumerate(
-            run_ranks(mismatched, 3, collective, 20_000, timeout=60, comm_timeout=10)):
-        assert outcome == "MismatchedCollective", f"rank {r}: {outcome}: {message}"
-        assert re.search(rf"rank {r}[:,] {collective} #1", message), f"rank {r}: {message}"
-        assert elapsed < BOUND, f"rank {r}: took {elapsed:.1f} s"
-        assert guards, f"rank {r}: a guard was written"
+    for r, g in enumerate(run_ranks(mismatched, 3, collective, 20_000, timeout=60, comm_timeout=10)):
+        assert g["outcome"] == "MismatchedCollective", f"rank {r}: {g['outcome']}: {g['message']}"
+        assert re.search(rf"rank {r}[:,] {collective} #1", g["message"]), f"rank {r}: {g['message']}"
+        assert g["elapsed"] < BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
+        assert g["guards"], f"rank {r}: a guard was written"
 
 
-def unchecked(comm) -> tuple:
+def unchecked(comm) -> dict:
     """With signature checks off (for measuring only), rank 1's blocks are
     larger: rank 1 would read past rank 0's buffer, and refuses to."""
     n = 20_000 + 30_000 * comm.rank  # rank 1 reads 50,000 elements of rank 0's 40,000
-    raws = []
     raw, x = guarded(n, "float64", comm.rank + 1)
     raw_out, out = guarded(n * comm.size, "float64", 0)
-    raws = [raw, raw_out]
-    t0 = time.monotonic()
-    try:
-        comm.allgather(x, out)
-        outcome, message = "ok", ""
-    except CollectiveError as exc:
-        outcome, message = type(exc).__name__, str(exc)
-    return outcome, message, time.monotonic() - t0, intact(raws, [n, n * comm.size])
+    got = attempt(lambda: comm.allgather(x, out))
+    return dict(got, guards=intact([raw, raw_out], [n, n * comm.size]))
 
 
 def test_a_read_past_a_peers_buffer_is_refused_even_with_checks_off(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SIGNATURE_CHECKS", "0")
     monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
-    outcomes = run_ranks(unchecked, 2, timeout=60, comm_timeout=5)
-    for r, (outcome, message, elapsed, guards) in enumerate(outcomes):
-        assert guards, f"rank {r}: wrote outside its buffer"
-        assert outcome != "ok", f"rank {r}: a call with different sizes completed"
-        assert elapsed < 5 + BOUND, f"rank {r}: took {elapsed:.1f} s"
-    outcome, message = outcomes[1][:2]
-    assert outcome == "MismatchedCollective", message
+    got = run_ranks(unchecked, 2, timeout=60, comm_timeout=5)
+    for r, g in enumerate(got):
+        assert g["guards"], f"rank {r}: wrote outside its buffer"
+        assert g["outcome"] != "ok", f"rank {r}: a call with different sizes completed"
+        assert g["elapsed"] < 5 + BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
+    message = got[1]["message"]
+    assert got[1]["outcome"] == "MismatchedCollective", message
     assert "rank 1, allgather #1" in message and "would read outside rank 0's buffer" in message, message
-    assert "rank 1" in outcomes[0][1], outcomes[0][1]  # rank 0 learns of it from rank 1
+    assert "rank 1" in got[0]["message"], got[0]["message"]  # rank 0 learns of it from rank 1
 
 
-def peer_gone(comm) -> tuple:
+def peer_gone(comm) -> dict:
     """Rank 1 posts its allgather and is killed while it waits for rank 0;
     rank 0 then makes the call: the read of rank 1's memory fails, and rank 0
     names rank 1 as dead."""
@@ -252,25 +239,17 @@ def peer_gone(comm) -> tuple:
     comm.allgather(x, out)  # the prepared direct call, made on both ranks
     if comm.rank == 1:
         comm.allgather(x, out)  # rank 0 kills this process once its post is visible
-        return "not killed", "", 0.0
+        return {"outcome": "not killed"}
     from collectives.transports.shm.layout import Q_PID, Q_POST
+    from collectives.transports.shm.liveness import exited
     own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
     deadline = time.monotonic() + 30
-    while peer[Q_POST] <= own[Q_POST]:  # rank 1's post of its second call (a step ahead of this rank)
-        assert time.monotonic() < deadline, "rank 1 never posted"
-        os.sched_yield()
+    # rank 1's post of its second call (a step ahead of this rank)
+    wait_until(lambda: peer[Q_POST] > own[Q_POST], deadline, "rank 1 never posted")
     pid = int(peer[Q_PID])
     os.kill(pid, signal.SIGKILL)
-    from collectives.transports.shm.liveness import exited
-    while not exited(pid):  # its memory is gone once it is a zombie
-        assert time.monotonic() < deadline, "rank 1 did not exit"
-        os.sched_yield()
-    t0 = time.monotonic()
-    try:
-        comm.allgather(x, out)
-        return "ok", "", time.monotonic() - t0
-    except CollectiveError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
+    wait_until(lambda: exited(pid), deadline, "rank 1 did not exit")  # its memory is gone once it is a zombie
+    return attempt(lambda: comm.allgather(x, out))
 
 
 def test_a_peer_gone_before_the_read_is_named_as_dead(monkeypatch):
@@ -278,10 +257,11 @@ def test_a_peer_gone_before_the_read_is_named_as_dead(monkeypatch):
     outcomes = run_ranks(peer_gone, 2, timeout=60, comm_timeout=10, expect_errors=True)
     assert not outcomes[1].ok, str(outcomes[1])  # killed
     assert outcomes[0].ok, str(outcomes[0])
-    outcome, message, elapsed = outcomes[0].value
-    assert outcome == "PeerLost", f"{outcome}: {message}"
+    got = outcomes[0].value
+    message = got["message"]
+    assert got["outcome"] == "PeerLost", f"{got['outcome']}: {message}"
     assert "rank 0, allgather #2" in message and "rank 1" in message and "died" in message, message
-    assert elapsed < BOUND, f"took {elapsed:.1f} s"
+    assert got["elapsed"] < BOUND, f"took {got['elapsed']:.1f} s"
 
 
 def overwrite_at_once(comm, collective: str, rounds: int) -> list[str]:
@@ -317,7 +297,7 @@ def test_no_rank_returns_while_others_still_read_its_buffer(monkeypatch, collect
         assert not bad, f"rank {r}: " + "; ".join(bad[:5])
 
 
-def peer_stopped(comm, limit: float) -> tuple:
+def peer_stopped(comm, limit: float) -> dict:
     """Rank 1 posts its allgather and is stopped (SIGSTOP) before it reads;
     rank 0 then makes the call: it reads rank 1's buffer, waits for rank 1
     to be done with its own, times out naming rank 1 and resumes it; rank 1
@@ -325,27 +305,15 @@ def peer_stopped(comm, limit: float) -> tuple:
     x = np.arange(40_000, dtype=np.float64)
     out = np.zeros(80_000)
     comm.allgather(x, out)  # the prepared direct call, made on both ranks
-    t0 = time.monotonic()
     if comm.rank == 1:
-        try:
-            comm.allgather(x, out)
-            return "ok", "", time.monotonic() - t0
-        except CollectiveError as exc:
-            return type(exc).__name__, str(exc), time.monotonic() - t0
+        return attempt(lambda: comm.allgather(x, out))
     from collectives.transports.shm.layout import Q_PID, Q_POST
     own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
     deadline = time.monotonic() + 30
-    while peer[Q_POST] <= own[Q_POST]:  # rank 1's post of its second call
-        assert time.monotonic() < deadline, "rank 1 never posted"
-        os.sched_yield()
+    wait_until(lambda: peer[Q_POST] > own[Q_POST], deadline, "rank 1 never posted")  # its second call's post
     pid = int(peer[Q_PID])
     os.kill(pid, signal.SIGSTOP)
-    t0 = time.monotonic()
-    try:
-        comm.allgather(x, out, timeout=limit)
-        got = "ok", "", time.monotonic() - t0
-    except CollectiveError as exc:
-        got = type(exc).__name__, str(exc), time.monotonic() - t0
+    got = attempt(lambda: comm.allgather(x, out, timeout=limit))
     os.kill(pid, signal.SIGCONT)
     return got
 
@@ -353,11 +321,11 @@ def peer_stopped(comm, limit: float) -> tuple:
 def test_a_peer_stopped_after_its_post_is_a_timeout_and_it_learns_of_it(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_WINDOW_COMPILED_DIRECT_BYTES", "1")
     limit = 2.0
-    outcomes = run_ranks(peer_stopped, 2, limit, timeout=60, comm_timeout=20)
-    outcome, message, elapsed = outcomes[0]
-    assert outcome == "CollectiveTimeout", f"rank 0: {outcome}: {message}"
+    got = run_ranks(peer_stopped, 2, limit, timeout=60, comm_timeout=20)
+    message = got[0]["message"]
+    assert got[0]["outcome"] == "CollectiveTimeout", f"rank 0: {got[0]['outcome']}: {message}"
     assert "rank 0" in message and "allgather #2" in message and "rank 1" in message, message
-    assert limit <= elapsed < limit + BOUND, f"rank 0: took {elapsed:.1f} s"
-    outcome, message, elapsed = outcomes[1]
-    assert outcome != "ok", "rank 1 completed a call its peer had given up on"
-    assert "rank 1" in message and "allgather #2" in message and "rank 0" in message, f"{outcome}: {message}"
+    assert limit <= got[0]["elapsed"] < limit + BOUND, f"rank 0: took {got[0]['elapsed']:.1f} s"
+    message = got[1]["message"]
+    assert got[1]["outcome"] != "ok", "rank 1 completed a call its peer had given up on"
+    assert "rank 1" in message and "allgather #2" in message and "rank 0" in message, f"{got[1]['outcome']}: {message}"
