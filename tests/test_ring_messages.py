@@ -607,12 +607,17 @@ def test_blocking_and_nonblocking_calls_of_every_size_in_any_order_of_tags(monke
         assert sent_in_c[0] > 0  # some sends took the compiled path
 
 
-def nonblocking_calls_in_c(comm, sent):
+def nonblocking_calls_in_c(comm, sent, ready):
     """Nonblocking sends into an idle ring and receives of messages already
     there complete at once from C; a receive whose message differs, or that
     has one of its tag posted before it, takes the Python path and fails or
-    waits as always."""
+    waits as always. Rank 0 sends once rank 1 is past ``init`` (whose own
+    receive would otherwise move the later messages aside, where only the
+    Python path finds them)."""
+    if comm.rank == 1:
+        ready.set()
     if comm.rank == 0:
+        assert ready.wait(10)
         handles = [comm.isend(np.full(3, i, np.int32), 1, tag=4) for i in range(3)]
         handles.append(comm.isend(np.ones(10, np.uint8), 1, tag=6))
         handles.append(comm.isend(np.full(2, 7.5), 1, tag=8))
@@ -641,7 +646,7 @@ def test_nonblocking_sends_and_receives_complete_at_once_and_still_check(monkeyp
     monkeypatch.setenv("COLLECTIVES_COMPILED", "1" if compiled_path else "0")
     ctx = multiprocessing.get_context("fork")
     (sent_in_c, sends_done), (got_in_c, done_at_once, values, error, took, last) = run_ranks(
-        nonblocking_calls_in_c, 2, ctx.Event(), timeout=60)
+        nonblocking_calls_in_c, 2, ctx.Event(), ctx.Event(), timeout=60)
     c = 1 if compiled_path and compiled.rings is not None else 0
     assert sent_in_c == (5 * c, 0) and sends_done == [True] * 5
     assert done_at_once == [True] * 3 and values == [0, 1, 2]  # the Python path takes them at once too
