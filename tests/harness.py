@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from collectives.launcher import free_port, rank_environment
 
-__all__ = ["run_ranks", "Outcome", "RankFailure", "attempt", "wait_until"]
+__all__ = ["run_ranks", "Outcome", "RankFailure", "attempt", "wait_until", "mark_done", "resume_when_done",
+           "stopped_after_its_post"]
 
 def attempt(call: Callable[[], Any]) -> dict:
     """Run one collective call inside a rank: its ``outcome`` ("ok" or the
@@ -42,6 +43,42 @@ def wait_until(ready: Callable[[], bool], deadline: float, what: str) -> None:
     while not ready():
         assert time.monotonic() < deadline, what
         os.sched_yield()
+
+
+def mark_done(marker: str) -> None:
+    """Tell another rank (:func:`resume_when_done`) that this rank's call returned or raised."""
+    with open(marker, "w") as f:
+        f.write("done")
+
+
+def resume_when_done(pid: int, marker: str, deadline: float) -> None:
+    """Resume the stopped process ``pid`` (SIGCONT) and wait until it marked
+    ``marker`` (:func:`mark_done`)."""
+    os.kill(pid, signal.SIGCONT)
+    wait_until(lambda: os.path.exists(marker), deadline, "rank 1 never finished")
+
+
+def stopped_after_its_post(comm, call: Callable[[float | None], Any], limit: float, marker: str,
+                           reuse: Callable[[], None]) -> dict:
+    """Two ranks: rank 1 makes ``call(None)`` (``call(timeout)`` makes the
+    collective) and marks ``marker`` once it returned or raised; rank 0
+    waits until rank 1 posted that call, stops it (SIGSTOP), makes
+    ``call(limit)``, then ``reuse()`` (its caller uses its buffer again),
+    resumes rank 1 and waits for its mark. Each rank's :func:`attempt`."""
+    if comm.rank == 1:
+        got = attempt(lambda: call(None))
+        mark_done(marker)
+        return got
+    from collectives.transports.shm.layout import Q_PID, Q_POST
+    own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
+    deadline = time.monotonic() + 30
+    wait_until(lambda: peer[Q_POST] > own[Q_POST], deadline, "rank 1 never posted")  # its call's post
+    pid = int(peer[Q_PID])
+    os.kill(pid, signal.SIGSTOP)
+    got = attempt(lambda: call(limit))
+    reuse()
+    resume_when_done(pid, marker, deadline)
+    return got
 
 
 _CTX = mp.get_context("fork")

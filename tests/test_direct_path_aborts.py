@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from collectives.bench.pages import empty
-from harness import attempt, run_ranks, wait_until
+from harness import attempt, mark_done, resume_when_done, run_ranks, wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux")
 
@@ -58,8 +58,7 @@ def writer_stopped(comm, limit: float, marker: str) -> dict:
             got = attempt(lambda: comm.allreduce(x))
         finally:
             direct.Readers.inside = inside
-        with open(marker, "w") as f:
-            f.write("done")
+        mark_done(marker)
         return dict(got, stopped=not armed[0])
     from collectives.transports.shm.layout import Q_PID
     pid = int(comm.transport._segs[1].q[Q_PID])
@@ -68,8 +67,7 @@ def writer_stopped(comm, limit: float, marker: str) -> dict:
     x[:] = -1.0  # the caller uses its buffer again
     deadline = time.monotonic() + 30
     wait_until(lambda: _stopped(pid), deadline, "rank 1 never stopped")  # it did before this call timed out
-    os.kill(pid, signal.SIGCONT)
-    wait_until(lambda: os.path.exists(marker), deadline, "rank 1 never finished")  # its call returned or raised
+    resume_when_done(pid, marker, deadline)  # its call returns or raises
     got["kept"] = bool(np.all(x == -1.0))
     return got
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -27,7 +25,7 @@ from collectives.algorithms.window.direct_reduction import takes_direct_call
 from collectives.algorithms.window.pieces import blocks
 from collectives.algorithms.window.tuning import compiled_direct
 from collectives.bench.pages import empty
-from harness import attempt, run_ranks, wait_until
+from harness import attempt, run_ranks, stopped_after_its_post
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/map_files"), reason="needs Linux")
 
@@ -76,6 +74,13 @@ class Guarded:
         return all(np.all(w[:GUARD] == FILL) and np.all(w[-GUARD:] == FILL) for w in self.wholes)
 
 
+def _in_span(comm, collective: str, buf: np.ndarray, op: str) -> bool:
+    """Whether ``collective`` of ``buf`` takes its direct call on this communicator's window."""
+    from collectives.algorithms.window.state import window_state
+    window, st = window_state(comm.transport.window, comm.size)
+    return takes_direct_call(collective, window, st, buf, get_op(op))
+
+
 def _reduction_call(comm, keys_before: set):
     """The compiled call of the allreduce prepared since ``keys_before``."""
     new = [e.call for k, e in comm._prepared.items() if k not in keys_before]
@@ -115,11 +120,8 @@ def every_kind(comm, times: int, dtype: str = "float64", op: str = "sum", odd_in
             call = _reduction_call(comm, keys)
             rows[(kind, asked)] = {"bad": bad, "reads": None if call is None else
                                      (call.last_direct, call.last_window, call.last_pooled)}
-    from collectives.algorithms.window.state import window_state
-    window, st = window_state(comm.transport.window, p)
     return {"rows": rows, "guards": bufs.intact(),
-            "span": takes_direct_call("allreduce", window, st, np.empty(size * 8 // np.dtype(dtype).itemsize, dtype),
-                                      get_op(op))}
+            "span": _in_span(comm, "allreduce", np.empty(size * 8 // np.dtype(dtype).itemsize, dtype), op)}
 
 
 def _check_rows(got: list[dict], adopt: bool, falls_back: bool = True) -> None:
@@ -187,10 +189,7 @@ def reduce_every_kind(comm, times: int, root: int) -> dict:
         call = _reduction_call(comm, keys)
         rows[(kind, True)] = {"bad": bad, "reads": None if call is None else
                               (call.last_direct, call.last_window, call.last_pooled)}
-    from collectives.algorithms.window.state import window_state
-    window, st = window_state(comm.transport.window, p)
-    return {"rows": rows, "guards": bufs.intact(),
-            "span": takes_direct_call("reduce", window, st, np.empty(N), get_op("sum"))}
+    return {"rows": rows, "guards": bufs.intact(), "span": _in_span(comm, "reduce", np.empty(N), "sum")}
 
 
 @pytest.mark.parametrize("p,root,adopt", [(3, 2, True), (3, 1, False), (4, 0, True), (4, 3, False)])
@@ -336,22 +335,9 @@ def writer_stopped(comm, limit: float, marker: str) -> dict:
     for _ in range(2):
         comm.allreduce(x)
     span = compiled_direct("allreduce", N * 8, comm.size, comm.transport.window.cores)
-    if comm.rank == 1:
-        got = attempt(lambda: comm.allreduce(x))
-        with open(marker, "w") as f:
-            f.write("done")
-        return dict(got, span=span)
-    from collectives.transports.shm.layout import Q_PID, Q_POST
-    own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
-    deadline = time.monotonic() + 30
-    wait_until(lambda: peer[Q_POST] > own[Q_POST], deadline, "rank 1 never posted")  # its third call's post
-    pid = int(peer[Q_PID])
-    os.kill(pid, signal.SIGSTOP)
-    got = attempt(lambda: comm.allreduce(x, timeout=limit))
-    x[:] = -1.0
-    os.kill(pid, signal.SIGCONT)
-    wait_until(lambda: os.path.exists(marker), deadline, "rank 1 never finished")  # its call returned or raised
-    return dict(got, kept=bool(np.all(x == -1.0)), span=span)
+    got = stopped_after_its_post(comm, lambda timeout: comm.allreduce(x, timeout=timeout), limit, marker,
+                                 lambda: x.fill(-1.0))
+    return dict(got, span=span) if comm.rank == 1 else dict(got, kept=bool(np.all(x == -1.0)), span=span)
 
 
 def test_a_rank_stopped_before_it_writes_never_writes_after_its_peer_gave_up(tmp_path):

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -26,7 +24,7 @@ from collectives.algorithms.window.tuning import (DIRECT_FROM, POOLED_ACROSS, PO
                                                    direct_from, direct_where_huge)
 from collectives.bench.faults import guarded, intact
 from collectives.bench.pages import empty
-from harness import attempt, run_ranks, wait_until
+from harness import attempt, run_ranks, stopped_after_its_post
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/map_files"), reason="needs Linux")
 
@@ -419,23 +417,10 @@ def writer_stopped(comm, limit: float, marker: str) -> dict:
     for _ in range(2):
         comm.gather(send, recv if comm.rank == 0 else None, root=0)
     pooled = _last_reads(comm)
-    if comm.rank == 1:
-        got = attempt(lambda: comm.gather(send, None, root=0))
-        with open(marker, "w") as f:
-            f.write("done")
-        return dict(got, pooled=pooled)
-    from collectives.transports.shm.layout import Q_PID, Q_POST
-    own, peer = comm.transport._segs[0].q, comm.transport._segs[1].q
-    deadline = time.monotonic() + 30
-    wait_until(lambda: peer[Q_POST] > own[Q_POST], deadline, "rank 1 never posted")  # its third call's post
-    pid = int(peer[Q_PID])
-    os.kill(pid, signal.SIGSTOP)
-    got = attempt(lambda: comm.gather(send, recv, root=0, timeout=limit))
-    recv[:] = -1.0
-    os.kill(pid, signal.SIGCONT)
-    wait_until(lambda: os.path.exists(marker), deadline, "rank 1 never finished")  # its call returned or raised
-    got["kept"] = bool(np.all(recv == -1.0))
-    return got
+    got = stopped_after_its_post(comm, lambda timeout: comm.gather(send, recv if comm.rank == 0 else None, root=0,
+                                                                   timeout=timeout), limit, marker,
+                                 lambda: recv.fill(-1.0))
+    return dict(got, pooled=pooled) if comm.rank == 1 else dict(got, kept=bool(np.all(recv == -1.0)))
 
 
 def test_a_writer_stopped_before_it_writes_never_writes_after_the_root_gave_up(tmp_path):
