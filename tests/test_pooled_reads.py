@@ -135,13 +135,13 @@ def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
     reads peers' pools (where the race answers "never"): in the pool's
     direct path's span, for the collectives a call takes it over for, where
     no direct call of the table serves (see ``compiled_calls.direct_mode``;
-    allgather, which reads only huge pages or the pool there, where its
-    window call fits, and past it where ranks have a core each: the cases below)."""
+    allgather, which reads only huge pages or the pool there, in its
+    whole span on any cores: the cases below)."""
     cores = window.cores
     return (nbytes >= direct_from(collective, p, cores) and collective in POOLED_CALLS
             and not compiled_direct(collective, nbytes, p, cores, window.cma_from)
             and (not DIRECT_FROM[collective][2] or direct_where_huge(collective, nbytes, p, cores, window.cma_from)
-                 or (collective in POOLED_ACROSS and not (cores and p > cores))))
+                 or collective in POOLED_ACROSS))
 
 
 # (collective, ranks, float64 a block): from each collective's DIRECT_FROM on,
@@ -150,7 +150,8 @@ def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
 # or more (the pool adopts no smaller one)
 CASES = [("allgather", 2, 128 << 10), ("alltoall", 2, 256 << 10), ("bcast", 2, 512 << 10),
          ("gather", 2, 256 << 10), ("alltoall", 3, 96 << 10), ("gather", 3, 384 << 10),
-         ("allgather", 2, 256 << 10), ("allgather", 2, 512 << 10)]  # past allgather's window call: 4 and 8 MiB
+         ("allgather", 2, 256 << 10), ("allgather", 2, 512 << 10),  # past allgather's window call: 4 and 8 MiB
+         ("allgather", 4, 128 << 10), ("allgather", 4, 512 << 10)]  # 4 ranks: 4 MiB, and 16 MiB past a half
 
 
 def _peer_reads(collective: str, p: int) -> int:
@@ -190,17 +191,18 @@ def first_allgather(comm, n: int) -> dict:
             "hybrid": _with_pools("allgather", n * p * 8, p, comm.transport.window)}
 
 
-@pytest.mark.parametrize("n,kind", [(256 << 10, 1), (512 << 10, 0)])
-def test_allgather_past_its_window_call_before_the_pool_adopts(n, kind):
-    """2 ranks, 4 KiB pages, a first call (nothing adopted yet): 4 MiB
-    (blocks of 2 MiB) come through the window, each rank's block at the
-    start of its region; 8 MiB (blocks past a half) are read across."""
-    got = run_ranks(first_allgather, 2, n, timeout=120)
+@pytest.mark.parametrize("p,n,kind", [(2, 256 << 10, 1), (2, 512 << 10, 0), (4, 128 << 10, 1), (4, 512 << 10, 0)])
+def test_allgather_past_its_window_call_before_the_pool_adopts(p, n, kind):
+    """4 KiB pages, a first call (nothing adopted yet): blocks of up to a
+    half (2 ranks: 2 MiB; 4 ranks: 1 MiB) come through the window, each
+    rank's block at the start of its region; blocks past a half (4 MiB)
+    are read across."""
+    got = run_ranks(first_allgather, p, n, timeout=120)
     if not got[0]["hybrid"]:
         pytest.skip("no call with pools on these cores")
     for r, g in enumerate(got):
         assert g["right"] and g["guards"], f"rank {r}: {g}"
-        assert len(g["reads"]) == 1 and g["reads"][0][kind] == 1 and sum(g["reads"][0]) == 1, g["reads"]
+        assert len(g["reads"]) == 1 and g["reads"][0][kind] == p - 1 and sum(g["reads"][0]) == p - 1, g["reads"]
 
 
 @pytest.mark.parametrize("collective,p,n", [("bcast", 2, 512 << 10), ("alltoall", 2, 256 << 10)])
@@ -329,6 +331,50 @@ def test_a_mismatch_after_pooled_calls_is_caught_on_every_rank_before_any_move(f
         assert re.search(rf"rank {r}[:,] {collective} #3", g["message"]), f"rank {r}: {g['message']}"
         assert g["elapsed"] < BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
         assert g["guards"], f"rank {r}: wrote outside its buffer"
+
+
+def allgather_mismatched(comm) -> dict:
+    """4 ranks, two matched allgathers of 4 MiB in 4 KiB pages (each
+    rank's buffer adopted into its pool from the second), then rank 2
+    passes blocks a quarter larger (in place): every rank raises in that
+    call and every buffer stays as it was."""
+    p, r, n = comm.size, comm.rank, 128 << 10
+    raws = []
+
+    def buf(count: int) -> np.ndarray:
+        raw, view = guarded(count, "float64", 0)
+        raws.append((raw, count))
+        return view
+
+    out = buf(n * p)
+    for i in range(2):
+        out[r * n:(r + 1) * n] = r + i
+        comm.allgather(out[r * n:(r + 1) * n].copy(), out)
+    pooled = _last_reads(comm)
+    m = n + n // 4 if r == 2 else n
+    if r == 2:
+        out = buf(m * p)
+    out[r * m:(r + 1) * m] = -1.0  # in place
+    before = out.copy()
+    got = attempt(lambda: comm.allgather(None, out))
+    return dict(got, pooled=pooled, guards=intact([w for w, _ in raws], [c for _, c in raws]),
+                kept=bool(np.array_equal(out, before)),
+                hybrid=_with_pools("allgather", n * p * 8, p, comm.transport.window))
+
+
+def test_a_mismatch_in_allgathers_pooled_call_where_ranks_share_cores_is_caught_everywhere():
+    """4 ranks on 2 cores take allgather's pooled call from 4 MiB: a
+    mismatch after pooled calls is caught on every rank, naming itself and
+    the call, before any byte is read (every rank's buffer unchanged)."""
+    got = run_ranks(allgather_mismatched, 4, timeout=60, comm_timeout=5)
+    if not got[0]["hybrid"]:
+        pytest.skip("no call with pools on these cores")
+    for r, g in enumerate(got):
+        assert g["pooled"] == [(0, 0, 3)], f"rank {r}: {g['pooled']}"
+        assert g["outcome"] == "MismatchedCollective", f"rank {r}: {g['outcome']}: {g['message']}"
+        assert re.search(rf"rank {r}[:,] allgather #3", g["message"]), f"rank {r}: {g['message']}"
+        assert g["elapsed"] < BOUND, f"rank {r}: took {g['elapsed']:.1f} s"
+        assert g["guards"] and g["kept"], f"rank {r}: wrote outside its buffer or into it"
 
 
 def written_late(comm, rounds: int) -> dict:

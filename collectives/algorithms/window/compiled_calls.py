@@ -155,10 +155,11 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
     on, in the pool's direct path's span (:func:`pool_path`,
     :data:`~.tuning.POOLED_CALLS`), :data:`POOLED`, which reads what that
     path reads directly: arrays in huge pages or in their rank's pool, and
-    the rest through the window where a fallback would serve below, else
-    (the collectives that read any buffer there: ``DIRECT_FROM``'s huge
-    false; and those of :data:`~.tuning.POOLED_ACROSS` where ranks have a
-    core each and the window cannot take their blocks) straight. None
+    the rest through the window where a fallback would serve below; the
+    collectives that read any buffer there (``DIRECT_FROM``'s huge false)
+    read the rest straight. Those of :data:`~.tuning.POOLED_ACROSS` take
+    it in their whole span, on any cores: the rest through the window
+    where their fallback ``through`` is given, else straight. None
     otherwise. A fallback's copies are whole where the
     table runs the window call in pieces (1 MiB copies and more where ranks
     have a core each): 2 ranks, 2 MiB, the same time for allgather,
@@ -181,8 +182,7 @@ def direct_mode(window, collective: str, nbytes: int, through: tuple | None) -> 
         return FALLBACK if hybrid else None
     if collective not in POOLED_CALLS or not {POOL, ADOPTION} <= window.features:
         return None
-    across = through is None and collective in POOLED_ACROSS and not (cores and p > cores)
-    return POOLED if hybrid or across or not DIRECT_FROM[collective][2] else None
+    return POOLED if hybrid or collective in POOLED_ACROSS or not DIRECT_FROM[collective][2] else None
 
 
 def pool_path(window, collective: str, nbytes: int) -> bool:

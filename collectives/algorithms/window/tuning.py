@@ -67,17 +67,25 @@ DIRECT_FROM: dict[str, tuple[int, int, bool]] = {
 POOLED_CALLS = frozenset({"allgather", "alltoall", "bcast", "gather", "scatter"})
 
 #: Of :data:`POOLED_CALLS` whose ``DIRECT_FROM`` wants huge pages, those
-#: whose call, where ranks have a core each and the window cannot take a
-#: rank's block (past a half), still runs, and reads across an array that
-#: lies neither in huge pages nor in its rank's pool (as the MPIs read
-#: every array) rather than leaving the call to the pool's direct path and
-#: the window's pieces. Allgather at 2 ranks, ``collectives bench allgather
-#: -n 2 --sizes 8M,16M,64M --pages P``, us, the call / the path: buffers
-#: used again (the pool adopts them) 77 / 106-114, 170-184 / 215-320,
-#: 1439-1671 / 1726-2839; in huge pages, nothing adopted, 109 / 125, 224 /
-#: 395, 2300 / 3466; but in 4 KiB pages and never adopted (a buffer made
-#: anew every call, outside numpy, which gives huge pages from 4 MiB) 332 /
-#: 216, 1038 / 524, 5846 / 3367.
+#: whose call takes the pool's direct path's whole span over, on any cores:
+#: it reads peers' arrays in huge pages or in their pools, takes an array
+#: that lies in neither through the window where the call has a fallback
+#: (a rank's block fits a half) and reads it across past that (as the MPIs
+#: read every array), rather than leaving the call to the pool's direct
+#: path in Python and the window's pieces. Allgather at 2 ranks, ``collectives
+#: bench allgather -n 2 --sizes 8M,16M,64M --pages P``, us, the call / the
+#: path: buffers used again (the pool adopts them) 77 / 106-114, 170-184 /
+#: 215-320, 1439-1671 / 1726-2839; in huge pages, nothing adopted, 109 /
+#: 125, 224 / 395, 2300 / 3466; but in 4 KiB pages and never adopted (a
+#: buffer made anew every call, outside numpy, which gives huge pages from
+#: 4 MiB) 332 / 216, 1038 / 524, 5846 / 3367. Where ranks share cores (4
+#: ranks on 2 cores, ``-n 4 --sizes 4M,8M,16M,64M``, two rounds): huge
+#: pages 132-137 / 259-276, 274-344 / 500-672, 1030-1825 / 1499-2213,
+#: 5777-8811 / 6478-9549; the same with ``--rewrite`` 569-821 / 1011-1061,
+#: 1967-2171 / 2414-2427; 4 KiB pages used again 136-138 / 265-267, 280-287
+#: / 481, 982-1011 / 1348-1352; never adopted (``COLLECTIVES_SHM_ADOPT=0``),
+#: 4 and 16 MiB, within noise (445-479 / 435-439, 2293-2471 / 2229-2542);
+#: 8 ranks, 8 and 16 MiB, 1050-1848 / 2367-2714 and 2827-4253 / 4436-5541.
 POOLED_ACROSS = frozenset({"allgather"})
 
 #: Bytes from which a direct compiled call reads a peer's array out of its
