@@ -156,6 +156,15 @@ def test_the_default_sizes_take_the_direct_call_where_the_table_says():
         assert not compiled_direct(c, 8 << 20, 4, 2) and not compiled_direct(c, (512 << 10) - 1, 4, 2)
         assert not any(compiled_direct(c, n, 4, 2, NEVER) for n in (512 << 10, 1 << 20, 4 << 20, 64 << 20))
     assert not compiled_direct("allgather", 64 << 20, 2, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
+    # allgather's where ranks share cores: huge pages only, whatever the race says, from blocks of
+    # 256 KiB up to its pool's span (DIRECT_FROM: 4 MiB at 3 and 4 ranks, 8 MiB at 8 on 2 cores)
+    from collectives.algorithms.window.tuning import direct_where_huge
+    for p, first, end in ((3, 768 << 10, 4 << 20), (4, 1 << 20, 4 << 20), (8, 2 << 20, 8 << 20)):
+        for cma_from in (0, 1 << 20, NEVER):
+            assert direct_where_huge("allgather", first, p, 2, cma_from)
+            assert direct_where_huge("allgather", end - 1, p, 2, cma_from)
+            assert not direct_where_huge("allgather", first - p, p, 2, cma_from)
+            assert not direct_where_huge("allgather", end, p, 2, cma_from)
 
 
 def test_bcast_has_no_span_with_a_fallback_where_its_window_call_runs_in_pieces():

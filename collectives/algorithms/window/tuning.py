@@ -18,7 +18,7 @@ __all__ = [
     "DIRECT_FROM", "POOLED_ACROSS", "one_fence_limit", "reduce_one_fence_limit", "direct_from",
     "compiled_piece", "two_steps", "allreduce_two_steps", "reduce_two_steps", "DIRECT_REDUCTION_PIECE",
     "DIRECT_REDUCTION_HUGE_FROM", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
-    "compiled_direct", "direct_where_huge", "POOLED_CALLS", "POOL_FIRST_BYTES",
+    "compiled_direct", "direct_where_huge", "POOLED_CALLS", "POOL_FIRST_BYTES", "POOL_SPAN", "HugeOnly",
 ]
 
 SMALL_BYTES = 32 * 1024          # bytes: allreduce and reduce up to this take the one-fence path ...
@@ -96,6 +96,12 @@ POOLED_ACROSS = frozenset({"allgather"})
 POOL_FIRST_BYTES = 4 << 20
 
 
+#: A span's end in :data:`COMPILED_DIRECT`: where the pool's direct path's
+#: span starts (:func:`direct_from`), which a pooled call takes over
+#: (:data:`POOLED_ACROSS`).
+POOL_SPAN = "pool span"
+
+
 @dataclass(frozen=True)
 class PerCore:
     """A span's start counted in all ranks' buffers together per core
@@ -117,6 +123,15 @@ class PerBlock:
 
     def reached(self, nbytes: int, p: int, cores: int) -> bool:
         return nbytes >= self.nbytes * p
+
+
+@dataclass(frozen=True)
+class HugeOnly:
+    """A span that reads only arrays in huge pages, and takes the rest
+    through the window, whatever the race answers (a read of 4 KiB pages
+    lost there even where the race found it faster)."""
+
+    start: int | PerCore | PerBlock
 
 
 #: Where each collective's one compiled call reads peers' buffers by
@@ -142,8 +157,13 @@ class PerBlock:
 #: window's copies overlap below 2 MiB and the direct read did not win
 #: there. Where ranks share cores, the reads of bcast and gather from huge
 #: pages beat the window from 512 KiB to 4 MiB (measured) at 3, 4 and 8
-#: ranks on 2 cores; allgather's did at 3 and 4 ranks but lost at 8, and
-#: keeps the window (from 4 KiB pages every read lost there). Allreduce's
+#: ranks on 2 cores. So do allgather's from blocks of 256 KiB up to its pool's
+#: span (:data:`POOL_SPAN`; 4 ranks: 1 MiB 63-66 -> 47-48 us, 2 MiB 122-123 ->
+#: 80-83, and with ``--rewrite`` 2 MiB 271-276 -> 214-219; 3 ranks: 1 MiB 60 ->
+#: 39, 2 MiB 116-117 -> 68-70; 8 ranks: 4 MiB 1137-1300 -> 615-653; 8 ranks, 1
+#: MiB, blocks of 128 KiB, lost: 110 -> 133), but it reads only huge pages
+#: (:class:`HugeOnly`): from 4 KiB pages every read lost there, even where the
+#: race found the read faster (4 ranks, 1 MiB 66-67 -> 146-148 us). Allreduce's
 #: call reduces from the peers' buffers where they lie and writes into
 #: them (its own fallback, see ``direct_reduction.direct_call``): from 64 KiB at
 #: 2 ranks (1 MiB 46 -> 27-30 us, 64 KiB 3.5 -> 2.8-2.9), from 1 MiB where
@@ -153,10 +173,10 @@ class PerBlock:
 #: us, 2 MiB 170-191 -> 101-105; 3 and 8 ranks won too); at 2 ranks the
 #: root reducing alone won (1 MiB 20-21 against 34). The numbers are in
 #: docs/shared-memory.md.
-COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | None, int | None], ...]] = {
+COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | HugeOnly | None, int | str | None], ...]] = {
     #              a core each:                                ranks share cores:
     # collective:  the read wins,         below,               the read wins,          below
-    "allgather":   ((128 << 10, 64 << 20), (None, None),       (None, None),           (None, None)),
+    "allgather":   ((128 << 10, 64 << 20), (None, None),       (HugeOnly(PerBlock(256 << 10)), POOL_SPAN), (None, None)),
     "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (PerCore(4 << 20), None)),
     "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (PerBlock(512 << 10), None)),
     "bcast":       ((4 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
@@ -178,23 +198,37 @@ def compiled_direct(collective: str, nbytes: int, p: int, cores: int, cma_from: 
     forced = config.get("WINDOW_COMPILED_DIRECT_BYTES")
     if forced is not None:
         return nbytes >= forced
-    shared = bool(cores and p > cores)
-    start, until = COMPILED_DIRECT[collective][2 * shared + (nbytes < cma_from)]
-    if start is None or (until is not None and nbytes >= until):
-        return False
-    return nbytes >= start if isinstance(start, int) else start.reached(nbytes, p, cores)
+    return _in_span(collective, nbytes, p, cores, cma_from, huge_only=False)
 
 
 def direct_where_huge(collective: str, nbytes: int, p: int, cores: int, cma_from: int) -> bool:
     """Whether ``collective`` of ``nbytes`` takes the direct compiled call
     only where every array it reads lies in huge pages, and the window
     otherwise: in a span of the columns where the read wins that the race's
-    answer ``cma_from`` leaves to the window. The race reads 4 KiB pages; a
+    answer ``cma_from`` leaves to the window, and in a :class:`HugeOnly`
+    span whatever the race answers. The race reads 4 KiB pages; a
     read of huge pages pins one page per 2 MiB and runs about as fast as
     a copy (1 MiB: 21-23 us against 69-72 us from 4 KiB pages, and 17-18 us
     for a copy within one process)."""
-    return (compiled_direct(collective, nbytes, p, cores, 0)
+    if collective not in COMPILED_DIRECT or config.get("WINDOW_COMPILED_DIRECT_BYTES") is not None:
+        return False
+    return (_in_span(collective, nbytes, p, cores, 0, huge_only=True)
             and not compiled_direct(collective, nbytes, p, cores, cma_from))
+
+
+def _in_span(collective: str, nbytes: int, p: int, cores: int, cma_from: int, huge_only: bool) -> bool:
+    """Whether ``nbytes`` lies in ``collective``'s span of
+    :data:`COMPILED_DIRECT` (with ``huge_only``, a :class:`HugeOnly` span
+    counts too)."""
+    shared = bool(cores and p > cores)
+    start, until = COMPILED_DIRECT[collective][2 * shared + (nbytes < cma_from)]
+    if until == POOL_SPAN:
+        until = direct_from(collective, p, cores)
+    if isinstance(start, HugeOnly):
+        start = start.start if huge_only else None
+    if start is None or (until is not None and nbytes >= until):
+        return False
+    return nbytes >= start if isinstance(start, int) else start.reached(nbytes, p, cores)
 
 
 def one_fence_limit(p: int) -> int:
