@@ -124,41 +124,41 @@ def test_direct_calls_are_right_stay_in_their_buffers_and_are_taken(monkeypatch,
 def test_the_default_sizes_take_the_direct_call_where_the_table_says():
     """With a core each, allgather, alltoall and scatter of 256 KiB at 2 ranks take it where a
     cross-memory read beats the window's two copies; bcast and gather do not; below the size from
-    which the read wins, only scatter from 4 MiB (where the other path reads directly too)."""
+    which the read wins, none. Every span ends where the pool's direct path's span begins
+    (tuning.POOL_SPAN), which a pooled call takes over."""
+    from collectives.algorithms.window.tuning import direct_from, direct_where_huge
     for collective in COLLECTIVES:
         assert compiled_direct(collective, 256 << 10, 2, 2) == (collective in ("allgather", "alltoall", "scatter"))
         assert not compiled_direct(collective, 256 << 10, 2, 2, cma_from=1 << 20)
         assert not compiled_direct(collective, 64 << 10, 2, 2)
         assert not compiled_direct(collective, 64 << 10, 4, 2)
-    assert [c for c in COLLECTIVES if any(compiled_direct(c, n, 2, 2, cma_from=NEVER)
-                                          for n in (1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20))] == ["scatter"]
-    assert compiled_direct("scatter", 4 << 20, 2, 2, NEVER) and not compiled_direct("scatter", 2 << 20, 2, 2, NEVER)
+        for p, cores in ((2, 2), (3, 2), (4, 2), (8, 2), (8, 4)):
+            start = direct_from(collective, p, cores)
+            for cma_from in (0, 1 << 20, NEVER):
+                assert not any(compiled_direct(collective, n, p, cores, cma_from) for n in (start, 2 * start, 64 << 20))
+    assert not any(compiled_direct(c, n, 2, 2, cma_from=NEVER) for c in COLLECTIVES
+                   for n in (1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20))
     # from the size the race found on, the table for a read that wins
     assert compiled_direct("alltoall", 1 << 20, 2, 2, 1 << 20) and not compiled_direct("alltoall", 512 << 10, 2, 2, 1 << 20)
-    # where ranks share cores, from 1 MiB on only alltoall's and scatter's: the window's copies and the
-    # pool's direct path win for the others (docs/shared-memory.md, "Tuning"); below the race's size,
-    # scatter's from blocks of 512 KiB and alltoall's from 4 MiB of all ranks' buffers per core
+    assert compiled_direct("alltoall", (4 << 20) - 1, 2, 2) and compiled_direct("scatter", (4 << 20) - 1, 2, 2)
+    # where ranks share cores: alltoall's from 256 KiB and scatter's from 128 KiB where the read wins;
+    # below the race's size scatter's from blocks of 512 KiB (up to its pool's span, 4 MiB)
     assert compiled_direct("gather", 512 << 10, 4, 2) and compiled_direct("scatter", 128 << 10, 4, 2)
     assert not compiled_direct("gather", 512 << 10, 4, 2, NEVER) and not compiled_direct("scatter", 1 << 20, 4, 2, NEVER)
-    for p, first in ((3, 1536 << 10), (4, 2 << 20), (5, 2560 << 10), (8, 4 << 20)):
+    for p, first in ((3, 1536 << 10), (4, 2 << 20), (5, 2560 << 10)):
         assert compiled_direct("scatter", first, p, 2, NEVER) and not compiled_direct("scatter", first - p, p, 2, NEVER)
-    assert compiled_direct("alltoall", 256 << 10, 4, 2) and not compiled_direct("alltoall", 1 << 20, 4, 2, NEVER)
-    for p, first in ((3, 4 << 20), (4, 2 << 20), (5, 2 << 20), (6, 2 << 20), (8, 1 << 20), (16, 512 << 10)):
-        assert compiled_direct("alltoall", first, p, 2, NEVER) and not compiled_direct("alltoall", first // 2, p, 2, NEVER)
-    assert compiled_direct("alltoall", 2 << 20, 8, 4, NEVER) and not compiled_direct("alltoall", 1 << 20, 8, 4, NEVER)
+    assert compiled_direct("alltoall", 256 << 10, 4, 2) and compiled_direct("alltoall", (2 << 20) - 1, 4, 2)
+    assert not any(compiled_direct("alltoall", n, p, 2, NEVER) for p in (3, 4, 8) for n in (256 << 10, 1 << 20))
     for cma_from in (0, 1 << 20, NEVER):
-        assert compiled_direct("alltoall", 2 << 20, 4, 2, cma_from) and compiled_direct("scatter", 4 << 20, 4, 2, cma_from)
-        assert compiled_direct("scatter", 64 << 20, 4, 2, cma_from) and compiled_direct("alltoall", 64 << 20, 4, 2, cma_from)
         assert not any(compiled_direct("allgather", n, 4, 2, cma_from) for n in (1 << 20, 4 << 20, 64 << 20))
-    # bcast's and gather's from 512 KiB to 8 MiB where the read wins (huge pages), never below the race's size
-    for c in ("bcast", "gather"):
-        assert compiled_direct(c, 512 << 10, 4, 2) and compiled_direct(c, (8 << 20) - 1, 4, 2)
-        assert not compiled_direct(c, 8 << 20, 4, 2) and not compiled_direct(c, (512 << 10) - 1, 4, 2)
+    # bcast's and gather's from 512 KiB up to their pools' spans where the read wins (huge pages), never
+    # below the race's size
+    for c, end in (("bcast", 4 << 20), ("gather", 8 << 20)):
+        assert compiled_direct(c, 512 << 10, 4, 2) and compiled_direct(c, end - 1, 4, 2)
+        assert not compiled_direct(c, end, 4, 2) and not compiled_direct(c, (512 << 10) - 1, 4, 2)
         assert not any(compiled_direct(c, n, 4, 2, NEVER) for n in (512 << 10, 1 << 20, 4 << 20, 64 << 20))
-    assert not compiled_direct("allgather", 64 << 20, 2, 2) and compiled_direct("scatter", 64 << 20, 4, 2)
     # allgather's where ranks share cores: huge pages only, whatever the race says, from blocks of
     # 256 KiB up to its pool's span (DIRECT_FROM: 4 MiB at 3 and 4 ranks, 8 MiB at 8 on 2 cores)
-    from collectives.algorithms.window.tuning import direct_where_huge
     for p, first, end in ((3, 768 << 10, 4 << 20), (4, 1 << 20, 4 << 20), (8, 2 << 20, 8 << 20)):
         for cma_from in (0, 1 << 20, NEVER):
             assert direct_where_huge("allgather", first, p, 2, cma_from)

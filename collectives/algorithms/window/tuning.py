@@ -17,7 +17,7 @@ __all__ = [
     "ALLREDUCE_PIECED_FROM", "ALLREDUCE_PIECE", "ALLREDUCE_TWO_STEPS_FROM", "REDUCE_TWO_STEPS_FROM",
     "DIRECT_FROM", "POOLED_ACROSS", "one_fence_limit", "reduce_one_fence_limit", "direct_from",
     "compiled_piece", "two_steps", "allreduce_two_steps", "reduce_two_steps", "DIRECT_REDUCTION_PIECE",
-    "DIRECT_REDUCTION_HUGE_FROM", "wants_huge_pages", "PerCore", "PerBlock", "COMPILED_DIRECT",
+    "DIRECT_REDUCTION_HUGE_FROM", "wants_huge_pages", "PerBlock", "COMPILED_DIRECT",
     "compiled_direct", "direct_where_huge", "POOLED_CALLS", "POOL_FIRST_BYTES", "POOL_SPAN", "HugeOnly",
 ]
 
@@ -97,21 +97,25 @@ POOL_FIRST_BYTES = 4 << 20
 
 
 #: A span's end in :data:`COMPILED_DIRECT`: where the pool's direct path's
-#: span starts (:func:`direct_from`), which a pooled call takes over
-#: (:data:`POOLED_ACROSS`).
+#: span starts (:func:`direct_from`). Every span of the :data:`POOLED_CALLS`
+#: ends there: from there their pooled call (``compiled_calls.direct_mode``)
+#: copies a peer's array out of its pool where it lies there (a buffer used
+#: again, which the pool adopts) rather than reading it across, and reads
+#: across only the rest. ``collectives bench C -n P --sizes ... --pages P``,
+#: two rounds in turns, us, before (the direct call's reads across) -> after:
+#: 4 KiB pages, 4 ranks on 2 cores: alltoall 2 MiB 309-311 -> 97-99, 4 MiB
+#: 852-897 -> 245-279, 16 MiB 4763-4866 -> 2754-2994 (with ``--rewrite`` 4
+#: MiB 1663-1688 -> 925-979); scatter 4 MiB 165-237 -> 67-71, 16 MiB 843 ->
+#: 228-354; 8 ranks, alltoall 4 MiB 1970-2016 -> 658-724; 2 ranks, scatter 4
+#: MiB 144 -> 44-50. Where the race found the read faster
+#: (``COLLECTIVES_SHM_CMA_FASTER=1``), 2 ranks, 4 KiB pages: allgather 16
+#: MiB 977-1011 -> 236-245, alltoall 16 MiB 1413-1432 -> 523-577, bcast 8
+#: MiB 686-801 -> 144-145, gather 32 MiB 3599-3695 -> 754-762 (huge pages
+#: 1707-1868 -> 626-755); 4 ranks, bcast 4 MiB 1357-1871 -> 206-212. Lost,
+#: huge pages at 4 ranks, 4 MiB (copied out of the pool from there,
+#: :data:`POOL_FIRST_BYTES`): scatter 55-60 -> 67-68, bcast where the read
+#: wins 172-182 -> 198-205.
 POOL_SPAN = "pool span"
-
-
-@dataclass(frozen=True)
-class PerCore:
-    """A span's start counted in all ranks' buffers together per core
-    (``nbytes * p / cores``) instead of one rank's bytes; only in the
-    columns where ranks share cores."""
-
-    nbytes: int
-
-    def reached(self, nbytes: int, p: int, cores: int) -> bool:
-        return bool(cores) and nbytes * p >= self.nbytes * cores
 
 
 @dataclass(frozen=True)
@@ -131,28 +135,27 @@ class HugeOnly:
     through the window, whatever the race answers (a read of 4 KiB pages
     lost there even where the race found it faster)."""
 
-    start: int | PerCore | PerBlock
+    start: int | PerBlock
 
 
 #: Where each collective's one compiled call reads peers' buffers by
 #: cross-memory attach (one copy, all in C: publish, post, read, wait for the
 #: readers) instead of going through the window (two copies) or the pool's
 #: direct path (:data:`DIRECT_FROM`): from ``from`` bytes up to (not
-#: including) ``until`` (None: no end), the same on every rank; a ``from``
-#: of None: never. Four columns: where ranks have a core each, then where
+#: including) ``until`` (None: no end; :data:`POOL_SPAN`: the pool's span),
+#: the same on every rank; a ``from`` of None: never. Four columns: where ranks have a core each, then where
 #: they share cores; each first from the size on which one read beats the
 #: window's two copies (as a read of huge pages does: below the race's
 #: size these spans run with a fallback on the window for arrays in 4 KiB
 #: pages, :func:`direct_where_huge`), then below it (the rendezvous races the two,
 #: ``transports/shm/copy_race.py``: on the 2-core test machines the window
 #: won up to 2 MiB in some hours, the direct calls from 1 MiB in others). Below
-#: that size only scatter's (from 4 MiB where ranks have a core each, where
-#: the other path reads directly too; from blocks of 512 KiB where they
-#: share cores, :class:`PerBlock`: 2 MiB at 4 ranks, 4 MiB at 8) and
-#: alltoall's where ranks share cores stay; alltoall's from 4 MiB of all
-#: ranks' buffers per core (:class:`PerCore`: 1 MiB at 8 ranks on 2 cores,
-#: 2 MiB at 4). There their compiled calls won at 3 to 8 ranks, and the
-#: window below. Where one rank reads from every
+#: that size only scatter's stays where ranks share cores, from blocks of
+#: 512 KiB (:class:`PerBlock`: 2 MiB at 4 ranks) up to its pool's span
+#: (4 MiB); there its compiled call won at 3 to 8 ranks, and the window
+#: below. Scatter's from 4 MiB with a core each and alltoall's from 4 MiB of
+#: all ranks' buffers per core where ranks share cores lie in the pool's
+#: span now (:data:`POOL_SPAN`). Where one rank reads from every
 #: other (gather, with a core each) or every rank from one (bcast), the
 #: window's copies overlap below 2 MiB and the direct read did not win
 #: there. Where ranks share cores, the reads of bcast and gather from huge
@@ -173,14 +176,14 @@ class HugeOnly:
 #: us, 2 MiB 170-191 -> 101-105; 3 and 8 ranks won too); at 2 ranks the
 #: root reducing alone won (1 MiB 20-21 against 34). The numbers are in
 #: docs/shared-memory.md.
-COMPILED_DIRECT: dict[str, tuple[tuple[int | PerCore | PerBlock | HugeOnly | None, int | str | None], ...]] = {
+COMPILED_DIRECT: dict[str, tuple[tuple[int | PerBlock | HugeOnly | None, int | str | None], ...]] = {
     #              a core each:                                ranks share cores:
     # collective:  the read wins,         below,               the read wins,          below
-    "allgather":   ((128 << 10, 64 << 20), (None, None),       (HugeOnly(PerBlock(256 << 10)), POOL_SPAN), (None, None)),
-    "alltoall":    ((128 << 10, 64 << 20), (None, None),       (256 << 10, None),      (PerCore(4 << 20), None)),
-    "scatter":     ((128 << 10, None),     (4 << 20, None),    (128 << 10, None),      (PerBlock(512 << 10), None)),
-    "bcast":       ((4 << 20, 16 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
-    "gather":      ((2 << 20, 64 << 20),   (None, None),       (512 << 10, 8 << 20),   (None, None)),
+    "allgather":   ((128 << 10, POOL_SPAN), (None, None),      (HugeOnly(PerBlock(256 << 10)), POOL_SPAN), (None, None)),
+    "alltoall":    ((128 << 10, POOL_SPAN), (None, None),      (256 << 10, POOL_SPAN), (None, None)),
+    "scatter":     ((128 << 10, POOL_SPAN), (4 << 20, POOL_SPAN), (128 << 10, POOL_SPAN), (PerBlock(512 << 10), POOL_SPAN)),
+    "bcast":       ((4 << 20, POOL_SPAN),  (None, None),       (512 << 10, POOL_SPAN), (None, None)),
+    "gather":      ((2 << 20, POOL_SPAN),  (None, None),       (512 << 10, POOL_SPAN), (None, None)),
     "allreduce":   ((64 << 10, None),      (64 << 10, None),   (1 << 20, None),        (1 << 20, None)),
     "reduce":      ((None, None),          (None, None),       (1 << 20, None),        (1 << 20, None)),
 }
