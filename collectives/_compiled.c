@@ -849,6 +849,7 @@ typedef struct {
     Copy *copies_out;             /* is done, where that output went by the window (kind BY_WINDOW); */
     Py_ssize_t rpiece;            /* bytes a piece of the reduction, */
     Py_ssize_t huge_from;         /* arrays of fewer bytes go as if outside huge pages (a fallback's window) */
+    int rone;                     /* each piece reduced into the first piece of the destination (in the window) */
     char *scratch;                /* and a piece (and a page) per source for reads across */
 } CallObject;
 
@@ -1091,12 +1092,19 @@ static int parse_pools(CallObject *pl, PyObject *pools, PyObject *pooler, Py_ssi
  * copy in the peer's region (ralts: None for this rank's own), and so does
  * each write (the same place: the peer copies it out, copies_out); an
  * array of fewer than huge_from bytes in huge pages goes through the
- * window as if it were not (a read across costs more there); -1 on error. */
+ * window as if it were not (a read across costs more there). With one, every
+ * piece is reduced into the destination's first piece (a place in the
+ * window, which holds one piece: a reduce's rank that is not the root) and
+ * written from there; -1 on error. */
 static int parse_direct_reduction(CallObject *pl, PyObject *ralts, PyObject *copies_out, Py_ssize_t piece,
-                                  Py_ssize_t huge_from) {
+                                  Py_ssize_t huge_from, int one) {
     Py_ssize_t extent = pl->count * pl->itemsize;
     if (piece < pl->itemsize) {
         PyErr_SetString(PyExc_ValueError, "a direct reduction goes in pieces of an element or more");
+        return -1;
+    }
+    if (one && pl->rdst.idx != -1) {
+        PyErr_SetString(PyExc_ValueError, "a reduction into one piece goes into the window");
         return -1;
     }
     for (int i = 0; i < pl->nafter; i++) {
@@ -1109,6 +1117,7 @@ static int parse_direct_reduction(CallObject *pl, PyObject *ralts, PyObject *cop
     }
     pl->rpiece = piece / pl->itemsize * pl->itemsize;
     pl->huge_from = huge_from;
+    pl->rone = one;
     pl->ralt = PyMem_Calloc((size_t)pl->nsrc, sizeof(Loc));
     if (!pl->ralt) { PyErr_NoMemory(); return -1; }
     PyObject *fast = PySequence_Fast(ralts, "ralts must be a sequence");
@@ -1146,7 +1155,7 @@ static int parse_direct_reduction(CallObject *pl, PyObject *ralts, PyObject *cop
 }
 
 /* compile's direct = (pids, metas, readers, shared[, copies_in, pools,
- * pooler, pool_from, pool_first, ralts, copies_out, piece, huge_from]): every rank's
+ * pooler, pool_from, pool_first, ralts, copies_out, piece, huge_from, one]): every rank's
  * process id and metadata block (an address in this process), the ranks
  * that read (or write) this rank's arrays, the arrays this rank publishes;
  * a fallback's copies into the window; the pools (see parse_pools), and
@@ -1157,8 +1166,9 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
     PyObject *pids, *metas, *readers, *shared, *copies_in = Py_None, *pools = Py_None, *pooler = Py_None;
     PyObject *ralts = Py_None, *copies_out = Py_None;
     Py_ssize_t pool_from = 0, pool_first = PY_SSIZE_T_MAX, piece = 0, huge_from = 0;
-    if (!PyArg_ParseTuple(direct, "OOOO|OOOnnOOnn", &pids, &metas, &readers, &shared, &copies_in, &pools, &pooler,
-                          &pool_from, &pool_first, &ralts, &copies_out, &piece, &huge_from))
+    int one = 0;
+    if (!PyArg_ParseTuple(direct, "OOOO|OOOnnOOnnp", &pids, &metas, &readers, &shared, &copies_in, &pools, &pooler,
+                          &pool_from, &pool_first, &ralts, &copies_out, &piece, &huge_from, &one))
         return -1;
     if (pl->two_steps || (pl->f && (ralts == Py_None || copies_out == Py_None))) {
         PyErr_SetString(PyExc_ValueError, "a direct call has one step, and a reduction names its ralts and copies out");
@@ -1204,7 +1214,7 @@ static int parse_direct(CallObject *pl, PyObject *direct) {
     if (pools != Py_None && parse_pools(pl, pools, pooler, pool_from) < 0) return -1;
     pl->pool_first = pool_first;
     pl->marks = pl->fallback || pl->pool_base;
-    return pl->f ? parse_direct_reduction(pl, ralts, copies_out, piece, huge_from) : 0;
+    return pl->f ? parse_direct_reduction(pl, ralts, copies_out, piece, huge_from, one) : 0;
 }
 
 /* Window.compile(narrays, before, after, reduce, sources[, piece, regions]) -> Call
@@ -1937,7 +1947,8 @@ static PyObject *direct_reduce(CallObject *pl, char *const *bases) {
             across[i] = !to;
             if (to) copies[ncopies++] = to;
         }
-        reduce_all(pl->f, out + lo, srcs, p, (Py_ssize_t)(n / (uint64_t)pl->itemsize), pl->itemsize, copies, ncopies);
+        char *into = pl->rone ? out : out + lo;  /* the result's piece */
+        reduce_all(pl->f, into, srcs, p, (Py_ssize_t)(n / (uint64_t)pl->itemsize), pl->itemsize, copies, ncopies);
         for (int i = 0; i < pl->nafter && bad < 0; i++) {
             if (!across[i]) continue;
             const Copy *c = &pl->after[i];
@@ -1946,9 +1957,9 @@ static PyObject *direct_reduce(CallObject *pl, char *const *bases) {
             uint64_t address = load_acquire(&words[2 * j]), word = load_acquire(&words[2 * j + 1]);
             uint64_t nbytes = word & ~PUBLISHED_FLAGS, at = (uint64_t)c->dst.a1 + lo;
             if (taken_by(pl, word) == BY_POOL)
-                err = pool_move(pl, r, j, (uintptr_t)address, nbytes, at, out + lo, (size_t)n, 1);
+                err = pool_move(pl, r, j, (uintptr_t)address, nbytes, at, into, (size_t)n, 1);
             else
-                err = direct_move(pl, pl->pids[r], (uintptr_t)address + at, out + lo, (size_t)n, 1);
+                err = direct_move(pl, pl->pids[r], (uintptr_t)address + at, into, (size_t)n, 1);
             if (err) bad = r, kind = err < 0 ? K_WRITE_OUTSIDE : K_LOST, value = err < 0 ? nbytes : (uint64_t)err;
         }
     }

@@ -169,15 +169,15 @@ def _owner_first(p: int, n: int, dtype, seed: int, ufunc) -> np.ndarray:
     return out
 
 
-def reduce_every_kind(comm, times: int, root: int) -> dict:
-    """``times`` reduces to ``root`` of just over 1 MiB of float64 for each
+def reduce_every_kind(comm, times: int, root: int, size: int = N) -> dict:
+    """``times`` reduces to ``root`` of ``size`` float64 (about) for each
     kind of buffer: the root's result against reduce's order, bit for bit;
     the other ranks' buffers unchanged; guards; the last run's reads."""
     r, p = comm.rank, comm.size
     bufs, rows = Guarded(comm), {}
     for i, kind in enumerate(KINDS):
         where = ("huge" if r == 0 else "small") if kind == "mixed" else kind
-        n = N + 2 * i
+        n = size + 2 * i
         x = bufs(n, "float64", where)
         keys, bad = set(comm._prepared), []
         for t in range(times):
@@ -189,7 +189,7 @@ def reduce_every_kind(comm, times: int, root: int) -> dict:
         call = _reduction_call(comm, keys)
         rows[(kind, True)] = {"bad": bad, "reads": None if call is None else
                               (call.last_direct, call.last_window, call.last_pooled)}
-    return {"rows": rows, "guards": bufs.intact(), "span": _in_span(comm, "reduce", np.empty(N), "sum")}
+    return {"rows": rows, "guards": bufs.intact(), "span": _in_span(comm, "reduce", np.empty(size), "sum")}
 
 
 @pytest.mark.parametrize("p,root,adopt", [(3, 2, True), (3, 1, False), (4, 0, True), (4, 3, False)])
@@ -199,6 +199,23 @@ def test_reduce_reads_every_kind_of_buffer_and_writes_only_the_roots(monkeypatch
     if not got[0]["span"]:
         pytest.skip(f"reduce of {N * 8} B at {p} ranks on these cores takes no direct call")
     _check_rows(got, adopt)
+
+
+@pytest.mark.parametrize("p,root,size,adopt,falls_back", [
+    (2, 0, 2 * N, False, True),      # 2 MiB at 2 ranks: the root's block and one piece fit a half
+    (2, 1, 9 * N // 2, False, False),  # 4.5 MiB: they do not, arrays in 4 KiB pages are read across
+    (2, 0, 9 * N // 2, True, False),
+    (3, 1, 6 * N, False, False)])    # 6 MiB at 3 ranks
+def test_reduce_past_a_half_reduces_into_one_piece(monkeypatch, p, root, size, adopt, falls_back):
+    """Reduce's direct call at any size: a rank that is not the root reduces
+    its block a piece at a time into one piece of its region and writes each
+    into the root's buffer; right bit for bit, the other ranks' buffers
+    unchanged, every read of the kind its pages allow."""
+    monkeypatch.setenv("COLLECTIVES_SHM_ADOPT", "1" if adopt else "0")
+    got = run_ranks(reduce_every_kind, p, 2, root, size, timeout=180)
+    if not got[0]["span"]:
+        pytest.skip(f"reduce of {size * 8} B at {p} ranks on these cores takes no direct call")
+    _check_rows(got, adopt, falls_back)
 
 
 @pytest.mark.parametrize("p,adopt", [(2, True), (3, False)])

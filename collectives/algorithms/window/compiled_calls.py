@@ -111,7 +111,8 @@ def compile_direct(window, narrays: int, before: list, after: list, readers: lis
 
 
 def compile_reduction(window, narrays: int, writes: list, reduce: tuple, peers: list[int], shared: list[int],
-                      copies_in: list | None, ralts: list, copies_out: list, piece: int, huge_from: int = 0):
+                      copies_in: list | None, ralts: list, copies_out: list, piece: int, huge_from: int = 0,
+                      one: bool = False):
     """``(run, settle)`` of a direct compiled call that reduces (see
     :meth:`~collectives.window_contract.SharedWindow.compile`): each rank
     reduces its block ``reduce`` straight from its peers' published arrays
@@ -124,12 +125,14 @@ def compile_reduction(window, narrays: int, writes: list, reduce: tuple, peers: 
     no fallback: such arrays are read across). None where the window
     has no compiled calls or cannot reach peers' memory (the same on every
     rank). An array of fewer than ``huge_from`` bytes goes through the window
-    even where it lies in huge pages."""
+    even where it lies in huge pages. With ``one``, every piece is reduced
+    into the first piece of the reduction's destination (a place in the
+    window that holds one piece) and written from there."""
     if not {COMPILED_CALLS, DIRECT_ACCESS} <= window.features:
         return None
     pool_first = 0 if POOL in window.features else None  # a pooled block is reduced in place, never read
     made = window.compile(narrays, [], writes, reduce, [],
-                          direct=(peers, shared, copies_in, pool_first, (ralts, copies_out, piece, huge_from)))
+                          direct=(peers, shared, copies_in, pool_first, (ralts, copies_out, piece, huge_from, one)))
     settle = window.settle
     return made.run, lambda arrays, late, deadline: settle(made, arrays, late, deadline)
 

@@ -38,11 +38,13 @@ def takes_direct_call(collective: str, window, st: WindowState, buf: np.ndarray,
     blocks a rank's peers reduce fit a half (:func:`falls_back`) or the
     pool's direct path has not begun (:data:`~.tuning.DIRECT_FROM`, which
     decides once every rank published whether every buffer can be
-    reached); reduce's whole vector fits a half (where a rank that is not
-    the root reduces its block). The same on every rank."""
+    reached); reduce's at any size (a rank that is not the root reduces
+    its block a piece at a time into one piece of its region, and arrays
+    are read across where the blocks it holds for its peers and that
+    piece do not fit a half). The same on every rank."""
     p = window.size
-    if collective == "reduce":
-        fits = buf.nbytes <= st.half
+    if collective == "reduce":  # a rank that is not the root reduces into one piece of its region
+        fits = True
     else:
         fits = falls_back(st, buf, p) or buf.nbytes < window_direct_from(collective, window, p)
     return (fits and compiled_direct(collective, buf.nbytes, p, window.cores)
@@ -50,14 +52,16 @@ def takes_direct_call(collective: str, window, st: WindowState, buf: np.ndarray,
             and compiled.kernel_codes(buf.dtype, op.name, op.ufunc) is not None)
 
 
-def falls_back(st: WindowState, buf: np.ndarray, p: int) -> bool:
+def falls_back(st: WindowState, buf: np.ndarray, p: int, reduce: bool = False) -> bool:
     """Whether the direct call takes an array in 4 KiB pages outside its
-    rank's pool through the window: the blocks its peers reduce fit a half.
-    Otherwise it reads such an array across (allreduce, from its span's
-    start up to :data:`~.tuning.DIRECT_FROM`, where the window's pieces ran
-    before: 4 ranks on 2 cores, 3 MiB, 202-342 us against 825, Open MPI
-    367-641)."""
-    return buf.nbytes - buf.size // p * buf.itemsize <= st.half
+    rank's pool through the window: the blocks its peers reduce fit a half
+    (``reduce``: with one piece of a reduction after them). Otherwise it
+    reads such an array across (allreduce, from its span's start up to
+    :data:`~.tuning.DIRECT_FROM`, where the window's pieces ran before: 4
+    ranks on 2 cores, 3 MiB, 202-342 us against 825, Open MPI 367-641)."""
+    others = buf.nbytes - buf.size // p * buf.itemsize
+    piece = min(DIRECT_REDUCTION_PIECE, -(-buf.size // p) * buf.itemsize) if reduce else 0
+    return others + piece <= st.half
 
 
 def direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, src: int = 0, root: int | None = None):
@@ -67,7 +71,10 @@ def direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, src
     values first, then the others' in rank order, as reduce's window calls
     do; written into the root's array only, a rank that is not the root
     reducing into its region after the blocks it holds for its peers).
-    ``src``: the array the vector is read from (1: out of place)."""
+    ``src``: the array the vector is read from (1: out of place). A rank
+    that is not reduce's root reduces one piece at a time into one piece of
+    its region (after the blocks it holds for its peers, where it holds
+    them) and writes each from there."""
     item, p = buf.itemsize, window.size
     counts = blocks(buf.size, p)
     starts = [s * item for s in displs(counts)]
@@ -75,23 +82,25 @@ def direct_call(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, src
     peers = [r for r in range(p) if r != rank]
     order = list(range(p)) if root is None else [rank] + peers
     srcs = [arr(src, mine) if r == rank else peer(r, 1, mine) for r in order]
-    into = arr(0, mine) if root in (None, rank) else slot(st, rank, buf.nbytes - n)
+    falls = falls_back(st, buf, p, reduce=root is not None)  # else arrays neither in huge pages nor in a pool
+    one = root not in (None, rank)                           # are read across
+    into = arr(0, mine) if not one else slot(st, rank, buf.nbytes - n if falls else 0)
     reduced = reduction(into, srcs, counts[rank], buf.dtype, op)
     if reduced is None:
         return None
     targets = peers if root is None else [root] if root != rank else []  # the peers this rank writes into
     gets = root in (None, rank)  # whether this rank's array gets the peers' reduced blocks
-    if not falls_back(st, buf, p):  # arrays neither in huge pages nor in a pool are read across
+    if not falls:
         writes = [(into, peer(r, 0, mine), n) for r in targets]
         return compile_reduction(window, src + 1, writes, reduced, peers, sorted({0, src}), None, [None] * p, [],
-                                 DIRECT_REDUCTION_PIECE)
+                                 DIRECT_REDUCTION_PIECE, one=one)
     placed = [placed_blocks(counts, q, item) for q in range(p)]  # placed[q][b]: block b in q's region
     writes = [(into, peer(r, 0, mine), n, slot(st, r, placed[r][rank])) for r in targets]
     copies_in = [(arr(src, starts[b]), slot(st, rank, placed[rank][b]), counts[b] * item) for b in peers]
     ralts = [None if r == rank else slot(st, r, placed[r][rank]) for r in order]
     copies_out = [(slot(st, rank, placed[rank][b]), arr(0, starts[b]), counts[b] * item) for b in peers if gets]
     return compile_reduction(window, src + 1, writes, reduced, peers, sorted({0, src}), copies_in, ralts, copies_out,
-                             DIRECT_REDUCTION_PIECE, DIRECT_REDUCTION_HUGE_FROM)
+                             DIRECT_REDUCTION_PIECE, DIRECT_REDUCTION_HUGE_FROM, one=one)
 
 
 def placed_blocks(counts: list[int], owner: int, item: int) -> dict[int, int]:

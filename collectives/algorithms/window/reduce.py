@@ -3,9 +3,10 @@ path, the root alone reducing; larger ones in pieces: each rank reduces 1/p
 of the piece from every region (the root into its buffer), then the root
 copies the others' reduced blocks out. Where ranks share cores, from 64 KiB
 up to a half, that is one compiled call of two steps (:func:`_two_steps`),
-and from 1 MiB one direct call: each rank reduces its block from the peers'
-buffers and writes it into the root's (:mod:`.direct_reduction`). Other
-ranks' buffers stay unchanged."""
+and from 1 MiB (2 MiB where ranks have a core each) one direct call at any
+size: each rank reduces its block from the peers' buffers and writes it
+into the root's (:mod:`.direct_reduction`). Other ranks' buffers stay
+unchanged."""
 
 from __future__ import annotations
 

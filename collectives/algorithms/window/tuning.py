@@ -174,7 +174,9 @@ class HugeOnly:
 #: pages lost, 78 against 70). Reduce's, which writes the root's buffer
 #: only, from 1 MiB where ranks share cores (4 ranks, 1 MiB 79-89 -> 65-70
 #: us, 2 MiB 170-191 -> 101-105; 3 and 8 ranks won too); at 2 ranks the
-#: root reducing alone won (1 MiB 20-21 against 34). The numbers are in
+#: root reducing alone won up to its one-fence limit (1 MiB 20-21 against
+#: 34), and the call from 2 MiB (2 MiB 60-64 -> 48-55 us; 4 MiB, where the
+#: window's pieces ran before, 404-427 -> 90-104). The numbers are in
 #: docs/shared-memory.md.
 COMPILED_DIRECT: dict[str, tuple[tuple[int | PerBlock | HugeOnly | None, int | str | None], ...]] = {
     #              a core each:                                ranks share cores:
@@ -185,7 +187,7 @@ COMPILED_DIRECT: dict[str, tuple[tuple[int | PerBlock | HugeOnly | None, int | s
     "bcast":       ((4 << 20, POOL_SPAN),  (None, None),       (512 << 10, POOL_SPAN), (None, None)),
     "gather":      ((2 << 20, POOL_SPAN),  (None, None),       (512 << 10, POOL_SPAN), (None, None)),
     "allreduce":   ((64 << 10, None),      (64 << 10, None),   (1 << 20, None),        (1 << 20, None)),
-    "reduce":      ((None, None),          (None, None),       (1 << 20, None),        (1 << 20, None)),
+    "reduce":      ((2 << 20, None),       (2 << 20, None),    (1 << 20, None),        (1 << 20, None)),
 }
 
 
