@@ -158,7 +158,8 @@ class HugeOnly:
 #: span now (:data:`POOL_SPAN`). Where one rank reads from every
 #: other (gather, with a core each) or every rank from one (bcast), the
 #: window's copies overlap below 2 MiB and the direct read did not win
-#: there. Where ranks share cores, the reads of bcast and gather from huge
+#: there (their spans began where their pools' spans begin, so they have
+#: none now). Where ranks share cores, the reads of bcast and gather from huge
 #: pages beat the window from 512 KiB to 4 MiB (measured) at 3, 4 and 8
 #: ranks on 2 cores. So do allgather's from blocks of 256 KiB up to its pool's
 #: span (:data:`POOL_SPAN`; 4 ranks: 1 MiB 63-66 -> 47-48 us, 2 MiB 122-123 ->
@@ -179,15 +180,16 @@ class HugeOnly:
 #: window's pieces ran before, 404-427 -> 90-104). The numbers are in
 #: docs/shared-memory.md.
 COMPILED_DIRECT: dict[str, tuple[tuple[int | PerBlock | HugeOnly | None, int | str | None], ...]] = {
-    #              a core each:                                ranks share cores:
-    # collective:  the read wins,         below,               the read wins,          below
-    "allgather":   ((128 << 10, POOL_SPAN), (None, None),      (HugeOnly(PerBlock(256 << 10)), POOL_SPAN), (None, None)),
-    "alltoall":    ((128 << 10, POOL_SPAN), (None, None),      (256 << 10, POOL_SPAN), (None, None)),
-    "scatter":     ((128 << 10, POOL_SPAN), (4 << 20, POOL_SPAN), (128 << 10, POOL_SPAN), (PerBlock(512 << 10), POOL_SPAN)),
-    "bcast":       ((4 << 20, POOL_SPAN),  (None, None),       (512 << 10, POOL_SPAN), (None, None)),
-    "gather":      ((2 << 20, POOL_SPAN),  (None, None),       (512 << 10, POOL_SPAN), (None, None)),
-    "allreduce":   ((64 << 10, None),      (64 << 10, None),   (1 << 20, None),        (1 << 20, None)),
-    "reduce":      ((2 << 20, None),       (2 << 20, None),    (1 << 20, None),        (1 << 20, None)),
+    #              a core each:                               ranks share cores:
+    # collective:  the read wins,          below,             the read wins,                            below
+    "allgather":   ((128 << 10, POOL_SPAN), (None, None),     (HugeOnly(PerBlock(256 << 10)), POOL_SPAN), (None, None)),
+    "alltoall":    ((128 << 10, POOL_SPAN), (None, None),     (256 << 10, POOL_SPAN),                   (None, None)),
+    "scatter":     ((128 << 10, POOL_SPAN), (None, None),     (128 << 10, POOL_SPAN),
+                    (PerBlock(512 << 10), POOL_SPAN)),
+    "bcast":       ((None, None),           (None, None),     (512 << 10, POOL_SPAN),                   (None, None)),
+    "gather":      ((None, None),           (None, None),     (512 << 10, POOL_SPAN),                   (None, None)),
+    "allreduce":   ((64 << 10, None),       (64 << 10, None), (1 << 20, None),                          (1 << 20, None)),
+    "reduce":      ((2 << 20, None),        (2 << 20, None),  (1 << 20, None),                          (1 << 20, None)),
 }
 
 
