@@ -243,6 +243,52 @@ def test_a_non_roots_refusal_of_a_rooted_call_reaches_every_rank_and_the_next_ca
             assert after == p * (p + 1) / 2, f"rank {r}, {case}: the next allreduce gave {after}"
 
 
+def unrooted_refusals(comm, n: int) -> list:
+    """Rank 1 refuses alltoall, allreduce out of place, reduce_scatter and
+    allgather (a read-only receive buffer), after two agreed calls of each
+    (so their prepared calls run): every rank raises BadArgument in that
+    call, naming rank 1; no rank's buffer changes (an out-of-place
+    allgather's receive buffer already holds its rank's own block,
+    docs/failures.md); the next call works."""
+    p, r, report = comm.size, comm.rank, []
+    shapes = {"alltoall": (n * p, n * p), "allreduce": (n, n), "reduce_scatter": (n * p, n),
+              "allgather": (n, n * p)}
+    for collective, (ns, nr) in shapes.items():
+        send, (raw, recv) = np.full(ns, r + 1.0), guarded(nr, "float64", 0)
+        run = (lambda: comm.allreduce(send, out=recv)) if collective == "allreduce" else (
+            lambda: getattr(comm, collective)(send, recv))
+        for _ in range(2):
+            run()
+        recv[:] = -3.0
+        recv.flags.writeable = r != 1
+        t0 = time.monotonic()
+        try:
+            run()
+            outcome, message = "ok", ""
+        except CollectiveError as exc:
+            outcome, message = type(exc).__name__, str(exc)
+        elapsed = time.monotonic() - t0
+        own = slice(r * n, (r + 1) * n) if collective == "allgather" else slice(0, 0)
+        rest = np.delete(recv, np.arange(nr)[own])
+        kept = bool(np.all(rest == -3.0)) and intact([raw], [nr]) and bool(np.all(send == r + 1.0))
+        y = np.full(3, r + 1.0)
+        comm.allreduce(y)
+        report.append((collective, outcome, message, elapsed, kept, float(y[0])))
+    return report
+
+
+@pytest.mark.parametrize("n", [16, 20_000, 300_000])  # float64 a block: the window, the direct and pooled calls
+def test_a_refusal_of_a_call_that_is_not_rooted_changes_no_buffer_on_shared_memory(n):
+    p = 3
+    for r, report in enumerate(run_ranks(unrooted_refusals, p, n, timeout=120)):
+        for case, outcome, message, elapsed, kept, after in report:
+            assert outcome == "BadArgument", f"rank {r}, {case}: {outcome} {message}"
+            assert "rank 1" in message, f"rank {r}, {case}: does not name rank 1: {message}"
+            assert elapsed < BOUND, f"rank {r}, {case}: {elapsed:.2f} s"
+            assert kept, f"rank {r}, {case}: a buffer or guard changed"
+            assert after == p * (p + 1) / 2, f"rank {r}, {case}: the next allreduce gave {after}"
+
+
 def numpy_scalar(comm):
     """Every rank passes a numpy scalar, which cannot hold a result."""
     comm.barrier()  # every rank is past its start-up: an abort must find them all in the call

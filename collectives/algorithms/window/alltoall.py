@@ -29,10 +29,10 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray):
     if p == 1 or not b:
         return None
     through = None  # the window call's copies
-    if b <= budget(st) // p:
+    if b <= budget(st) // p:  # its own block copied once every signature agreed (after the post)
         before = [(arr(0, d * b), slot(st, me, d * b), b) for d in range(p) if d != me]
-        before.append((arr(0, me * b), arr(1, me * b), b))
-        through = before, [(slot(st, r, me * b), arr(1, r * b), b) for r in range(p) if r != me]
+        through = before, [(arr(0, me * b), arr(1, me * b), b)] + [(slot(st, r, me * b), arr(1, r * b), b)
+                                                                   for r in range(p) if r != me]
     mode = direct_mode(window, "alltoall", sendbuf.nbytes, through)
     if mode is not None:
         fall = on_window(mode, through)  # (where each peer's copy in puts block me)
@@ -54,13 +54,15 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     if p > 1 and run_prepared(ctx, _prepare, ("alltoall", sendbuf.dtype, sendbuf.size), sendbuf, recvbuf):
         return
     b = sendbuf.size // p
-    compiled.copy(recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])
+    own = (recvbuf[me * b:(me + 1) * b], sendbuf[me * b:(me + 1) * b])  # copied once every signature agreed
     if p == 1 or b == 0:
+        compiled.copy(*own)
         return
     window, st = state_of(ctx)
     dt, item = sendbuf.dtype, sendbuf.itemsize
     readers = direct(ctx, window, st, sendbuf, sendbuf.nbytes, "alltoall")
     if readers is not None:
+        compiled.copy(*own)
         for r in range(p):
             if r != me:
                 readers.read(r, me * b * item, recvbuf[r * b:(r + 1) * b])
@@ -79,6 +81,8 @@ def alltoall(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
             tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         t0 = _now() if tracer is not None else 0.0
+        if a == 0:
+            compiled.copy(*own)
         for r in range(p):
             if r != me:
                 compiled.copy(recvbuf[r * b + a:r * b + a + m], region(st, r, base + me * m * item, m, dt))
