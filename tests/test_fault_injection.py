@@ -207,6 +207,7 @@ def non_root_refusals(comm):
     for collective in ("bcast", "scatter", "gather"):  # (a reduce's other ranks only read their buffers)
         for algo in ["auto"] + named_algorithms(collective, caps):
             raw, x = guarded(4, "float32", comm.rank + 1)
+            gathered = np.zeros(4 * p, np.float32)  # the root's receive buffer (its own block included)
             t0 = time.monotonic()
             try:
                 if collective == "bcast":
@@ -218,8 +219,7 @@ def non_root_refusals(comm):
                                   algorithm=algo)
                 elif collective == "gather":
                     send = x if comm.rank != 1 else guarded(3, "float32", 2)[1]
-                    comm.gatherv(send, np.zeros(4 * p, np.float32) if comm.rank == 0 else None, [4] * p, 0,
-                                 algorithm=algo)
+                    comm.gatherv(send, gathered if comm.rank == 0 else None, [4] * p, 0, algorithm=algo)
                 outcome, message = "ok", ""
             except CollectiveError as exc:
                 outcome, message = type(exc).__name__, str(exc)
@@ -227,7 +227,8 @@ def non_root_refusals(comm):
             y = np.full(3, comm.rank + 1.0)
             comm.allreduce(y)
             report.append((f"{collective} ({algo})", outcome, message, elapsed,
-                           intact([raw], [4]) and bool(np.all(x == comm.rank + 1)), float(y[0])))
+                           intact([raw], [4]) and bool(np.all(x == comm.rank + 1)) and not gathered.any(),
+                           float(y[0])))
     return report
 
 

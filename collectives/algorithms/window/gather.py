@@ -37,9 +37,9 @@ def _prepare(transport, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: i
     through = None  # the window call's copies
     sources = [r for r in range(p) if r != me and counts[r]] if me == root else []
     if max(counts) * item <= budget(st):
-        if me == root:
-            through = ([(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else [],
-                       [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources])
+        if me == root:  # its own block copied once every signature agreed (after the post)
+            through = ([], ([(arr(0), arr(1, starts[me] * item), counts[me] * item)] if counts[me] else [])
+                       + [(slot(st, r), arr(1, starts[r] * item), counts[r] * item) for r in sources])
         else:
             through = [(arr(0), slot(st, me), counts[me] * item)] if counts[me] else [], []
     mode = direct_mode(window, "gather", total, through)
@@ -82,9 +82,9 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
     dt, item = sendbuf.dtype, sendbuf.itemsize
     # the root publishes where the blocks go; every sender writes its own, all at once
     writers = direct(ctx, window, st, recvbuf if me == root else sendbuf, sum(counts) * item, "gather")
-    if me == root:  # its own block while the others write theirs (or, below, copy them in)
-        compiled.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
     if writers is not None:
+        if me == root:  # its own block while the others write theirs (every signature agreed)
+            compiled.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
         if me != root and counts[me]:
             writers.write(root, starts[me] * item, sendbuf)
         window.fence(ctx.deadline)  # every block is in the root's buffer before anyone returns
@@ -102,6 +102,8 @@ def gather(ctx, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, coun
         window.fence(ctx.deadline)
         if me == root:
             t0 = _now() if tracer is not None else 0.0
+            if a == 0:  # its own block, once every signature agreed (the first fence)
+                compiled.copy(recvbuf[starts[me]:starts[me] + counts[me]], sendbuf)
             for r in range(p):
                 m = min(step, counts[r] - a)
                 if r != me and m > 0:
