@@ -296,6 +296,10 @@ def _report(ns: argparse.Namespace, rows: list[dict[str, Any]], peers: list[str]
         print(legend)
     labels = peer_labels(rows, peers)
     print(table(rows, peers, labels))
+    if ns.pages == "huge":
+        missed = [f"{r['peer']} {r['collective']} {r['size']}" for r in rows if r.get("huge_pages") is False]
+        if missed:
+            print(f"# not all in huge pages (the kernel gave 4 KiB pages): {', '.join(missed)}")
     summary = summary_table(rows, peers, labels)
     if summary:
         print(summary)

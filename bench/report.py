@@ -196,7 +196,8 @@ def merge_repeats(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, An
     """Rows of repeated sweeps merged per (peer, collective, algorithm, size, mode): the median of
     the repeats' medians (and of their p99s), the smallest min, the largest max, the sum of wrong
     results; bandwidths follow the merged time; ``rounds_us`` and ``rounds_p99_us`` keep each
-    round's p50 and p99, so that one slow round stays visible. The order is the first run's."""
+    round's p50 and p99, so that one slow round stays visible; ``huge_pages`` is False where
+    one round's buffers were not all in huge pages. The order is the first run's."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for rows in runs:
         for r in rows:
@@ -210,6 +211,8 @@ def merge_repeats(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, An
         p99s = [r["time_us_p99"] for r in reps if r.get("time_us_p99") is not None]
         if p99s:
             extra.update(time_us_p99=_median(p99s), rounds_p99_us=p99s)
+        huge = [r.get("huge_pages") for r in reps]  # False where one round's buffers were not all in huge pages
+        extra["huge_pages"] = False if False in huge else None if None in huge else True
         merged.append(dict(first, time_us=t, time_us_min=min(r["time_us_min"] for r in reps),
                            time_us_max=max(r["time_us_max"] for r in reps), wrong=sum(r["wrong"] for r in reps),
                            iters=sum(r["iters"] for r in reps), repeats=len(reps),

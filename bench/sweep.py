@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from collectives.transports.shm.pages import every_page_huge
+
 from .pages import PAGES
 from .peers import make_runner
 
@@ -104,6 +106,13 @@ class CallBuffers:
 
     def _empty(self, count: int) -> np.ndarray:
         return self.runner.empty(count, self.dtype)
+
+    def in_huge_pages(self) -> bool | None:
+        """Whether every page of this rank's buffers lies in a huge page
+        (None when the kernel cannot tell)."""
+        answers = [every_page_huge(b.ctypes.data, b.nbytes) for b in self.bufs.values()
+                   if isinstance(b, np.ndarray) and b.nbytes]
+        return None if None in answers else all(answers)
 
     def _reduced(self, count: int) -> np.ndarray:
         return self.reduce(np.stack([e[:count] for e in self.everyone]), axis=0).astype(self.dtype)
@@ -222,18 +231,22 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
     Returns:
         The row (the same on every rank): median (p50), 99th percentile, min and max over
         iterations of the per-iteration maximum over ranks, bandwidths, the count of wrong
-        elements, and the MPI library that ran it (None where none did).
+        elements, the MPI library that ran it (None where none did), and whether every
+        rank's buffers lay in huge pages as placed, before the calls (None where the kernel
+        cannot tell).
     """
     dt, p = dtype_of(dtype), runner.size
     case = CallBuffers(runner, collective, size // dt.itemsize, dt, op, root % p, mode == "inplace")
     n_iter, n_warm = iterations(size, iters, warmup)
     case.reset()
+    huge = case.in_huge_pages()  # as placed (the shared pool may adopt a buffer used again, in its own pages)
     times = _time(runner, collective, algorithm, case.bufs, n_iter, n_warm, case.reset if rewrite else None)
     if collective in POINT_TO_POINT:
         times /= 2  # one way
     case.reset()
     runner.bind(collective, algorithm, case.bufs)()
     bad = runner.max_over_ranks(np.array([case.wrong()], dtype=np.float64))
+    lacking, unknown = runner.max_over_ranks(np.array([huge is False, huge is None], dtype=np.float64))
     med = float(np.median(times))
     algbw = size / med / 1e9 if med > 0 else 0.0
     return {"peer": runner.name, "collective": collective, "mode": mode,
@@ -244,7 +257,8 @@ def measure(runner: Any, collective: str, algorithm: str, size: int, *, dtype: s
             "time_us": med * 1e6, "time_us_min": float(times.min()) * 1e6,
             "time_us_max": float(times.max()) * 1e6, "time_us_p99": float(np.percentile(times, 99)) * 1e6,
             "algbw": algbw, "busbw": algbw * BUS_FACTOR[collective](p), "wrong": int(bad[0]),
-            "mpi": getattr(runner, "mpi", None), "rewrite": rewrite}
+            "mpi": getattr(runner, "mpi", None), "rewrite": rewrite,
+            "huge_pages": None if unknown else not lacking}
 
 
 def run_sweep(runner: Any, collectives: Sequence[str], sizes: Sequence[int], *, algorithm: str = "auto",

@@ -338,10 +338,10 @@ def test_pingpong_is_named_alone_checks_the_echo_and_needs_two_ranks():
 
 
 def _lacks_huge(a: np.ndarray) -> bool | None:
-    from collectives.transports.shm.pages import _PAGE_IS_HUGE, _some_page_lacks
+    from collectives.transports.shm.pages import every_page_huge
 
-    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
-    return _some_page_lacks(-(-lo // 4096) * 4096, hi // 4096 * 4096, _PAGE_IS_HUGE)
+    huge = every_page_huge(a.ctypes.data, a.nbytes)
+    return None if huge is None else not huge
 
 
 def test_pages_places_buffers_in_huge_or_small_pages_even_where_the_heap_was_used():
@@ -370,6 +370,23 @@ def test_pages_goes_to_every_peer_and_into_the_json(tmp_path):
     assert doc["args"]["pages"] == "huge" and validate(doc) == []
     assert {r["peer"] for r in doc["results"]} == {"ours", "mpi"} and not any(r["wrong"] for r in doc["results"])
     assert "our buffers numpy in huge pages, as every peer's" in res.stdout
+    kinds = {r["huge_pages"] for r in doc["results"]}  # every rank's buffers, checked page by page
+    if None in kinds:
+        pytest.skip("the kernel cannot tell huge pages (PAGEMAP_SCAN)")
+    assert kinds == {True} or "not all in huge pages" in res.stdout, kinds
+
+
+def test_the_rows_say_whether_the_buffers_lay_in_huge_pages(tmp_path):
+    """``--pages small``: every row records its buffers outside huge pages."""
+    res = _run(["allreduce", "-n", "2", "--sizes", "1K,512K", "--iters", "3", "--warmup", "1", "--pages", "small",
+                "--json", "r.json"], tmp_path, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert validate(doc) == []
+    kinds = {r["huge_pages"] for r in doc["results"]}
+    if None in kinds:
+        pytest.skip("the kernel cannot tell huge pages (PAGEMAP_SCAN)")
+    assert kinds == {False}, kinds
 
 
 def test_rewrite_goes_to_every_peer_and_into_the_json(tmp_path):

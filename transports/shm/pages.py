@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["PAGE", "HUGE_PAGE", "libc_function", "huge_pages", "populate", "Adoptions"]
+__all__ = ["PAGE", "HUGE_PAGE", "libc_function", "huge_pages", "every_page_huge", "populate", "Adoptions"]
 
 PAGE = 4096
 HUGE_PAGE = 2 << 20
@@ -105,6 +105,17 @@ def huge_pages(address: int, nbytes: int) -> bool | None:
     hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     if hi <= lo:
         return False
+    small = _some_page_lacks(lo, hi, _PAGE_IS_HUGE)
+    return None if small is None else not small
+
+
+def every_page_huge(address: int, nbytes: int) -> bool | None:
+    """Whether every 4 KiB page that the ``nbytes`` at ``address`` touch
+    lies in a huge page (a buffer smaller than one too, unlike
+    :func:`huge_pages`); None when the kernel cannot tell, True for no bytes."""
+    lo, hi = address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE
+    if hi <= lo:
+        return True
     small = _some_page_lacks(lo, hi, _PAGE_IS_HUGE)
     return None if small is None else not small
 
