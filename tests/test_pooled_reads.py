@@ -132,7 +132,7 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
 
 def _with_pools(collective: str, nbytes: int, p: int, window) -> bool:
     """Whether ``collective`` of ``nbytes`` takes a direct compiled call that
-    reads peers' pools (where the race answers "never"): in the pool's
+    reads peers' pools: in the pool's
     direct path's span, for the collectives a call takes it over for, where
     no direct call of the table serves (see ``compiled_calls.direct_mode``;
     allgather, which reads only huge pages or the pool there, in its
