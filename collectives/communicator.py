@@ -311,8 +311,7 @@ class Communicator(CallExecution, Survival):
                 self._remember(key, plan, (True,), lambda a: (a[0], o))
             else:
                 copy_in = CopyIn(0)
-                self._remember(key, plan, (True, False), lambda a: (copy_in.start(a)[0], o), check=apart,
-                               as_is=copy_in)
+                self._remember(key, plan, (True, False), lambda a: (a[0], o), check=apart, as_is=copy_in)
         return self._call(plan, timeout)
 
     def iallreduce(self, buf: Any, op: Any = "sum", *, algorithm: str = "auto",
@@ -411,7 +410,7 @@ class Communicator(CallExecution, Survival):
             self._remember(key, plan, (True,), lambda a: (a[0], counts))
         elif key is not None:
             copy_in = CopyIn(counts[0] * self.rank)  # a no-op when sendbuf already is this block
-            self._remember(key, plan, (True, False), lambda a: (copy_in.start(a)[0], counts), as_is=copy_in)
+            self._remember(key, plan, (True, False), lambda a: (a[0], counts), as_is=copy_in)
         return self._call(plan, timeout)
 
     def iallgather(self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto",

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from . import debug_log, signature
+from . import compiled, debug_log, signature
 from .algorithms.barrier import dissemination
 from .context import CallContext
 from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
@@ -41,7 +41,7 @@ from .signature import NO_SIG, REFUSED, Sig
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["CallExecution", "RECORD_BYTES", "CHECKED", "TAG_SPACE"]
+__all__ = ["CallExecution", "RECORD_BYTES", "CHECKED", "TAG_SPACE", "run_algorithm"]
 
 log = logging.getLogger("collectives")
 _call_log = logging.getLogger("collectives.call")
@@ -80,6 +80,23 @@ def _write_back(stages: list[Callable[[bool], None]]) -> None:
             failed = failed or exc
     if failed is not None:
         raise failed
+
+
+def run_algorithm(algo: Any, func: Callable, ctx: CallContext, args: tuple,
+                  copy_in: tuple[np.ndarray, np.ndarray] | None) -> None:
+    """Run ``func`` (``algo``'s function or its prepared call) on ``args``.
+    An out-of-place call's copy ``copy_in``, ``(place, source)``, comes
+    first; an algorithm that ``copies_in`` makes it itself, once every rank
+    agreed on the call (``func(ctx, *args, source=source)``), so a call
+    that a peer refuses or that mismatches changes no buffer."""
+    if copy_in is None:
+        func(ctx, *args)
+    elif algo.copies_in:
+        func(ctx, *args, source=copy_in[1])
+    else:
+        if copy_in[1].size:
+            compiled.copy(*copy_in)
+        func(ctx, *args)
 
 
 class _Refused(Exception):
@@ -188,7 +205,9 @@ class CallExecution:
             self.transport.begin_call(seq, ctx.sig)
             if entry.collective == "bcast" and not entry.algo.needs and self.size > 1 and self._signed:
                 self._agree(ctx, ctx.sig, None, True)
-            entry.func(ctx, *entry.args(arrays))
+            copied = entry.copy_in
+            run_algorithm(entry.algo, entry.func, ctx, entry.args(arrays),
+                          None if copied is None else copied.pair(arrays))
         except BaseException as exc:
             raise self._failed(entry.collective, entry.algo.name, seq, exc, start, limit) from None
         if rec is not None:
@@ -244,7 +263,7 @@ class CallExecution:
             else:
                 if self.size > 1 and self._checks(plan):
                     self._root_verdict(ctx, plan)
-                plan.algo.func(ctx, *plan.args)
+                run_algorithm(plan.algo, plan.algo.func, ctx, plan.args, plan.copy_in)
         except BaseException as exc:
             if tracer is not None:
                 tracer.end(start, _now(), "failed")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import compiled, signature
+from . import signature
 from .buffers import flat
 from .errors import BadArgument
 from .ops import Op, get_op
@@ -52,9 +52,16 @@ class Plan:
         sig: the call's signature, without its sequence number.
         root: the root of a rooted collective, else None.
         refusal: why this rank refuses the call (None: it does not).
+        copy_in: an out-of-place call's ``(place, source)``: ``source`` is
+            copied into ``place`` (in the algorithm's first array) before the
+            algorithm runs, or, by an algorithm that ``copies_in``
+            (:class:`~collectives.registry.Algorithm`), once every rank
+            agreed on the call (:func:`~collectives.execution.run_algorithm`);
+            None where there is nothing to copy.
     """
 
-    __slots__ = ("collective", "algo", "args", "result", "finalize", "write_backs", "sig", "root", "refusal")
+    __slots__ = ("collective", "algo", "args", "result", "finalize", "write_backs", "sig", "root", "refusal",
+                 "copy_in")
 
     def __init__(self, collective: str, algo: Algorithm, args: tuple | None, result: Any, sig: Sig,
                  finalize: Callable[[], None] | None = None, root: int | None = None,
@@ -62,6 +69,7 @@ class Plan:
         self.collective, self.algo, self.args, self.result = collective, algo, args, result
         self.finalize, self.sig, self.root, self.refusal = finalize, sig, root, refusal
         self.write_backs: list[Callable[[bool], None]] = []
+        self.copy_in: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -225,10 +233,11 @@ class Planner:
                                  f"out has {arr.size} x {arr.dtype}, buf {src.size} x {src.dtype}")
         if why is not None:
             return self._refused("allreduce", algo, sig, result, why)
-        if src is not arr:
-            compiled.copy(arr, src)
         fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" else None
-        return Plan("allreduce", algo, (arr, o), result, sig, fin)
+        plan = Plan("allreduce", algo, (arr, o), result, sig, fin)
+        if src is not arr:
+            plan.copy_in = (arr, src)
+        return plan
 
     def scatterv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], root: Any, algorithm: str,
                  v: bool = True) -> Plan:
@@ -306,9 +315,10 @@ class Planner:
             if send.size != counts[self.rank]:
                 return self._refused("allgather", algo, sig, recvbuf,
                                      f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
+        plan = Plan("allgather", algo, (recv, counts), recvbuf, sig)
         if send is not mine and send.size:
-            compiled.copy(mine, send)  # a no-op copy when sendbuf already is this rank's block
-        return Plan("allgather", algo, (recv, counts), recvbuf, sig)
+            plan.copy_in = (mine, send)  # a no-op copy when sendbuf already is this rank's block
+        return plan
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any, algorithm: str,
                        counts: Sequence[int] | None = None) -> Plan:

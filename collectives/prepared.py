@@ -74,6 +74,11 @@ class CopyIn(NamedTuple):
             compiled.copy(first[self.at:self.at + second.size], second)
         return arrays[:1]
 
+    def pair(self, arrays: tuple) -> tuple | None:
+        """The copy as a plan's ``copy_in``, ``(place, source)``; None without a second array."""
+        first, second = arrays
+        return None if second is None else (first[self.at:self.at + second.size], second)
+
 
 class BoundedCache(dict):
     """A dict of at most :data:`CAPACITY` entries: adding one to a full cache
@@ -107,7 +112,11 @@ class Prepared:
             None if it has none.
         call: the compiled call ``go`` runs (the fast calls of
             :mod:`.fast_calls` may keep it), else None.
-        copy_in: the :class:`CopyIn` that comes first, or None.
+        copy_in: the :class:`CopyIn` of an out-of-place call whose
+            prepared call does not make it: before ``func`` runs, or by
+            ``func`` itself once every rank agreed, where the algorithm
+            ``copies_in`` (:func:`~collectives.execution.run_algorithm`);
+            else None.
         fast_generation: the fast calls' generation it was added in (-1: never).
     """
 
@@ -151,7 +160,8 @@ class PreparedCalls(BoundedCache):
                     made = None
                 else:
                     as_is = True  # its on_arrays take the call's arrays as they are
-            if made is None and algo.prepare is not None:
+            copies_itself = isinstance(as_is, CopyIn) and algo.copies_in  # (its body takes the source)
+            if made is None and algo.prepare is not None and not copies_itself:
                 made = algo.prepare(transport, *plan.args)
             func = made or algo.func
             ctx = CallContext(transport, 0, 0.0, segment_bytes, scratch)

@@ -59,13 +59,19 @@ class Algorithm:
             may carry ``on_arrays = (go, settle)``: the same work from the
             call's arrays alone (``go(arrays)``, then, when it returned
             something to wait for, ``settle(arrays, late, deadline)``).
-        copies_in: whether ``prepare`` also takes ``copy_in`` (a
-            :class:`~collectives.prepared.CopyIn`: the call's second array
-            is first copied into its first, as out-of-place allreduce does).
-            It then returns a prepared call whose ``on_arrays`` take the
-            call's two arrays and do that copy as part of their own work
-            (reading the second array where they would have read the copy),
-            or None where it has none.
+        copies_in: whether the algorithm makes an out-of-place call's copy
+            in itself (the call's second array into its first, as
+            out-of-place allreduce and allgather do), after every rank
+            agreed on the call, so that a call a peer refuses or that
+            mismatches changes no buffer. ``func`` then also takes
+            ``source=`` (the array to copy in; without it the call is in
+            place), and ``prepare`` ``copy_in=`` (a
+            :class:`~collectives.prepared.CopyIn`): it returns a prepared
+            call whose ``on_arrays`` take the call's two arrays and do that
+            copy as part of their own work (reading the second array where
+            they would have read the copy), or None, and the call then runs
+            ``func`` with ``source=``. An algorithm without it gets the copy
+            made before it runs.
     """
 
     collective: str

@@ -299,25 +299,28 @@ def _pair_text(mine: Sig, theirs: Sig, rank: int, peer: int) -> str:
     return f"{head}: ranks disagree ({said}); rank {peer} is in {describe(theirs)}"
 
 
-def check_all(sigs: Sequence[Sig], rank: int, reasons: dict[int, str] | None = None) -> Exception | None:
+def check_all(sigs: Sequence[Sig], rank: int, reasons: dict[int, str] | None = None,
+              ranks: Sequence[int] | None = None) -> Exception | None:
     """The verdict on every rank's signature of one call (the same on every
     rank that sees the same list): None when they all agree; BadArgument
     when a root refused (with its ``reasons`` where known); otherwise
     MismatchedCollective naming each disagreeing field and which ranks have
-    which value."""
+    which value. ``ranks``: the rank of each signature, where ``sigs`` are
+    not every rank's in order."""
     first = sigs[0]
     if all(s == first for s in sigs) and not first[0] & REFUSED:
         return None
+    ranks = range(len(sigs)) if ranks is None else ranks
     plain = [(s[0] & ~REFUSED, s[1], s[2]) for s in sigs]
-    refusers = [r for r, s in enumerate(sigs) if s[0] & REFUSED]
+    refusers = [r for r, s in zip(ranks, sigs) if s[0] & REFUSED]
     decoded = [fields(s) for s in plain]
     differ = [k for k in _FIELD_ORDER if len({str(f[k]) for f in decoded}) > 1]
     head = (f"{decoded[0]['collective']} #{decoded[0]['seq']}" if "collective" not in differ
             else f"call #{decoded[0]['seq']}")
     if set(differ) <= {"dtype", "count"}:  # the common case, said the short way
-        said = _groups([f"{f['dtype']} x {f['count']}" for f in decoded])
+        said = _groups([f"{f['dtype']} x {f['count']}" for f in decoded], ranks)
     else:
-        said = "ranks disagree: " + "; ".join(f"{k}: " + _groups([_value(k, f[k]) for f in decoded])
+        said = "ranks disagree: " + "; ".join(f"{k}: " + _groups([_value(k, f[k]) for f in decoded], ranks)
                                               for k in differ)
     if refusers:  # a refusal comes first: nothing was exchanged, every rank raises it alike
         why = "; ".join(f"rank {r} refused it: {(reasons or {}).get(r) or 'its arguments are invalid'}"
@@ -326,10 +329,10 @@ def check_all(sigs: Sequence[Sig], rank: int, reasons: dict[int, str] | None = N
     return MismatchedCollective(f"{head}: {said}")
 
 
-def _groups(values: Sequence[str]) -> str:
+def _groups(values: Sequence[str], ranks: Sequence[int]) -> str:
     """``rank 1 has a, ranks 0, 2 have b``: the ranks of each value, fewest first."""
     by: dict[str, list[int]] = {}
-    for r, v in enumerate(values):
+    for r, v in zip(ranks, values):
         by.setdefault(v, []).append(r)
     ordered = sorted(by.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
     return ", ".join((f"rank {rs[0]} has" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs)) + " have")

@@ -69,10 +69,10 @@ def one(comm, collective: str, n: int, huge: bool, extra: int = 0) -> dict:
         x[:] = ramp(r, n * p)
         args, want = (x, out), np.concatenate([ramp(q, n, r * n) for q in range(p)])
     elif collective == "allgather":
-        out = buf(n * p)
+        x, out = buf(n), buf(n * p)  # (peers read the send buffer: out of place, it holds the block)
         out[:] = 0
-        out[r * n:(r + 1) * n] = ramp(r, n)
-        args, want = (out[r * n:(r + 1) * n].copy(), out), np.concatenate([ramp(q, n) for q in range(p)])
+        x[:] = ramp(r, n)
+        args, want = (x, out), np.concatenate([ramp(q, n) for q in range(p)])
     elif collective == "scatter":
         x, out = buf(n * p), buf(n)
         x[:] = ramp(0, n * p)

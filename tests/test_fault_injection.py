@@ -251,13 +251,13 @@ def _refused_by_rank_1_everywhere(reports: list[list[tuple]]) -> None:
             assert after == p * (p + 1) / 2, f"rank {r}, {case}: the next allreduce gave {after}"
 
 
-def unrooted_refusals(comm, n: int) -> list:
+def unrooted_refusals(comm, n: int, agreed: int) -> list:
     """Rank 1 refuses alltoall, allreduce out of place, reduce_scatter and
-    allgather (a read-only receive buffer), after two agreed calls of each
-    (so their prepared calls run): every rank raises BadArgument in that
-    call, naming rank 1; no rank's buffer changes (an out-of-place
-    allgather's receive buffer already holds its rank's own block,
-    docs/failures.md); the next call works."""
+    allgather out of place (a read-only receive buffer), after ``agreed``
+    agreed calls of each (two: their prepared calls run; none: the first
+    call's plan): every rank raises BadArgument in that call, naming rank
+    1; no rank's buffer changes, its own block of an out-of-place call
+    neither; the next call works."""
     p, r, report = comm.size, comm.rank, []
     shapes = {"alltoall": (n * p, n * p), "allreduce": (n, n), "reduce_scatter": (n * p, n),
               "allgather": (n, n * p)}
@@ -265,23 +265,58 @@ def unrooted_refusals(comm, n: int) -> list:
         send, (raw, recv) = np.full(ns, r + 1.0), guarded(nr, "float64", 0)
         run = (lambda: comm.allreduce(send, out=recv)) if collective == "allreduce" else (
             lambda: getattr(comm, collective)(send, recv))
-        for _ in range(2):
+        for _ in range(agreed):
             run()
         recv[:] = -3.0
         recv.flags.writeable = r != 1
         got = attempt(run)
-        own = slice(r * n, (r + 1) * n) if collective == "allgather" else slice(0, 0)
-        rest = np.delete(recv, np.arange(nr)[own])
-        kept = bool(np.all(rest == -3.0)) and intact([raw], [nr]) and bool(np.all(send == r + 1.0))
+        kept = bool(np.all(recv == -3.0)) and intact([raw], [nr]) and bool(np.all(send == r + 1.0))
         y = np.full(3, r + 1.0)
         comm.allreduce(y)
         report.append((collective, got["outcome"], got["message"], got["elapsed"], kept, float(y[0])))
     return report
 
 
-@pytest.mark.parametrize("n", [16, 20_000, 300_000])  # float64 a block: the window, the direct and pooled calls
-def test_a_refusal_of_a_call_that_is_not_rooted_changes_no_buffer_on_shared_memory(n):
-    _refused_by_rank_1_everywhere(run_ranks(unrooted_refusals, 3, n, timeout=120))
+@pytest.mark.parametrize("agreed", [0, 2], ids=["first-call", "prepared"])
+@pytest.mark.parametrize("n", [16, 20_000, 300_000, LARGE // 4])  # float64 a block: the window, the direct and
+def test_a_refusal_of_a_call_that_is_not_rooted_changes_no_buffer_on_shared_memory(n, agreed):  # pooled calls
+    _refused_by_rank_1_everywhere(run_ranks(unrooted_refusals, 3, n, agreed, timeout=120))
+
+
+def out_of_place_mismatches(comm, n: int, agreed: int) -> list:
+    """Allreduce and allgather out of place, each on a fresh communicator,
+    ``agreed`` agreed calls first; then rank 1 changes the op (allreduce)
+    or its block's size (allgather): every rank raises
+    MismatchedCollective in that call, and no rank's output changes (its
+    own block neither: it is copied in once every rank agreed)."""
+    p, r, report = comm.size, comm.rank, []
+    for i, collective in enumerate(("allreduce", "allgather")):
+        c = fresh(f"oop{i}")
+        m = n + (r == 1) if collective == "allgather" else n
+        send = np.full(m, r + 1.0)
+        raw, out = guarded(m * p if collective == "allgather" else m, "float64", 0)
+        for _ in range(agreed):
+            (c.allreduce(send, out=out) if collective == "allreduce" else c.allgather(send[:n], out[:n * p]))
+        out[:] = -3.0
+        op = "max" if r == 1 else "sum"
+        got = attempt(lambda: c.allreduce(send, op, out=out) if collective == "allreduce" else c.allgather(send, out))
+        kept = bool(np.all(out == -3.0)) and intact([raw], [out.size]) and bool(np.all(send == r + 1.0))
+        report.append((collective, got["outcome"], got["message"], got["elapsed"], kept))
+        c.close()
+    return report
+
+
+@pytest.mark.parametrize("compiled", ["1", "0"], ids=["compiled", "python"])
+@pytest.mark.parametrize("agreed", [0, 2], ids=["first-call", "prepared"])
+@pytest.mark.parametrize("n", [16, 300_000, LARGE // 4])  # float64: the window, direct calls, the pool's path
+def test_a_mismatched_out_of_place_call_changes_no_output(monkeypatch, n, agreed, compiled):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", compiled)
+    for r, report in enumerate(run_ranks(out_of_place_mismatches, 3, n, agreed, timeout=120)):
+        for collective, outcome, message, elapsed, kept in report:
+            assert outcome == "MismatchedCollective", f"rank {r}, {collective}: {outcome} {message}"
+            assert f"{collective} #" in message, f"rank {r}: {message}"
+            assert elapsed < BOUND, f"rank {r}, {collective}: {elapsed:.2f} s"
+            assert kept, f"rank {r}, {collective}: its output or a guard changed"
 
 
 def numpy_scalar(comm):

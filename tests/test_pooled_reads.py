@@ -87,9 +87,9 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
     if collective == "alltoall":
         x, out = buf(n * p), buf(n * p)
         args, want = (x, out), np.concatenate([ramp(q, n, r * n) for q in range(p)])
-    elif collective == "allgather":
-        out = buf(n * p)
-        args, want = (None, out), np.concatenate([ramp(q, n) for q in range(p)])
+    elif collective == "allgather":  # (out of place, peers read the send buffer)
+        x, out = buf(n), buf(n * p)
+        args, want = (x, out), np.concatenate([ramp(q, n) for q in range(p)])
     elif collective == "scatter":
         x, out = buf(n * p), buf(n)
         args, want = (x if r == 0 else None, out), ramp(0, n, r * n)
@@ -106,8 +106,7 @@ def calls(comm, collective: str, n: int, where: str, times: int) -> dict:
             x[:] = ramp(r, n * p) + i
         elif collective == "allgather":
             out[:] = 0
-            out[r * n:(r + 1) * n] = ramp(r, n) + i
-            args = (out[r * n:(r + 1) * n].copy(), out)
+            x[:] = ramp(r, n) + i
         elif collective == "scatter":
             out[:] = 0
             if r == 0:
@@ -339,7 +338,7 @@ def test_a_mismatch_after_pooled_calls_is_caught_on_every_rank_before_any_move(f
 
 def allgather_mismatched(comm) -> dict:
     """4 ranks, two matched allgathers of 4 MiB in 4 KiB pages (each
-    rank's buffer adopted into its pool from the second), then rank 2
+    rank's send buffer adopted into its pool from the second), then rank 2
     passes blocks a quarter larger (in place): every rank raises in that
     call and every buffer stays as it was."""
     p, r, n = comm.size, comm.rank, 128 << 10
@@ -350,10 +349,10 @@ def allgather_mismatched(comm) -> dict:
         raws.append((raw, count))
         return view
 
-    out = buf(n * p)
+    x, out = buf(n), buf(n * p)
     for i in range(2):
-        out[r * n:(r + 1) * n] = r + i
-        comm.allgather(out[r * n:(r + 1) * n].copy(), out)
+        x[:] = r + i
+        comm.allgather(x, out)
     pooled = _last_reads(comm)
     m = n + n // 4 if r == 2 else n
     if r == 2:

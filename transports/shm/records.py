@@ -125,20 +125,33 @@ class CallRecords:
         n = min(int(self._qs[rank][Q_REFUSAL_LEN]), REFUSAL_MAX)
         return bytes(self._pages[rank][REFUSAL_OFFSET:REFUSAL_OFFSET + n]).decode("utf-8", "replace")
 
-    def verdict(self, seq: int) -> Exception:
+    def verdict(self, seq: int, arrived_only: bool = False) -> Exception:
         """The error of call ``seq`` once every rank posted and some record
-        disagrees (every rank that reads the same records says the same)."""
+        disagrees (every rank that reads the same records says the same).
+        ``arrived_only``: found before every rank posted (a peer's record
+        disagreed while this rank waited): the ranks whose record is not
+        yet of this call are named as not arrived, not by their last
+        call's record."""
         mine = self.record(self.rank, seq)
+        s = seq & SEQ_MASK
         sigs: list[Sig] = []
+        ranks, late = [], []
         for r in range(len(self._qs)):
             rec = self.record(r, seq)
             # a rank already past the call verified it agreed: count it as agreeing
-            past = rec is None or (r != self.rank and _after(_seq(rec[0]), seq & SEQ_MASK))
+            past = rec is None or (r != self.rank and _after(_seq(rec[0]), s))
+            if not past and arrived_only and r != self.rank and _seq(rec[0]) != s:
+                late.append(r)  # (its record is of an earlier call, or none)
+                continue
+            ranks.append(r)
             sigs.append(mine if past else rec)
-        reasons = {r: self.refusal(r) for r, s in enumerate(sigs) if s[0] & signature.REFUSED}
-        err = signature.check_all(sigs, self.rank, reasons)
+        reasons = {r: self.refusal(r) for r, sg in zip(ranks, sigs) if sg[0] & signature.REFUSED}
+        err = signature.check_all(sigs, self.rank, reasons, ranks)
         if err is None:  # records changed under us: say what we can
-            err = MismatchedCollective(f"call #{seq & SEQ_MASK}: ranks disagree about the call")
+            err = MismatchedCollective(f"call #{s}: ranks disagree about the call")
+        if late and err.args:
+            err.args = (f"{err.args[0]} ({'ranks' if len(late) > 1 else 'rank'} "
+                        f"{', '.join(map(str, late))} not in the call yet)",) + tuple(err.args[1:])
         return err
 
     def check_waiting(self, peers: Sequence[int], still_waiting) -> Exception | None:
@@ -158,7 +171,7 @@ class CallRecords:
             their_seq, sig = theirs
             if their_seq == seq:
                 if sig != mine:
-                    return self.verdict(seq)
+                    return self.verdict(seq, arrived_only=True)
             elif _after(their_seq, seq) and still_waiting(r):
                 return MismatchedCollective(
                     f"call #{seq}: rank {self.rank} waits for rank {r} in {signature.describe(mine)}, "

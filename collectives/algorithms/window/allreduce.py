@@ -111,31 +111,44 @@ def _two_steps(window, st: WindowState, rank: int, buf: np.ndarray, op: Op, peer
 
 @register("allreduce", "shared_window", needs=("window",), prepare=_prepare, copies_in=True,
           description="single-copy reduction through the shared window (1/p per rank)")
-def allreduce(ctx, buf: np.ndarray, op: Op) -> None:
+def allreduce(ctx, buf: np.ndarray, op: Op, source: np.ndarray | None = None) -> None:
+    """``source``: out of place, the values (``buf`` takes the result only);
+    read where ``buf`` would be, so a call that fails at its arrival
+    leaves ``buf`` unchanged."""
     p = ctx.size
     if p == 1 or buf.size == 0:
+        if source is not None and buf.size:
+            compiled.copy(buf, source)
         return
     window, st = state_of(ctx)
     key = ("allreduce", buf.dtype, buf.size, op.name)
-    if takes_direct_call("allreduce", window, st, buf, op) and run_prepared(ctx, _prepare, key, buf, op):
+    case = (_prepare, key, buf, op) if source is None else (_prepare_out_of_place, key + (1,), buf, source, op)
+    if takes_direct_call("allreduce", window, st, buf, op) and run_prepared(ctx, *case):
         return
     if single_fence(buf.nbytes, p, st):
-        if not run_prepared(ctx, _prepare, key, buf, op):
-            _small(ctx, window, st, buf, op)
+        if not run_prepared(ctx, *case):
+            _small(ctx, window, st, buf, op, buf if source is None else source)
         return
-    if two_step_call(window, st, buf, allreduce_two_steps) and run_prepared(ctx, _prepare, key, buf, op):
+    if two_step_call(window, st, buf, allreduce_two_steps) and run_prepared(ctx, *case):
         return
-    if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op):
-        _pieces(ctx, window, st, buf, op)
+    copy_in = None if source is None else (buf, source)
+    if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op, copy_in):
+        _pieces(ctx, window, st, buf, op, buf if source is None else source)
 
 
-def _small(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
-    """The one-fence path in Python: copy in, fence, reduce every region."""
+def _prepare_out_of_place(transport, buf: np.ndarray, source: np.ndarray, op: Op):
+    """:func:`_prepare` of an out-of-place call: its arrays ``(buf, source)``."""
+    return _prepare(transport, buf, op, CopyIn(0))
+
+
+def _small(ctx, window, st: WindowState, buf: np.ndarray, op: Op, src: np.ndarray) -> None:
+    """The one-fence path in Python: copy ``src`` in, fence, reduce every
+    region into ``buf``."""
     off = st.next_half(ctx.deadline)
     views = st.views(off, buf.nbytes, buf.dtype)
     tracer = ctx.tracer
     t0 = _now() if tracer is not None else 0.0
-    compiled.copy(views[ctx.rank], buf)
+    compiled.copy(views[ctx.rank], src)
     if tracer is not None:  # a timeline's phases (tracing only)
         tracer.phase(COPYING, t0, _now())
     window.fence(ctx.deadline)
@@ -151,10 +164,10 @@ def _small(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
         tracer.phase("reducing", t0, _now())
 
 
-def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
-    """Pieces through the window: copy in the blocks others reduce, fence, reduce
-    this rank's block from its own buffer and every region into its region,
-    fence, copy every reduced block out."""
+def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op, src: np.ndarray) -> None:
+    """Pieces through the window: copy in the blocks of ``src`` others
+    reduce, fence, reduce this rank's block from ``src`` and every region
+    into its region, fence, copy every reduced block out into ``buf``."""
     p, me = ctx.size, ctx.rank
     step = piece_elems(st.half, p, buf.itemsize)
     item = buf.itemsize
@@ -168,14 +181,14 @@ def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
             start, n, off = parts[r]
             if n:
                 compiled.copy(mine[base + off * item:base + (off + n) * item].view(buf.dtype),
-                            buf[start:start + n])
+                            src[start:start + n])
         if tracer is not None:  # a timeline's phase (tracing only)
             tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
         start_me, n_me, off_me = parts[me]
         if n_me:
             srcs = st.views(base + off_me * item, n_me * item, buf.dtype)
-            reduce(ctx, op, srcs[me], [buf[start_me:start_me + n_me]] + [srcs[r] for r in peers])
+            reduce(ctx, op, srcs[me], [src[start_me:start_me + n_me]] + [srcs[r] for r in peers])
         window.fence(ctx.deadline)
         t0 = _now() if tracer is not None else 0.0
         for r, (start, n, off) in enumerate(parts):
@@ -186,7 +199,8 @@ def _pieces(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> None:
             tracer.phase(COPYING, t0, _now())
 
 
-def _direct(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> bool:
+def _direct(ctx, window, st: WindowState, buf: np.ndarray, op: Op,
+            copy_in: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
     """Single-copy path straight from the other ranks' buffers (:func:`~.direct.direct`).
     Each rank reduces its 1/p piece by piece and writes each reduced piece
     into every other buffer as it is made (in the shared pool) or while it
@@ -194,8 +208,8 @@ def _direct(ctx, window, st: WindowState, buf: np.ndarray, op: Op) -> bool:
     another's 1/p, so one closing fence suffices. Before each piece it writes
     it looks whether a peer gave up on the call (and may use its buffer
     again). Returns False (every rank alike) when some buffer cannot be
-    reached."""
-    peers = direct(ctx, window, st, buf, buf.nbytes, "allreduce")
+    reached. ``copy_in``: an out-of-place call's (see :func:`~.direct.publish`)."""
+    peers = direct(ctx, window, st, buf, buf.nbytes, "allreduce", copy_in)
     if peers is None:
         return False
     item = buf.itemsize

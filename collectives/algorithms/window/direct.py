@@ -44,6 +44,7 @@ class Published(NamedTuple):
     pool_first: int   # the first byte of the buffer that lies in the pool
     pool_end: int     # the end byte of the part that lies in the pool
     nbytes: int       # the buffer's size
+    copies: int       # 1 when its rank copies an out-of-place call's values in after publishing
 
     def write(self, words: np.ndarray) -> None:
         """Store into int64 ``words`` (a rank's metadata block)."""
@@ -84,31 +85,43 @@ def _published_words(st: WindowState) -> list[list[np.ndarray]]:
     return words
 
 
-def publish(ctx, window, st: WindowState, buf: np.ndarray, collective: str) -> list[Published]:
+def publish(ctx, window, st: WindowState, buf: np.ndarray, collective: str,
+            copy_in: tuple[np.ndarray, np.ndarray] | None = None) -> list[Published]:
     """Tell every rank where ``buf`` is and learn the same of every rank; one
-    fence. ``reachable``: ``collective`` may read and write the buffer
-    through direct access (see :func:`~.tuning.wants_huge_pages`)."""
+    fence (the call's arrival, where every rank's signature is checked).
+    ``reachable``: ``collective`` may read and write the buffer through
+    direct access (see :func:`~.tuning.wants_huge_pages`). An out-of-place
+    call's ``copy_in`` (``(place, source)``, ``place`` in ``buf``) is
+    made after that fence, and where any rank makes one, every rank
+    fences once more before any reads ``buf``."""
     words = _published_words(st)[(window.step(ctx.deadline) - 1) & 1]
     part = _shared_part(window, buf)
     offset, first, end = part if part is not None else (0, 0, 0)
     reachable = (part is not None or not wants_huge_pages(collective)
                  or HUGE_PAGES not in window.features or window.huge_pages(buf))
     Published(int(part is not None), offset, buf.ctypes.data, int(reachable), first, end,
-              buf.nbytes).write(words[ctx.rank])
+              buf.nbytes, int(copy_in is not None)).write(words[ctx.rank])
     window.fence(ctx.deadline)
-    return [Published.read(w) for w in words]
+    metas = [Published.read(w) for w in words]
+    if copy_in is not None:
+        compiled.copy(*copy_in)
+    if any(m.copies for m in metas):
+        window.fence(ctx.deadline)
+    return metas
 
 
-def direct(ctx, window, st: WindowState, buf: np.ndarray, nbytes: int, collective: str) -> "Readers | None":
+def direct(ctx, window, st: WindowState, buf: np.ndarray, nbytes: int, collective: str,
+           copy_in: tuple[np.ndarray, np.ndarray] | None = None) -> "Readers | None":
     """Publish ``buf`` and return readers of every rank's buffer, or None (every
     rank alike) when some rank's buffer cannot be reached directly. Only for
     ``nbytes`` (the same on every rank) from ``collective``'s
-    :func:`window_direct_from` on."""
+    :func:`window_direct_from` on. ``copy_in``: see :func:`publish`; it is
+    made wherever this publishes (whatever it returns), else not."""
     features = window.features
     cma = DIRECT_ACCESS in features
     if nbytes < window_direct_from(collective, window, ctx.size) or not (cma or POOL in features):
         return None
-    metas = publish(ctx, window, st, buf, collective)
+    metas = publish(ctx, window, st, buf, collective, copy_in)
     if all(m.whole() for m in metas) or (cma and all(m.reachable for m in metas)):
         for r, m in enumerate(metas):
             if m.in_pool and r != ctx.rank:
