@@ -2166,7 +2166,7 @@ static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
  *   .open: 0 turns every lookup into a miss (an aborted or closed communicator).
  *   .generation: how many times every entry was dropped (a full table, clear()).
  *   .hits: calls run from here.
- *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in])
+ *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, view_at]])
  *   .run(collective, algorithm, root, op, a, b, timeout) -> bool: False, nothing done,
  *       where no entry fits (or a timeout is given, or the queue of
  *       nonblocking calls is busy); else the call has run, or has failed:
@@ -2184,6 +2184,8 @@ typedef struct {
     Py_ssize_t size[2], nbytes[2];
     int writes[2], apart;
     Py_ssize_t copy_in;                  /* >= 0: copy array 1 into array 0 there first, run on array 0 */
+    Py_ssize_t view_at;                  /* >= 0: the call's array 1 is array 0 from this byte on (its length
+                                            the call's, as its last run through Python took it) */
     uint64_t sig[3];
     PyObject *info;                      /* held: handed to wait() */
 } FastEntry;
@@ -2258,13 +2260,14 @@ static inline int array_of(FastObject *f, PyObject *o, ArrayHead **out) {
     return (*out)->nd == 1;
 }
 
-/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) */
+/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, view_at]]) */
 static PyObject *Fast_add(FastObject *f, PyObject *args) {
     PyObject *name, *algorithm, *rooto, *op, *arrays, *call, *sigt, *writes, *info;
     int apart;
-    Py_ssize_t copy_in = -1;
-    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO|n", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
-                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info, &copy_in))
+    Py_ssize_t copy_in = -1, view_at = -1;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO|nn", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
+                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info, &copy_in,
+                          &view_at))
         return NULL;
     long root;
     Py_ssize_t narr = PyTuple_GET_SIZE(arrays);
@@ -2274,6 +2277,7 @@ static PyObject *Fast_add(FastObject *f, PyObject *args) {
     for (int i = 0; i < narr; i++)
         if (!array_of(f, PyTuple_GET_ITEM(arrays, i), &a[i])) Py_RETURN_FALSE;
     if (copy_in >= 0 && (narr != 2 || !a[0] || ((CallObject *)call)->narrays != 1)) Py_RETURN_FALSE;
+    if (view_at >= 0 && (copy_in >= 0 || narr != 1 || !a[0] || ((CallObject *)call)->narrays != 2)) Py_RETURN_FALSE;
     FastEntry fresh;
     memset(&fresh, 0, sizeof fresh);
     for (int i = 0; i < 3; i++) fresh.sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(sigt, i));
@@ -2290,7 +2294,9 @@ static PyObject *Fast_add(FastObject *f, PyObject *args) {
         fresh.descr[i] = a[i]->descr;
     }
     if (copy_in >= 0 && a[1] && copy_in + fresh.nbytes[1] > fresh.nbytes[0]) Py_RETURN_FALSE;
+    if (view_at >= 0 && view_at + ((CallObject *)call)->lens[1] > fresh.nbytes[0]) Py_RETURN_FALSE;
     fresh.copy_in = copy_in;
+    fresh.view_at = view_at;
     size_t h = fast_hash(name, algorithm, root, op, fresh.descr[0], fresh.size[0]), at = h;
     for (int probe = 0; probe < FAST_SLOTS; probe++, at = (at + 1) & (FAST_SLOTS - 1))
         if (!f->slots[at].call) break;
@@ -2358,6 +2364,7 @@ static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(busy);
     if (!idle) Py_RETURN_FALSE;
     int runs_on = e->narr;  /* the call's arrays: as given, or the first alone after copying the second in */
+    if (e->view_at >= 0) bases[1] = bases[0] + e->view_at;
     if (e->copy_in >= 0) {
         if (bases[1] && e->nbytes[1]) copy_bytes(bases[0] + e->copy_in, bases[1], (size_t)e->nbytes[1]);
         bases[1] = NULL;
@@ -2413,8 +2420,9 @@ static PyMethodDef Fast_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Fast_run, METH_FASTCALL,
      "run(collective, algorithm, root, op, a, b, timeout) -> bool: run the kept call that fits, if any."},
     {"add", (PyCFunction)Fast_add, METH_VARARGS,
-     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) -> bool: keep a "
-     "call (copy_in >= 0: copy array 1 into array 0 at that byte first, then run on array 0 alone)."},
+     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, view_at]]) -> bool: "
+     "keep a call (copy_in >= 0: copy array 1 into array 0 at that byte first, then run on array 0 alone; "
+     "view_at >= 0: a call of one array run on two, the second array 0 from that byte)."},
     {"head", (PyCFunction)Fast_head, METH_O,
      "head(array) -> (data, nd, size, dtype, flags) as run reads them (flags: C-contiguous 1, writable 0x400)."},
     {"clear", (PyCFunction)Fast_clear, METH_NOARGS, "clear(): forget every call."},

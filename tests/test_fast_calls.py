@@ -33,10 +33,11 @@ def _outcome(fn) -> tuple[str, str, float]:
         return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
-def counted(comm) -> list[str]:
-    """Every kept kind from C, with results and call numbers as on the Python path."""
+def counted(comm, n: int) -> list[str]:
+    """Every kept kind from C, with results and call numbers as on the Python
+    path (``n`` float32 a block: 24, the window calls; 32768, allgather's
+    direct calls, in place on a view of its buffer made in C)."""
     p, me, failures = comm.size, comm.rank, []
-    n = 24
     mine = data(me, n, "float32")
     every = np.concatenate([data(r, n, "float32") for r in range(p)])
     for rep in range(4):
@@ -70,7 +71,7 @@ def counted(comm) -> list[str]:
         comm.allgather(None, out)  # in place
         expect_equal(failures, f"allgather #{rep}", out, every)
         out = np.zeros(n * p, np.float32)
-        comm.allgather(mine, out)  # out of place: the block copied in first
+        comm.allgather(mine, out)  # out of place: the block copied in once every rank agreed
         expect_equal(failures, f"allgather out of place #{rep}", out, every)
         out = np.zeros(n, np.float32)
         x = mine.copy()
@@ -85,9 +86,10 @@ def counted(comm) -> list[str]:
     return failures
 
 
+@pytest.mark.parametrize("n", [24, 32768])
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_kept_calls_run_from_c_and_count_alike(p):
-    for r, failures in enumerate(run_ranks(counted, p, timeout=120)):
+def test_kept_calls_run_from_c_and_count_alike(p, n):
+    for r, failures in enumerate(run_ranks(counted, p, n, timeout=120)):
         assert not failures, f"rank {r}: {failures}"
 
 

@@ -16,7 +16,7 @@ from ...tracing import COPYING
 from .direct import direct
 from .pieces import displs, one_piece, striped_cached
 from .compiled_calls import (arr, on_window, pool_path, first, first_two, compile_call, compile_direct, direct_mode,
-                             peer, prepared_from, run_prepared, slot)
+                             peer, prepared_from, run_prepared, slot, with_view)
 from .state import budget, state_of, window_state
 
 __all__ = ["allgather"]
@@ -49,10 +49,11 @@ def _prepare(transport, buf: np.ndarray, counts: list[int], copy_in: CopyIn | No
         after = mine + [(peer(r, 1), arr(0, starts[r] * item), counts[r] * item)
                         + ((slot(st, r, at[r] * item),) if fall else ()) for r in range(p) if r != me and counts[r]]
         readers = [r for r in range(p) if r != me and counts[me]]
-        made = compile_direct(window, 2, [], after, readers, [1], mode, fallback)
+        made = compile_direct(window, 2, [], after, readers, [0, 1], mode, fallback)
         if made is not None:
-            return prepared_from(made, first_two) if copy_in is not None else _own_block_second(
-                made, starts[me], starts[me] + counts[me])
+            if copy_in is not None:
+                return prepared_from(made, first_two)
+            return prepared_from(with_view(made, starts[me], starts[me] + counts[me], item), first)
     if parts is None or pool_path(window, "allgather", buf.nbytes):
         return None  # the pool's direct path, or pieces (the algorithm's body)
     through = _through(st, counts, starts, me, item, at, arr(1) if copy_in is not None else arr(0, own), mine)
@@ -81,21 +82,6 @@ def _through(st, counts: list[int], starts: list[int], me: int, item: int, at: l
     before = [(block, slot(st, me, at[me] * item), counts[me] * item)] if counts[me] else []
     return before, mine + [(slot(st, r, at[r] * item), arr(0, starts[r] * item), counts[r] * item)
                            for r in range(len(counts)) if r != me and counts[r]]
-
-
-def _own_block_second(made: tuple, lo: int, hi: int):
-    """The prepared call of an in-place call whose direct call ``made`` takes
-    ``(buf, buf[lo:hi])`` (this rank's block): the view made per call."""
-    go, settle = made
-
-    def go_own(arrays: tuple, seq: int, sig) -> object:
-        whole = arrays[0]
-        return go((whole, whole[lo:hi]), seq, sig)
-
-    def settle_own(arrays: tuple, late, deadline: float) -> None:
-        whole = arrays[0]
-        settle((whole, whole[lo:hi]), late, deadline)
-    return prepared_from((go_own, settle_own), first)
 
 
 @register("allgather", "shared_window", needs=("window",), prepare=_prepare, copies_in=True,

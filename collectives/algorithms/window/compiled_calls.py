@@ -28,7 +28,7 @@ from .tuning import (DIRECT_FROM, PIECE, PIECED_FROM, POOL_FIRST_BYTES, POOLED_A
 __all__ = [
     "arr", "slot", "peer", "other_half", "compile_call", "compile_direct", "compile_reduction", "direct_mode",
     "DIRECT", "FALLBACK", "POOLED", "on_window", "pool_path", "reduction", "first", "first_two", "no_arrays",
-    "prepared_from", "run_prepared",
+    "prepared_from", "run_prepared", "with_view",
 ]
 
 
@@ -233,6 +233,26 @@ def prepared_from(made: tuple | None, arrays_of: Callable):
             settle(arrays, late, ctx.deadline)
     run.on_arrays = made
     return run
+
+
+def with_view(made: tuple, lo: int, hi: int, itemsize: int) -> tuple:
+    """A compiled call ``made`` on ``(buf, buf[lo:hi])`` as a call on
+    ``(buf,)`` alone: the view is made per run (an in-place call whose
+    direct call publishes part of its buffer as a second array). Its
+    ``go`` names the compiled call (``call``) and the view's first byte
+    (``view_at``), so that the fast calls make the view in C."""
+    go, settle = made
+
+    def go_viewed(arrays: tuple, seq: int, sig) -> object:
+        whole = arrays[0]
+        return go((whole, whole[lo:hi]), seq, sig)
+
+    def settle_viewed(arrays: tuple, late, deadline: float) -> None:
+        whole = arrays[0]
+        settle((whole, whole[lo:hi]), late, deadline)
+    go_viewed.call = getattr(go, "__self__", None)
+    go_viewed.view_at = lo * itemsize
+    return go_viewed, settle_viewed
 
 
 _MISSING = object()
