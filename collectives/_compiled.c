@@ -850,6 +850,7 @@ typedef struct {
     Py_ssize_t rpiece;            /* bytes a piece of the reduction, */
     Py_ssize_t huge_from;         /* arrays of fewer bytes go as if outside huge pages (a fallback's window) */
     int rone;                     /* each piece reduced into the first piece of the destination (in the window) */
+    Py_ssize_t view_at, view_len; /* >= 0: array 1 is array 0's view_len bytes from byte view_at (set_view) */
     char *scratch;                /* and a piece (and a page) per source for reads across */
 } CallObject;
 
@@ -1261,6 +1262,7 @@ static PyObject *Window_compile(WindowObject *w, PyObject *args) {
     pl->ralt = NULL;
     pl->copies_out = NULL;
     pl->rpiece = pl->huge_from = 0;
+    pl->view_at = pl->view_len = -1;
     pl->scratch = NULL;
     for (int i = 0; i < MAX_ARRAYS; i++) pl->shared[i] = 0;
     pl->stage = pl->half = 0;
@@ -1363,7 +1365,8 @@ static void Call_dealloc(CallObject *pl) {
 
 /* Take the call's buffers (a tuple of narrays objects) as bases; -1 on error. */
 static int take_buffers(CallObject *pl, PyObject *arrays, Py_buffer *views, char **bases) {
-    if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != pl->narrays) {
+    int given = PyTuple_Check(arrays) ? (int)PyTuple_GET_SIZE(arrays) : -1;
+    if (given != pl->narrays && !(pl->view_at >= 0 && given == 1)) {
         PyErr_Format(PyExc_TypeError, "expected a tuple of %d arrays", pl->narrays);
         return -1;
     }
@@ -1371,6 +1374,15 @@ static int take_buffers(CallObject *pl, PyObject *arrays, Py_buffer *views, char
     for (i = 0; i < pl->narrays; i++) {
         views[i].obj = NULL;
         bases[i] = NULL;
+        if (i == 1 && pl->view_at >= 0) {  /* a view of array 0 (set_view) */
+            if (!bases[0] || pl->view_at + pl->view_len > pl->lens[0]) {
+                PyErr_SetString(PyExc_ValueError, "the compiled call's view lies outside its array 0");
+                goto fail;
+            }
+            bases[1] = bases[0] + pl->view_at;
+            pl->lens[1] = pl->view_len;
+            continue;
+        }
         if (pl->need[i] < 0) continue;
         int flags = PyBUF_C_CONTIGUOUS | (pl->writes[i] ? PyBUF_WRITABLE : 0);
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(arrays, i), &views[i], flags) < 0) goto fail;
@@ -2146,6 +2158,18 @@ static PyObject *Call_resume(CallObject *pl, PyObject *arrays) {
     return out;
 }
 
+/* .set_view(at, nbytes): from now on array 1 is array 0's nbytes from byte at (runs take array 0 alone) */
+static PyObject *Call_set_view(CallObject *pl, PyObject *args) {
+    Py_ssize_t at, n;
+    if (!PyArg_ParseTuple(args, "nn", &at, &n)) return NULL;
+    if (pl->narrays != 2 || at < 0 || n < 0 || pl->stage != 0) {
+        PyErr_SetString(PyExc_ValueError, "set_view: a call of two arrays, not running, at and nbytes >= 0");
+        return NULL;
+    }
+    pl->view_at = at, pl->view_len = n;
+    Py_RETURN_NONE;
+}
+
 /* .abandon(): forget a run that failed while it waited (a timeout, a lost peer) */
 static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
     pl->stage = 0;
@@ -2166,7 +2190,7 @@ static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
  *   .open: 0 turns every lookup into a miss (an aborted or closed communicator).
  *   .generation: how many times every entry was dropped (a full table, clear()).
  *   .hits: calls run from here.
- *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, view_at]])
+ *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in])
  *   .run(collective, algorithm, root, op, a, b, timeout) -> bool: False, nothing done,
  *       where no entry fits (or a timeout is given, or the queue of
  *       nonblocking calls is busy); else the call has run, or has failed:
@@ -2184,8 +2208,6 @@ typedef struct {
     Py_ssize_t size[2], nbytes[2];
     int writes[2], apart;
     Py_ssize_t copy_in;                  /* >= 0: copy array 1 into array 0 there first, run on array 0 */
-    Py_ssize_t view_at;                  /* >= 0: the call's array 1 is array 0 from this byte on (its length
-                                            the call's, as its last run through Python took it) */
     uint64_t sig[3];
     PyObject *info;                      /* held: handed to wait() */
 } FastEntry;
@@ -2260,14 +2282,13 @@ static inline int array_of(FastObject *f, PyObject *o, ArrayHead **out) {
     return (*out)->nd == 1;
 }
 
-/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, view_at]]) */
+/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) */
 static PyObject *Fast_add(FastObject *f, PyObject *args) {
     PyObject *name, *algorithm, *rooto, *op, *arrays, *call, *sigt, *writes, *info;
     int apart;
-    Py_ssize_t copy_in = -1, view_at = -1;
-    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO|nn", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
-                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info, &copy_in,
-                          &view_at))
+    Py_ssize_t copy_in = -1;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO|n", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
+                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info, &copy_in))
         return NULL;
     long root;
     Py_ssize_t narr = PyTuple_GET_SIZE(arrays);
@@ -2277,7 +2298,8 @@ static PyObject *Fast_add(FastObject *f, PyObject *args) {
     for (int i = 0; i < narr; i++)
         if (!array_of(f, PyTuple_GET_ITEM(arrays, i), &a[i])) Py_RETURN_FALSE;
     if (copy_in >= 0 && (narr != 2 || !a[0] || ((CallObject *)call)->narrays != 1)) Py_RETURN_FALSE;
-    if (view_at >= 0 && (copy_in >= 0 || narr != 1 || !a[0] || ((CallObject *)call)->narrays != 2)) Py_RETURN_FALSE;
+    Py_ssize_t view_at = ((CallObject *)call)->view_at;
+    if (view_at >= 0 && (copy_in >= 0 || narr != 1 || !a[0])) Py_RETURN_FALSE;
     FastEntry fresh;
     memset(&fresh, 0, sizeof fresh);
     for (int i = 0; i < 3; i++) fresh.sig[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(sigt, i));
@@ -2294,9 +2316,8 @@ static PyObject *Fast_add(FastObject *f, PyObject *args) {
         fresh.descr[i] = a[i]->descr;
     }
     if (copy_in >= 0 && a[1] && copy_in + fresh.nbytes[1] > fresh.nbytes[0]) Py_RETURN_FALSE;
-    if (view_at >= 0 && view_at + ((CallObject *)call)->lens[1] > fresh.nbytes[0]) Py_RETURN_FALSE;
+    if (view_at >= 0 && view_at + ((CallObject *)call)->view_len > fresh.nbytes[0]) Py_RETURN_FALSE;
     fresh.copy_in = copy_in;
-    fresh.view_at = view_at;
     size_t h = fast_hash(name, algorithm, root, op, fresh.descr[0], fresh.size[0]), at = h;
     for (int probe = 0; probe < FAST_SLOTS; probe++, at = (at + 1) & (FAST_SLOTS - 1))
         if (!f->slots[at].call) break;
@@ -2364,7 +2385,7 @@ static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(busy);
     if (!idle) Py_RETURN_FALSE;
     int runs_on = e->narr;  /* the call's arrays: as given, or the first alone after copying the second in */
-    if (e->view_at >= 0) bases[1] = bases[0] + e->view_at;
+    if (e->call->view_at >= 0) bases[1] = bases[0] + e->call->view_at;  /* (checked against array 0 by add) */
     if (e->copy_in >= 0) {
         if (bases[1] && e->nbytes[1]) copy_bytes(bases[0] + e->copy_in, bases[1], (size_t)e->nbytes[1]);
         bases[1] = NULL;
@@ -2420,9 +2441,8 @@ static PyMethodDef Fast_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Fast_run, METH_FASTCALL,
      "run(collective, algorithm, root, op, a, b, timeout) -> bool: run the kept call that fits, if any."},
     {"add", (PyCFunction)Fast_add, METH_VARARGS,
-     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, view_at]]) -> bool: "
-     "keep a call (copy_in >= 0: copy array 1 into array 0 at that byte first, then run on array 0 alone; "
-     "view_at >= 0: a call of one array run on two, the second array 0 from that byte)."},
+     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) -> bool: keep a "
+     "call (copy_in >= 0: copy array 1 into array 0 at that byte first, then run on array 0 alone)."},
     {"head", (PyCFunction)Fast_head, METH_O,
      "head(array) -> (data, nd, size, dtype, flags) as run reads them (flags: C-contiguous 1, writable 0x400)."},
     {"clear", (PyCFunction)Fast_clear, METH_NOARGS, "clear(): forget every call."},
@@ -2556,6 +2576,8 @@ static PyMethodDef Call_methods[] = {
      "run(arrays, seq, sig) -> None or (rank, kind, value): the next step; what to wait for before resume."},
     {"resume", (PyCFunction)Call_resume, METH_O, "resume(arrays): go on after the wait run asked for."},
     {"abandon", (PyCFunction)Call_abandon, METH_NOARGS, "abandon(): forget a run that failed while it waited."},
+    {"set_view", (PyCFunction)Call_set_view, METH_VARARGS,
+     "set_view(at, nbytes): array 1 is array 0's nbytes from byte at; runs take (array 0,) alone."},
     {NULL, NULL, 0, NULL},
 };
 

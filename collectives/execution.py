@@ -192,7 +192,7 @@ class CallExecution:
                 copied = entry.copy_in
                 self._fast.add(key[0], key[1], key[2], key[3], arrays, entry.call, entry.sig, entry.writes,
                                entry.check is apart, (entry.collective, entry.algo.name, direct[1]),
-                               -1 if copied is None else copied.at * arrays[0].itemsize, entry.view_at)
+                               -1 if copied is None else copied.at * arrays[0].itemsize)
                 entry.fast_generation = self._fast.generation
             return True
         start = _now()

@@ -117,21 +117,18 @@ class Prepared:
             ``func`` itself once every rank agreed, where the algorithm
             ``copies_in`` (:func:`~collectives.execution.run_algorithm`);
             else None.
-        view_at: where ``call`` takes a second array that is the first from
-            this byte on (:func:`~collectives.algorithms.window.compiled_calls.with_view`), else -1.
         fast_generation: the fast calls' generation it was added in (-1: never).
     """
 
     __slots__ = ("algo", "collective", "sig", "writes", "args", "func", "ctx", "check", "direct", "call",
-                 "copy_in", "view_at", "fast_generation")
+                 "copy_in", "fast_generation")
 
     def __init__(self, algo: Algorithm, sig: Sig, writes: tuple[bool, ...], args: Callable[[tuple], tuple],
                  func: Callable, ctx: CallContext, check: Callable[[tuple], bool] | None,
-                 direct: tuple | None = None, call: Any = None, copy_in: CopyIn | None = None,
-                 view_at: int = -1) -> None:
+                 direct: tuple | None = None, call: Any = None, copy_in: CopyIn | None = None) -> None:
         self.algo, self.collective, self.sig = algo, algo.collective, sig
         self.writes, self.args, self.func, self.ctx, self.check = writes, args, func, ctx, check
-        self.direct, self.call, self.copy_in, self.view_at = direct, call, copy_in, view_at
+        self.direct, self.call, self.copy_in = direct, call, copy_in
         self.fast_generation = -1
 
 
@@ -170,14 +167,11 @@ class PreparedCalls(BoundedCache):
             ctx = CallContext(transport, 0, 0.0, segment_bytes, scratch)
             direct = getattr(func, "on_arrays", None) if as_is else None
             owner = getattr(direct[0], "__self__", None) if direct is not None else None
-            view_at = -1
-            if direct is not None and hasattr(direct[0], "view_at"):  # (compiled_calls.with_view)
-                owner, view_at = direct[0].call, direct[0].view_at
             call = owner if compiled.ext is not None and isinstance(owner, compiled.ext.Call) else None
             copy_in = as_is if isinstance(as_is, CopyIn) else None
             if direct is not None and copy_in is not None:
                 direct = _mapped(direct, copy_in)
-            entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check, direct, call, copy_in, view_at)
+            entry = Prepared(plan.algo, plan.sig, writes, args, func, ctx, check, direct, call, copy_in)
         self.keep(key, entry)
 
 

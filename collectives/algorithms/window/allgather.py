@@ -46,10 +46,10 @@ def _prepare(transport, buf: np.ndarray, counts: list[int], copy_in: CopyIn | No
     mode = direct_mode(window, "allgather", buf.nbytes, fallback)
     if mode is not None:
         fall = on_window(mode, fallback)  # (where each peer's copy in puts its block)
-        after = mine + [(peer(r, 1), arr(0, starts[r] * item), counts[r] * item)
-                        + ((slot(st, r, at[r] * item),) if fall else ()) for r in range(p) if r != me and counts[r]]
+        after = [(peer(r, 1), arr(0, starts[r] * item), counts[r] * item)
+                 + ((slot(st, r, at[r] * item),) if fall else ()) for r in range(p) if r != me and counts[r]] + mine
         readers = [r for r in range(p) if r != me and counts[me]]
-        made = compile_direct(window, 2, [], after, readers, [0, 1], mode, fallback)
+        made = compile_direct(window, 2, [], after, readers, [1], mode, fallback)
         if made is not None:
             if copy_in is not None:
                 return prepared_from(made, first_two)

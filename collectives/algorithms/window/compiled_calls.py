@@ -236,23 +236,12 @@ def prepared_from(made: tuple | None, arrays_of: Callable):
 
 
 def with_view(made: tuple, lo: int, hi: int, itemsize: int) -> tuple:
-    """A compiled call ``made`` on ``(buf, buf[lo:hi])`` as a call on
-    ``(buf,)`` alone: the view is made per run (an in-place call whose
-    direct call publishes part of its buffer as a second array). Its
-    ``go`` names the compiled call (``call``) and the view's first byte
-    (``view_at``), so that the fast calls make the view in C."""
-    go, settle = made
-
-    def go_viewed(arrays: tuple, seq: int, sig) -> object:
-        whole = arrays[0]
-        return go((whole, whole[lo:hi]), seq, sig)
-
-    def settle_viewed(arrays: tuple, late, deadline: float) -> None:
-        whole = arrays[0]
-        settle((whole, whole[lo:hi]), late, deadline)
-    go_viewed.call = getattr(go, "__self__", None)
-    go_viewed.view_at = lo * itemsize
-    return go_viewed, settle_viewed
+    """A direct compiled call ``made`` on ``(buf, buf[lo:hi])`` made a call
+    on ``(buf,)`` alone: the compiled call takes its second array as that
+    part of its first (``set_view``), in C, on every run (an in-place call
+    whose direct call publishes its block as a second array)."""
+    made[0].__self__.set_view(lo * itemsize, (hi - lo) * itemsize)
+    return made
 
 
 _MISSING = object()
