@@ -38,7 +38,7 @@ from .execution import TAG_SPACE, CallExecution
 from .flight_recorder import FlightRecorder
 from .handles import CallQueue, Handle, RequestHandle
 from .planning import Planner
-from .prepared import CopyIn, PreparedCalls, apart, call_key
+from .prepared import ApartOrAt, CopyIn, PreparedCalls, apart, call_key
 from .selection import RuleSelector, Selector, size_bucket
 from .survival import Survival
 from .transport import COMPLETED, Transport
@@ -409,8 +409,9 @@ class Communicator(CallExecution, Survival):
         if key is not None and sendbuf is None:
             self._remember(key, plan, (True,), lambda a: (a[0], counts))
         elif key is not None:
-            copy_in = CopyIn(counts[0] * self.rank)  # a no-op when sendbuf already is this block
-            self._remember(key, plan, (True, False), lambda a: (a[0], counts), as_is=copy_in)
+            copy_in = CopyIn(counts[0] * self.rank)  # sendbuf may be this block (then a no-op)
+            self._remember(key, plan, (True, False), lambda a: (a[0], counts),
+                           check=ApartOrAt(copy_in.at * plan.itemsize), as_is=copy_in)
         return self._call(plan, timeout)
 
     def iallgather(self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto",

@@ -35,7 +35,7 @@ from .context import CallContext
 from .errors import BadArgument, CollectiveError, CollectiveTimeout, PeerLost, abort_reason, annotate
 from .handles import Handle
 from .planning import ROOTED, Plan
-from .prepared import CopyIn, apart
+from .prepared import ApartOrAt, CopyIn, apart
 from .signature import NO_SIG, REFUSED, Sig
 
 if TYPE_CHECKING:
@@ -191,7 +191,8 @@ class CallExecution:
             if entry.call is not None and entry.fast_generation != self._fast.generation:  # from now on, from C
                 copied = entry.copy_in
                 self._fast.add(key[0], key[1], key[2], key[3], arrays, entry.call, entry.sig, entry.writes,
-                               entry.check is apart, (entry.collective, entry.algo.name, direct[1]),
+                               entry.check is apart or isinstance(entry.check, ApartOrAt),
+                               (entry.collective, entry.algo.name, direct[1]),
                                -1 if copied is None else copied.at * arrays[0].itemsize)
                 entry.fast_generation = self._fast.generation
             return True

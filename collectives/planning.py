@@ -233,6 +233,8 @@ class Planner:
                                  f"out has {arr.size} x {arr.dtype}, buf {src.size} x {src.dtype}")
         if why is not None:
             return self._refused("allreduce", algo, sig, result, why)
+        if src is not arr and np.may_share_memory(src, arr):  # peers may read buf while out is written:
+            src = arr if src.ctypes.data == arr.ctypes.data else src.copy()  # the same memory is in place
         fin = (lambda: o.finalize(arr, self.size)) if o.name == "avg" else None
         plan = Plan("allreduce", algo, (arr, o), result, sig, fin)
         if src is not arr:
@@ -315,9 +317,11 @@ class Planner:
             if send.size != counts[self.rank]:
                 return self._refused("allgather", algo, sig, recvbuf,
                                      f"sendbuf holds {send.size} elements, counts[{self.rank}] is {counts[self.rank]}")
+            if np.may_share_memory(send, recv):  # peers may read sendbuf while recvbuf is written:
+                send = mine if send.ctypes.data == mine.ctypes.data else send.copy()  # its own block is in place
         plan = Plan("allgather", algo, (recv, counts), recvbuf, sig)
         if send is not mine and send.size:
-            plan.copy_in = (mine, send)  # a no-op copy when sendbuf already is this rank's block
+            plan.copy_in = (mine, send)
         return plan
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any, algorithm: str,

@@ -26,7 +26,7 @@ from .planning import ROOTED, Plan
 from .registry import Algorithm
 from .signature import Sig
 
-__all__ = ["BoundedCache", "Prepared", "PreparedCalls", "CopyIn", "call_key", "apart"]
+__all__ = ["BoundedCache", "Prepared", "PreparedCalls", "CopyIn", "ApartOrAt", "call_key", "apart"]
 
 #: Entries a cache keeps before its oldest half is dropped.
 CAPACITY = 256
@@ -190,3 +190,17 @@ def _mapped(direct: tuple, copy_in: CopyIn) -> tuple:
 def apart(arrays: tuple) -> bool:
     """Whether two contiguous arrays' memory does not overlap (alltoall's sendbuf and recvbuf)."""
     return not np.may_share_memory(arrays[0], arrays[1])
+
+
+class ApartOrAt(NamedTuple):
+    """A prepared call's check: the second array's memory lies apart from
+    the first's, or it is the first's part from byte ``at`` (an allgather's
+    own block in its receive buffer). The fast calls check the first
+    alone (a call of the second kind runs from Python)."""
+
+    at: int
+
+    def __call__(self, arrays: tuple) -> bool:
+        first, second = arrays
+        return second is None or not np.may_share_memory(first, second) or \
+            second.ctypes.data == first.ctypes.data + self.at

@@ -158,7 +158,7 @@ def after_state_changes(comm) -> list[str]:
 
 def overlapping_out(comm) -> list[str]:
     """An out-of-place allreduce kept for apart arrays; then out overlapping
-    buf: it misses, and the Python path runs it (out takes buf first)."""
+    buf: it misses, and the Python path runs it (from a copy of buf)."""
     failures = []
     x, out = np.ones(8, np.float32), np.zeros(8, np.float32)
     for _ in range(3):

@@ -319,6 +319,57 @@ def test_a_mismatched_out_of_place_call_changes_no_output(monkeypatch, n, agreed
             assert kept, f"rank {r}, {collective}: its output or a guard changed"
 
 
+def refusals_in_turns(comm, n: int) -> list:
+    """Out-of-place allgather and allreduce in turns, rank 1's arguments
+    wrong in odd rounds (a send buffer one element short, an ``out`` of
+    another dtype): every rank raises BadArgument with rank 1's reason for
+    that call (one refusal follows the other at once: a slow rank still
+    judging the first must not read the second's reason), and nothing
+    changes. In even rounds rank 1's buffers overlap (its send buffer
+    reaches past its own block, its ``out`` overlaps ``buf``), which
+    peers must not see: every rank's result is right."""
+    p, r, report = comm.size, comm.rank, []
+    for rep in range(4):
+        bad = r == 1 and rep % 2 == 1
+        raw, whole = guarded(n * p + 1, "float64", -3.0)
+        recv = whole[:n * p]
+        recv[r * n:(r + 1) * n] = r + rep
+        if r == 1 and not bad:  # overlapping, the block shifted by one element
+            whole[r * n + 1:(r + 1) * n + 1] = r + rep
+        send = whole[r * n + 1:(r + 1) * n + (0 if bad else 1)] if r == 1 else recv[r * n:(r + 1) * n]
+        before = whole.copy()
+        got = attempt(lambda: comm.allgather(send, recv))
+        kept = bool(np.array_equal(whole, before)) and intact([raw], [whole.size])
+        right = got["outcome"] == "ok" and bool(np.array_equal(recv, np.repeat(np.arange(p) + rep, n)))
+        report.append(("allgather", rep, got["outcome"], got["message"], got["elapsed"], kept, right))
+        buf = np.arange(n + 1, dtype=np.float64) + r
+        x = buf[:n]
+        out = np.zeros(n, np.float32) if bad else (buf[1:] if r == 1 else buf[:n])
+        before = buf.copy()
+        got = attempt(lambda: comm.allreduce(x, out=out))
+        want = np.arange(n) * p + p * (p - 1) / 2
+        right = got["outcome"] == "ok" and bool(np.array_equal(out, want))
+        report.append(("allreduce", rep, got["outcome"], got["message"], got["elapsed"],
+                       bool(np.array_equal(buf, before)), right))
+    return report
+
+
+@pytest.mark.parametrize("n", [16, 300_000])  # float64 a block: the window's calls, the direct calls
+def test_refusals_in_turns_name_their_own_reasons_and_overlapping_buffers_are_right(n):
+    reasons = {"allgather": "sendbuf holds", "allreduce": "out has"}
+    for r, report in enumerate(run_ranks(refusals_in_turns, 3, n, timeout=120)):
+        for collective, rep, outcome, message, elapsed, kept, right in report:
+            case = f"rank {r}, {collective} round {rep}"
+            if rep % 2 == 0:
+                assert outcome == "ok" and right, f"{case}: {outcome} {message}"
+                continue
+            assert outcome == "BadArgument", f"{case}: {outcome} {message}"
+            assert f"{collective} #" in message and reasons[collective] in message, f"{case}: {message}"
+            assert r == 1 or "rank 1 refused it" in message, f"{case}: {message}"
+            assert elapsed < BOUND, f"{case}: {elapsed:.2f} s"
+            assert kept, f"{case}: a buffer changed"
+
+
 def numpy_scalar(comm):
     """Every rank passes a numpy scalar, which cannot hold a result."""
     comm.barrier()  # every rank is past its start-up: an abort must find them all in the call

@@ -61,7 +61,8 @@ Q_PROGRESS = 71
 Q_INBOX = 72
 #: While this rank blocks: what it waits for (kind << 32 | peer + 1), else 0.
 Q_WAITING = 73
-#: Length of this rank's refusal reason (its bytes at ``REFUSAL_OFFSET``).
+#: Length of this rank's refusal reason of a call in record slot 0, and
+#: (the next word) in slot 1 (its bytes at ``REFUSAL_OFFSET``, a slot each).
 Q_REFUSAL_LEN = 74
 Q_CPUS, CPU_WORDS = 96, 16  # lines 12 and 13: the cores this rank may run on (a bit each)
 # lines 14 and 15: the survivors' agreement (:mod:`.agreement`): its number, this rank's
@@ -71,7 +72,7 @@ VIEW_WORDS = 5
 Q_AGREE, Q_AGREE_STATE, Q_AGREE_FLAG, Q_AGREE_VIEW = 112, 113, 114, 115
 Q_AGREE_DECIDED, Q_AGREE_DECIDED_FLAG, Q_AGREE_DECIDED_VIEW = 120, 121, 122
 REASON_OFFSET, REASON_MAX = 1024, 1536    # bytes of the abort reason
-REFUSAL_OFFSET, REFUSAL_MAX = 2560, 1536  # bytes of the refusal reason
+REFUSAL_OFFSET, REFUSAL_MAX = 2560, 768   # bytes of the refusal reason, per record slot (two)
 
 #: Room ahead of a window's data for the algorithms' bookkeeping, so that a
 #: window of ``shm_window_bytes`` holds two halves of at least half that

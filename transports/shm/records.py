@@ -62,10 +62,11 @@ class CallRecords:
     def publish(self, seq: int, sig: Sig, refusal: str | None = None) -> None:
         """Write this rank's record of call ``seq`` (its word 0 last)."""
         q = self._qs[self.rank]
-        if refusal is not None:
+        if refusal is not None:  # in the record's slot: a peer still judging the call before reads it there
             data = refusal.encode("utf-8", "replace")[:REFUSAL_MAX]
-            self._pages[self.rank][REFUSAL_OFFSET:REFUSAL_OFFSET + len(data)] = data
-            q[Q_REFUSAL_LEN] = len(data)
+            at = REFUSAL_OFFSET + REFUSAL_MAX * (seq & 1)
+            self._pages[self.rank][at:at + len(data)] = data
+            q[Q_REFUSAL_LEN + (seq & 1)] = len(data)
         base = Q_RECORD + 3 * (seq & 1)
         q[base] = _WRITING  # word 0 marked first and set last: readers see a record whole (see record())
         q[base + 1], q[base + 2] = sig[1], sig[2]
@@ -121,9 +122,11 @@ class CallRecords:
                 return r
         return -1
 
-    def refusal(self, rank: int) -> str:
-        n = min(int(self._qs[rank][Q_REFUSAL_LEN]), REFUSAL_MAX)
-        return bytes(self._pages[rank][REFUSAL_OFFSET:REFUSAL_OFFSET + n]).decode("utf-8", "replace")
+    def refusal(self, rank: int, seq: int) -> str:
+        """``rank``'s reason for refusing call ``seq`` (as its record in that slot says it did)."""
+        n = min(int(self._qs[rank][Q_REFUSAL_LEN + (seq & 1)]), REFUSAL_MAX)
+        at = REFUSAL_OFFSET + REFUSAL_MAX * (seq & 1)
+        return bytes(self._pages[rank][at:at + n]).decode("utf-8", "replace")
 
     def verdict(self, seq: int, arrived_only: bool = False) -> Exception:
         """The error of call ``seq`` once every rank posted and some record
@@ -145,7 +148,7 @@ class CallRecords:
                 continue
             ranks.append(r)
             sigs.append(mine if past else rec)
-        reasons = {r: self.refusal(r) for r, sg in zip(ranks, sigs) if sg[0] & signature.REFUSED}
+        reasons = {r: self.refusal(r, seq) for r, sg in zip(ranks, sigs) if sg[0] & signature.REFUSED}
         err = signature.check_all(sigs, self.rank, reasons, ranks)
         if err is None:  # records changed under us: say what we can
             err = MismatchedCollective(f"call #{s}: ranks disagree about the call")
