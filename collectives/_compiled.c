@@ -2190,7 +2190,7 @@ static PyObject *Call_abandon(CallObject *pl, PyObject *Py_UNUSED(ignored)) {
  *   .open: 0 turns every lookup into a miss (an aborted or closed communicator).
  *   .generation: how many times every entry was dropped (a full table, clear()).
  *   .hits: calls run from here.
- *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in])
+ *   .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, own_at]])
  *   .run(collective, algorithm, root, op, a, b, timeout) -> bool: False, nothing done,
  *       where no entry fits (or a timeout is given, or the queue of
  *       nonblocking calls is busy); else the call has run, or has failed:
@@ -2208,6 +2208,7 @@ typedef struct {
     Py_ssize_t size[2], nbytes[2];
     int writes[2], apart;
     Py_ssize_t copy_in;                  /* >= 0: copy array 1 into array 0 there first, run on array 0 */
+    Py_ssize_t own_at;                   /* >= 0 (with apart): array 1 may also be array 0 from this byte */
     uint64_t sig[3];
     PyObject *info;                      /* held: handed to wait() */
 } FastEntry;
@@ -2282,13 +2283,14 @@ static inline int array_of(FastObject *f, PyObject *o, ArrayHead **out) {
     return (*out)->nd == 1;
 }
 
-/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) */
+/* .add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, own_at]]) */
 static PyObject *Fast_add(FastObject *f, PyObject *args) {
     PyObject *name, *algorithm, *rooto, *op, *arrays, *call, *sigt, *writes, *info;
     int apart;
-    Py_ssize_t copy_in = -1;
-    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO|n", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
-                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info, &copy_in))
+    Py_ssize_t copy_in = -1, own_at = -1;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!O!pO|nn", &name, &algorithm, &rooto, &op, &PyTuple_Type, &arrays,
+                          &CallType, &call, &PyTuple_Type, &sigt, &PyTuple_Type, &writes, &apart, &info, &copy_in,
+                          &own_at))
         return NULL;
     long root;
     Py_ssize_t narr = PyTuple_GET_SIZE(arrays);
@@ -2318,6 +2320,7 @@ static PyObject *Fast_add(FastObject *f, PyObject *args) {
     if (copy_in >= 0 && a[1] && copy_in + fresh.nbytes[1] > fresh.nbytes[0]) Py_RETURN_FALSE;
     if (view_at >= 0 && view_at + ((CallObject *)call)->view_len > fresh.nbytes[0]) Py_RETURN_FALSE;
     fresh.copy_in = copy_in;
+    fresh.own_at = apart && a[1] && own_at >= 0 && own_at + fresh.nbytes[1] <= fresh.nbytes[0] ? own_at : -1;
     size_t h = fast_hash(name, algorithm, root, op, fresh.descr[0], fresh.size[0]), at = h;
     for (int probe = 0; probe < FAST_SLOTS; probe++, at = (at + 1) & (FAST_SLOTS - 1))
         if (!f->slots[at].call) break;
@@ -2377,7 +2380,8 @@ static PyObject *Fast_run(FastObject *f, PyObject *const *args, Py_ssize_t nargs
         if (!(fl & ARR_C_CONTIGUOUS) || (e->writes[i] && !(fl & ARR_WRITEABLE))) Py_RETURN_FALSE;
         bases[i] = a[i]->data;
     }
-    if (e->apart && a[0] && a[1] && bases[0] < bases[1] + e->nbytes[1] && bases[1] < bases[0] + e->nbytes[0])
+    if (e->apart && a[0] && a[1] && bases[0] < bases[1] + e->nbytes[1] && bases[1] < bases[0] + e->nbytes[0] &&
+        !(e->own_at >= 0 && bases[1] == bases[0] + e->own_at))
         Py_RETURN_FALSE;
     PyObject *busy = PyObject_GetAttr(f->queue, str_busy);
     if (!busy) return NULL;
@@ -2441,8 +2445,9 @@ static PyMethodDef Fast_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Fast_run, METH_FASTCALL,
      "run(collective, algorithm, root, op, a, b, timeout) -> bool: run the kept call that fits, if any."},
     {"add", (PyCFunction)Fast_add, METH_VARARGS,
-     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in]) -> bool: keep a "
-     "call (copy_in >= 0: copy array 1 into array 0 at that byte first, then run on array 0 alone)."},
+     "add(collective, algorithm, root, op, arrays, call, sig, writes, apart, info[, copy_in[, own_at]]) -> bool: "
+     "keep a call (copy_in >= 0: copy array 1 into array 0 at that byte first, then run on array 0 alone; "
+     "own_at >= 0: with apart, array 1 may also be array 0 from that byte)."},
     {"head", (PyCFunction)Fast_head, METH_O,
      "head(array) -> (data, nd, size, dtype, flags) as run reads them (flags: C-contiguous 1, writable 0x400)."},
     {"clear", (PyCFunction)Fast_clear, METH_NOARGS, "clear(): forget every call."},

@@ -193,7 +193,8 @@ class CallExecution:
                 self._fast.add(key[0], key[1], key[2], key[3], arrays, entry.call, entry.sig, entry.writes,
                                entry.check is apart or isinstance(entry.check, ApartOrAt),
                                (entry.collective, entry.algo.name, direct[1]),
-                               -1 if copied is None else copied.at * arrays[0].itemsize)
+                               -1 if copied is None else copied.at * arrays[0].itemsize,
+                               entry.check.at if isinstance(entry.check, ApartOrAt) else -1)
                 entry.fast_generation = self._fast.generation
             return True
         start = _now()

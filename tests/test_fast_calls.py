@@ -158,7 +158,9 @@ def after_state_changes(comm) -> list[str]:
 
 def overlapping_out(comm) -> list[str]:
     """An out-of-place allreduce kept for apart arrays; then out overlapping
-    buf: it misses, and the Python path runs it (from a copy of buf)."""
+    buf: it misses, and the Python path runs it (from a copy of buf). An
+    allgather whose send buffer is its own block runs from C; one whose
+    send buffer reaches past it misses."""
     failures = []
     x, out = np.ones(8, np.float32), np.zeros(8, np.float32)
     for _ in range(3):
@@ -169,6 +171,21 @@ def overlapping_out(comm) -> list[str]:
     expect_equal(failures, "overlapping out", both[4:], np.full(8, comm.size, np.float32))
     if comm._fast.hits != hits:
         failures.append("overlapping out ran from C")
+    p, me = comm.size, comm.rank
+    recv = np.zeros(8 * p + 1, np.float32)
+    for i in range(4):  # the send buffer is this rank's own block: from C from the third call on
+        hits = comm._fast.hits
+        recv[me * 8:(me + 1) * 8] = me + i
+        comm.allgather(recv[me * 8:(me + 1) * 8], recv[:8 * p])
+        expect_equal(failures, f"allgather of its own block #{i}", recv[:8 * p], np.repeat(np.arange(p, dtype=np.float32) + i, 8))
+        if i >= 2 and comm._fast.hits != hits + 1:
+            failures.append(f"allgather of its own block #{i} did not run from C")
+    hits = comm._fast.hits
+    recv[me * 8 + 1:(me + 1) * 8 + 1] = -1.0
+    comm.allgather(recv[me * 8 + 1:(me + 1) * 8 + 1], recv[:8 * p])  # past its own block: a copy aside first
+    expect_equal(failures, "allgather past its own block", recv[:8 * p], np.full(8 * p, -1.0, np.float32))
+    if comm._fast.hits != hits:
+        failures.append("allgather past its own block ran from C")
     return failures
 
 
