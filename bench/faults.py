@@ -86,15 +86,17 @@ def fresh(tag: str, timeout: float = 5.0) -> collectives.Communicator:
 
 def call(comm, spec: Spec) -> dict:
     """Make ``spec``'s call on guarded buffers; what happened, how long it took,
-    whether every guard is intact and (on success) the result."""
+    whether every guard is intact, whether every buffer still holds what
+    it held before (``untouched``) and (on success) the result."""
     p, r = comm.size, comm.rank
     c, n = spec.collective, spec.count
-    raws, ns = [], []
+    raws, ns, fills = [], [], []
 
     def buf(k: int, value: float = 1) -> np.ndarray:
         raw, view = guarded(k, spec.dtype, value)
         raws.append(raw)
         ns.append(k)
+        fills.append((view, view.copy()))
         return view
 
     result: Any = None
@@ -147,7 +149,8 @@ def call(comm, spec: Spec) -> dict:
     except CollectiveError as exc:
         outcome, message = type(exc).__name__, str(exc)
     return {"outcome": outcome, "message": message, "elapsed": time.monotonic() - t0,
-            "intact": intact(raws, ns), "result": None if result is None else result.copy()}
+            "intact": intact(raws, ns), "untouched": all(np.array_equal(v, was) for v, was in fills),
+            "result": None if result is None else result.copy()}
 
 
 def expected(spec: Spec, p: int, r: int) -> np.ndarray | None:

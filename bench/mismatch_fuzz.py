@@ -19,11 +19,14 @@ own. Counted:
 * caught: the ranks' calls differed and every rank raised (MismatchedCollective
   or BadArgument); a rank that only sent over messages may have returned
   and raised at its next call instead (counted as late);
+* changed: of the caught trials where every rank ran the shared window,
+  those where some buffer of some rank no longer held what it held before
+  (the window moves nothing before every rank agreed);
 * agreed: the same call everywhere, every rank correct;
 * from_c: of the trials whose calls differed, those where some rank's call
   ran from C (a kept compiled call; only with ``--kept``).
 
-Exits 1 if any trial was silent, wrote outside a buffer or hung.
+Exits 1 if any trial was silent, wrote outside a buffer, changed one or hung.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ def fuzz(comm, seed: int, first: int, trials: int, timeout: float = 5.0, kept: i
         got = _checked(c, spec)
         got["from_c"] = c._fast.hits > hits  # the call ran from C, as a kept compiled call
         got["next"] = call(c, Spec("barrier"))["outcome"] if got["outcome"] == "ok" else None
-        got.update(trial=t, spec=canonical(spec), warm=[(w["outcome"], w["intact"], w["correct"]) for w in warm])
+        got.update(trial=t, spec=canonical(spec), warm=[(w["outcome"], w["intact"], w["correct"]) for w in warm],
+                   window=spec.algorithm == "shared_window" and comm.transport.name == "shm")
         records.append(got)
         c.close()
     return records
@@ -100,13 +104,13 @@ def _checked(c, spec: Spec) -> dict:
     want = expected(spec, c.size, c.rank)
     correct = got["outcome"] != "ok" or want is None or np.array_equal(got["result"], want)
     return {"outcome": got["outcome"], "elapsed": got["elapsed"], "intact": got["intact"],
-            "correct": bool(correct), "message": got["message"][:300]}
+            "untouched": got["untouched"], "correct": bool(correct), "message": got["message"][:300]}
 
 
 def tally(per_rank: Sequence[Sequence[dict]]) -> dict:
     """Counts over every trial (see the module docstring), and the bad trials."""
     counts = {"trials": 0, "agreed": 0, "caught": 0, "late": 0, "silent": 0, "outside": 0, "hung": 0,
-              "from_c": 0}
+              "changed": 0, "from_c": 0}
     bad = []
     for trial in zip(*per_rank):
         counts["trials"] += 1
@@ -136,6 +140,9 @@ def tally(per_rank: Sequence[Sequence[dict]]) -> dict:
             bad.append(("wrong result", trial))
         elif all(o != "ok" or r["next"] not in (None, "ok") for o, r in zip(outcomes, trial)):
             counts["caught" if all(o != "ok" for o in outcomes) else "late"] += 1
+            if all(r.get("window") for r in trial) and not all(r.get("untouched", True) for r in trial):
+                counts["changed"] += 1  # the shared window moves nothing before every rank agreed
+                bad.append(("a caught call changed a buffer", trial))
         else:
             counts["silent"] += 1
             bad.append(("returned without hearing", trial))
@@ -170,14 +177,15 @@ def rank_main(ns) -> int:
         print(f"{c['trials']} trials, {comm.size} ranks on {comm.transport.name}, seed {ns.seed}, "
               f"{ns.kept} kept calls first, "
               f"{time.monotonic() - t0:.0f} s: agreed {c['agreed']}, caught {c['caught']}, late {c['late']}, "
-              f"silent {c['silent']}, outside {c['outside']}, hung {c['hung']}; differing calls from C {c['from_c']}")
+              f"silent {c['silent']}, outside {c['outside']}, changed {c['changed']}, hung {c['hung']}; "
+              f"differing calls from C {c['from_c']}")
         for why, trial in result["bad"][:20]:
             print(f"  {why}: " + " | ".join(f"{r['spec']} -> {r['outcome']} {r['message'][:120]}" for r in trial))
         if ns.out:
             with open(ns.out, "w") as f:
                 json.dump({"counts": c, "seed": ns.seed, "kept": ns.kept, "ranks": comm.size,
                            "transport": comm.transport.name}, f)
-        status = 1 if c["silent"] or c["outside"] or c["hung"] else 0
+        status = 1 if c["silent"] or c["outside"] or c["changed"] or c["hung"] else 0
     else:
         status = 0
     comm.close()

@@ -16,5 +16,6 @@ def test_random_mismatched_calls_never_pass_silently(p, seed, trials, kept):
     counts = result["counts"]
     assert counts["trials"] == trials
     assert counts["silent"] == 0 and counts["outside"] == 0 and counts["hung"] == 0, result["bad"][:5]
+    assert counts["changed"] == 0, result["bad"][:5]  # (caught on the shared window: no buffer changed)
     assert counts["agreed"] > trials // 8 and counts["caught"] > trials // (4 if kept else 2), counts
     assert not kept or counts["from_c"] > trials // 16, counts  # mismatches met calls from C
