@@ -319,6 +319,35 @@ def test_a_mismatched_out_of_place_call_changes_no_output(monkeypatch, n, agreed
             assert kept, f"rank {r}, {collective}: its output or a guard changed"
 
 
+def first_calls_mismatched(comm, n: int) -> list:
+    """Every collective with data on the shared window, as the first call of
+    a fresh communicator, rank 1's block one element larger: every rank
+    raises MismatchedCollective in that call and every buffer of every
+    rank, a root's own block included, holds what it held before."""
+    report = []
+    for i, collective in enumerate(("allreduce", "reduce", "bcast", "allgather", "gather", "scatter",
+                                    "reduce_scatter", "alltoall")):
+        c = fresh(f"first{i}")
+        spec = Spec(collective, "shared_window", "float64", n + (comm.rank == 1), root=1,
+                    out=collective == "allreduce")
+        got = call(c, spec)
+        report.append((collective, got["outcome"], got["message"], got["elapsed"], got["intact"] and got["untouched"]))
+        c.close()
+    return report
+
+
+@pytest.mark.parametrize("compiled", ["1", "0"], ids=["compiled", "python"])
+@pytest.mark.parametrize("n", [16, 300_000])  # float64 a block: the window's calls, its pieces and direct paths
+def test_a_first_call_that_mismatches_changes_no_buffer_on_the_shared_window(monkeypatch, n, compiled):
+    monkeypatch.setenv("COLLECTIVES_COMPILED", compiled)
+    for r, report in enumerate(run_ranks(first_calls_mismatched, 3, n, timeout=120)):
+        for collective, outcome, message, elapsed, kept in report:
+            assert outcome == "MismatchedCollective", f"rank {r}, {collective}: {outcome} {message}"
+            assert f"{collective} #1" in message, f"rank {r}: {message}"
+            assert elapsed < BOUND, f"rank {r}, {collective}: {elapsed:.2f} s"
+            assert kept, f"rank {r}, {collective}: a buffer or a guard changed"
+
+
 def refusals_in_turns(comm, n: int) -> list:
     """Out-of-place allgather and allreduce in turns, rank 1's arguments
     wrong in odd rounds (a send buffer one element short, an ``out`` of

@@ -77,10 +77,11 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
     window, st = state_of(ctx)
     dt, item = recvbuf.dtype, recvbuf.itemsize
     readers = direct(ctx, window, st, sendbuf if me == root else recvbuf, sum(counts) * item, "scatter")
-    if me == root:  # its own block while the others read theirs (or, below, copy them out)
-        compiled.copy(recvbuf, sendbuf[starts[me]:starts[me] + counts[me]])
-    if readers is not None:
-        if me != root:
+    own = (recvbuf, sendbuf[starts[me]:starts[me] + counts[me]]) if me == root else None
+    if readers is not None:  # (past its publishing fence: every rank agreed)
+        if own is not None:  # its own block while the others read theirs
+            compiled.copy(*own)
+        else:
             readers.read(root, starts[me] * item, recvbuf)
         window.fence(ctx.deadline)  # the root keeps its buffer until everyone has its block
         return
@@ -96,6 +97,9 @@ def scatter(ctx, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, cou
             if tracer is not None:  # a timeline's phase (tracing only)
                 tracer.phase(COPYING, t0, _now())
         window.fence(ctx.deadline)
+        if own is not None:  # its own block once every rank agreed (the first fence is the call's arrival)
+            compiled.copy(*own)
+            own = None
         start, n, off = parts[me]
         if me != root and n:
             lo = start - starts[me]
