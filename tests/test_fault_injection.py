@@ -311,12 +311,19 @@ def out_of_place_mismatches(comm, n: int, agreed: int) -> list:
 @pytest.mark.parametrize("n", [16, 300_000, LARGE // 4])  # float64: the window, direct calls, the pool's path
 def test_a_mismatched_out_of_place_call_changes_no_output(monkeypatch, n, agreed, compiled):
     monkeypatch.setenv("COLLECTIVES_COMPILED", compiled)
-    for r, report in enumerate(run_ranks(out_of_place_mismatches, 3, n, agreed, timeout=120)):
+    _mismatched_everywhere(run_ranks(out_of_place_mismatches, 3, n, agreed, timeout=120), "#")
+
+
+def _mismatched_everywhere(reports: list[list[tuple]], call: str) -> None:
+    """Every rank's report of ``(collective, outcome, message, elapsed,
+    kept)``: MismatchedCollective naming ``collective`` and ``call`` (its
+    number, or just "#"), in bounded time, every buffer and guard kept."""
+    for r, report in enumerate(reports):
         for collective, outcome, message, elapsed, kept in report:
             assert outcome == "MismatchedCollective", f"rank {r}, {collective}: {outcome} {message}"
-            assert f"{collective} #" in message, f"rank {r}: {message}"
+            assert f"{collective} {call}" in message, f"rank {r}: {message}"
             assert elapsed < BOUND, f"rank {r}, {collective}: {elapsed:.2f} s"
-            assert kept, f"rank {r}, {collective}: its output or a guard changed"
+            assert kept, f"rank {r}, {collective}: a buffer or a guard changed"
 
 
 def first_calls_mismatched(comm, n: int) -> list:
@@ -340,12 +347,7 @@ def first_calls_mismatched(comm, n: int) -> list:
 @pytest.mark.parametrize("n", [16, 300_000])  # float64 a block: the window's calls, its pieces and direct paths
 def test_a_first_call_that_mismatches_changes_no_buffer_on_the_shared_window(monkeypatch, n, compiled):
     monkeypatch.setenv("COLLECTIVES_COMPILED", compiled)
-    for r, report in enumerate(run_ranks(first_calls_mismatched, 3, n, timeout=120)):
-        for collective, outcome, message, elapsed, kept in report:
-            assert outcome == "MismatchedCollective", f"rank {r}, {collective}: {outcome} {message}"
-            assert f"{collective} #1" in message, f"rank {r}: {message}"
-            assert elapsed < BOUND, f"rank {r}, {collective}: {elapsed:.2f} s"
-            assert kept, f"rank {r}, {collective}: a buffer or a guard changed"
+    _mismatched_everywhere(run_ranks(first_calls_mismatched, 3, n, timeout=120), "#1")
 
 
 def refusals_in_turns(comm, n: int) -> list:

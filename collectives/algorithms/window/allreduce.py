@@ -125,15 +125,16 @@ def allreduce(ctx, buf: np.ndarray, op: Op, source: np.ndarray | None = None) ->
     case = (_prepare, key, buf, op) if source is None else (_prepare_out_of_place, key + (1,), buf, source, op)
     if takes_direct_call("allreduce", window, st, buf, op) and run_prepared(ctx, *case):
         return
+    src = buf if source is None else source
     if single_fence(buf.nbytes, p, st):
         if not run_prepared(ctx, *case):
-            _small(ctx, window, st, buf, op, buf if source is None else source)
+            _small(ctx, window, st, buf, op, src)
         return
     if two_step_call(window, st, buf, allreduce_two_steps) and run_prepared(ctx, *case):
         return
     copy_in = None if source is None else (buf, source)
     if buf.nbytes < window_direct_from("allreduce", window, p) or not _direct(ctx, window, st, buf, op, copy_in):
-        _pieces(ctx, window, st, buf, op, buf if source is None else source)
+        _pieces(ctx, window, st, buf, op, src)
 
 
 def _prepare_out_of_place(transport, buf: np.ndarray, source: np.ndarray, op: Op):
